@@ -1,0 +1,144 @@
+"""Shared benchmark harness: timing, measured ceilings, and result files.
+
+Every benchmark runs all providers in one process on the same data, times them
+with ``triton.testing.do_bench`` (median), and writes JSON (with GPU name,
+versions and date), a Markdown table and a PNG plot under
+``bench/results/<gpu>/``. Nothing runs at import.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+from typing import Callable, Iterable
+
+import torch
+import triton
+
+
+def gpu_slug() -> str:
+    """Short folder name of the current GPU, e.g. ``h100`` for 'NVIDIA H100 80GB HBM3'."""
+    name = torch.cuda.get_device_name()
+    match = re.search(r"(H100|H200|A100|L40S|B200|GH200)", name)
+    return (match.group(1) if match else re.sub(r"\W+", "_", name)).lower()
+
+
+def environment() -> dict:
+    """GPU name, library versions and date, stored with every result file."""
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` (device events, L2 flushed between runs by do_bench)."""
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def try_time_ms(fn: Callable[[], object], **kw) -> float | None:
+    """``time_ms``, or None if the provider fails (out of memory, unsupported shape)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return time_ms(fn, **kw)
+    except (torch.OutOfMemoryError, RuntimeError) as err:  # noqa: F841 - a missing bar, not a crash
+        torch.cuda.empty_cache()
+        return None
+
+
+def copy_bandwidth_gbs(n_bytes: int = 2 * 2**30) -> float:
+    """Measured device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.randn(n_bytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n_bytes / ms * 1e-6
+
+
+def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Measured dense matrix throughput (TFLOP/s) of an n x n x n product on random data."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    ms = time_ms(lambda: a @ b)
+    return 2 * n**3 / ms * 1e-9
+
+
+def gbs(n_bytes: int, ms: float | None) -> float | None:
+    """GB/s for ``n_bytes`` moved in ``ms`` milliseconds (None stays None)."""
+    return None if ms is None else n_bytes / ms * 1e-6
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    """TFLOP/s for ``flops`` in ``ms`` milliseconds (None stays None)."""
+    return None if ms is None else flops / ms * 1e-9
+
+
+def results_dir(out: str | None) -> str:
+    """``out`` or ``bench/results/<gpu>``, created."""
+    path = out or os.path.join(os.path.dirname(__file__), "results", gpu_slug())
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict], columns: Iterable[str]) -> str:
+    """A Markdown table of ``rows`` restricted to ``columns``."""
+    columns = list(columns)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, out_dir: str, meta: dict, rows: list[dict], columns: Iterable[str], title: str) -> None:
+    """Write ``<name>.json`` (meta + rows) and ``<name>.md`` (title, ceilings, table) into ``out_dir``."""
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    head = [f"# {title}", "", ", ".join(f"{k}: {_fmt(v)}" for k, v in meta.items()), ""]
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write("\n".join(head) + markdown_table(rows, columns) + "\n")
+
+
+def plot_lines(path: str, panels: list[tuple[str, list, dict[str, list], str]], log_x: bool = True) -> None:
+    """One PNG with a subplot per panel: (title, x values, {provider: y values}, y label). Skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot written")
+        return
+    cols = min(2, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.2 * rows), squeeze=False)
+    for ax, (title, xs, series, ylabel) in zip(axes.flat, panels):
+        for label, ys in series.items():
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        if log_x:
+            ax.set_xscale("log", base=2)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,104 @@
+"""Where kernels run, and what the device offers; read lazily, cached, never at import.
+
+flashlite runs its Triton kernels on CUDA tensors. CPU tensors run the same
+kernels through Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
+``triton`` was imported (that is how the tests run on machines without a GPU);
+otherwise each public op falls back to a plain PyTorch computation for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def runs_kernels(x: torch.Tensor) -> bool:
+    """True if flashlite's Triton kernels handle tensor ``x`` (CUDA, or CPU under the interpreter)."""
+    if x.is_cuda:
+        return True
+    return x.device.type == "cpu" and interpreter_enabled()
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The few device properties the launchers size their grids from."""
+
+    num_sms: int
+    regs_per_sm: int  # 32-bit registers in one multiprocessor's register file
+    smem_per_sm: int  # bytes of shared memory a multiprocessor can give its programs
+    max_warps_per_sm: int
+
+
+# Stand-in for the interpreter: small, so that persistent loops take several turns in tests.
+_INTERPRETER_DEVICE = DeviceInfo(num_sms=4, regs_per_sm=65536, smem_per_sm=232448, max_warps_per_sm=64)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_info(index: int) -> DeviceInfo:
+    props = torch.cuda.get_device_properties(index)
+    regs = getattr(props, "regs_per_multiprocessor", 65536)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 232448)
+    threads = getattr(props, "max_threads_per_multi_processor", 2048)
+    return DeviceInfo(props.multi_processor_count, regs, smem, threads // 32)
+
+
+def device_info(device: torch.device) -> DeviceInfo:
+    """Properties of ``device`` (cached per device); fixed small values for the interpreter."""
+    if device.type != "cuda":
+        return _INTERPRETER_DEVICE
+    return _cuda_device_info(device.index if device.index is not None else torch.cuda.current_device())
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_float_dtype(name: str, t: torch.Tensor) -> None:
+    """Raise a TypeError naming argument ``name`` unless it is fp32, fp16 or bf16."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+# Programs per multiprocessor of each compiled persistent kernel, read off its registers and shared memory.
+_PROGRAMS_PER_SM: dict = {}
+
+
+def _occupancy(compiled, num_warps: int, info: DeviceInfo) -> int | None:
+    """Programs of ``compiled`` that fit on one multiprocessor, or None if Triton does not say."""
+    try:
+        n_regs = int(compiled.n_regs)
+        shared = int(compiled.metadata.shared)
+    except Exception:  # interpreter, or an API this Triton does not have
+        return None
+    fits = info.max_warps_per_sm // num_warps
+    if n_regs > 0:
+        fits = min(fits, info.regs_per_sm // (n_regs * 32 * num_warps))
+    if shared > 0:
+        fits = min(fits, info.smem_per_sm // shared)
+    return max(1, fits)
+
+
+def launch_persistent(kernel, n_tiles: int, device: torch.device, key: tuple, args: tuple, num_warps: int, **constexprs):
+    """Launch ``kernel`` on a persistent grid: as many programs as the device holds at once, at most ``n_tiles``.
+
+    The kernel must loop over its tiles with a stride of ``tl.num_programs(0)``,
+    so any grid size is correct; the size only matters for speed. The first
+    launch of a configuration guesses two programs per multiprocessor; the
+    compiled kernel's registers and shared memory then fix the number for later
+    launches (cached per ``key``).
+    """
+    info = device_info(device)
+    per_sm = _PROGRAMS_PER_SM.get(key, 2)
+    grid = (max(1, min(n_tiles, info.num_sms * per_sm)),)
+    compiled = kernel[grid](*args, num_warps=num_warps, **constexprs)
+    if key not in _PROGRAMS_PER_SM:
+        measured = _occupancy(compiled, num_warps, info)
+        _PROGRAMS_PER_SM[key] = measured if measured is not None else per_sm
+    return compiled

@@ -1,0 +1,97 @@
+"""Masking, defined once: which (query, key) positions count, and how a bias is added.
+
+Both the masked softmax and the attention kernels call these helpers on a tile
+of logits ``s`` ``[BLOCK_M, BLOCK_N]`` whose rows are queries ``q_idx`` and
+columns keys ``k_idx``:
+
+* bounds: keys at or past ``seqlen_k`` never count;
+* causal, aligned bottom-right (FlashAttention >= 2.1,
+  ``torch.nn.attention.bias.causal_lower_right``): query ``i`` sees key ``j``
+  iff ``j <= i + (seqlen_k - seqlen_q)``. With ``seqlen_q = seqlen_k`` it is the
+  usual lower triangle; with ``seqlen_q < seqlen_k`` the last query sees every
+  key; a query with ``i + seqlen_k - seqlen_q < 0`` sees none (its row is empty);
+* a boolean mask (nonzero = keep, as in ``scaled_dot_product_attention``) or an
+  additive float mask, read through strides so that a broadcast mask (stride 0
+  on broadcast dims) is never expanded in memory.
+
+Positions that do not count become ``-inf``; the online-softmax core then gives
+them weight 0, and a row with none left has ``d = 0``.
+
+Units: an additive mask is in natural-log units. Callers whose logits are in
+base-2 units (attention folds ``log2(e)`` into its scale) pass
+``BIAS_TO_UNITS = LOG2E``; natural-unit callers pass ``1.0``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def causal_offset(seqlen_q, seqlen_k):
+    """How far the causal diagonal is shifted right: query ``i`` sees keys ``j <= i + offset``."""
+    return seqlen_k - seqlen_q
+
+
+@triton.jit
+def causal_visible(q_idx, k_idx, seqlen_q, seqlen_k):
+    """``[M, N]`` True where key ``k_idx[n]`` is visible to query ``q_idx[m]`` under bottom-right causal alignment."""
+    return k_idx[None, :] <= q_idx[:, None] + causal_offset(seqlen_q, seqlen_k)
+
+
+@triton.jit
+def causal_key_end(q_last, seqlen_q, seqlen_k):
+    """One past the last key that query ``q_last`` (the last row of a tile) can see; clamped to ``[0, seqlen_k]``.
+
+    Keys from here on are masked for the whole tile, so kernels neither read nor
+    compute them. Example: seqlen_q = 4, seqlen_k = 6, offset 2: query 0 sees keys
+    0..2, so a tile whose last query is 0 stops at key 3.
+    """
+    return tl.minimum(tl.maximum(q_last + causal_offset(seqlen_q, seqlen_k) + 1, 0), seqlen_k)
+
+
+@triton.jit
+def apply_masks(
+    s, q_idx, k_idx, seqlen_q, seqlen_k,
+    mask_ptr, stride_mask_q, stride_mask_k,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    BIAS_TO_UNITS: tl.constexpr,
+):
+    """Logits ``s`` ``[M, N]`` with every position that does not count set to ``-inf`` and the bias added.
+
+    ``mask_ptr`` points at the mask of this (batch, head), already offset by the
+    caller; ``stride_mask_q``/``stride_mask_k`` are 0 on broadcast dims.
+    """
+    k_ok = k_idx < seqlen_k
+    keep = k_ok[None, :] & (q_idx < seqlen_q)[:, None]
+    if IS_CAUSAL:
+        keep = keep & causal_visible(q_idx, k_idx, seqlen_q, seqlen_k)
+    if HAS_MASK:
+        mask_ptrs = mask_ptr + q_idx[:, None] * stride_mask_q + k_idx[None, :] * stride_mask_k
+        if MASK_IS_BOOL:
+            keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
+        else:
+            s = s + tl.load(mask_ptrs, mask=keep, other=0.0).to(tl.float32) * BIAS_TO_UNITS
+    return tl.where(keep, s, float("-inf"))
+
+
+# ----------------------------------------------------------------------------- host side
+
+import torch  # noqa: E402  (host helpers below the jit ones, as in every op module)
+
+
+def broadcast_mask(mask: torch.Tensor, shape: tuple, name: str = "mask") -> tuple[torch.Tensor, bool]:
+    """Check ``mask`` and view it broadcast to ``shape`` (stride 0 on broadcast dims, no copy).
+
+    Returns ``(view, is_bool)``; a boolean mask is viewed as uint8 (nonzero = keep)
+    so kernels load it as bytes. Raises a ValueError/TypeError naming ``name``.
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    is_bool = mask.dtype == torch.bool
+    if not is_bool and mask.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{name} must be bool (True = keep) or float32/float16/bfloat16 (added), got {mask.dtype}")
+    try:
+        view = torch.broadcast_to(mask, shape)
+    except RuntimeError:
+        raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to {tuple(shape)}") from None
+    return (view.view(torch.uint8) if is_bool else view), is_bool

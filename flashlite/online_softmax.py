@@ -1,0 +1,134 @@
+"""The online-softmax core: a running maximum ``m`` and denominator ``d``.
+
+Every flashlite kernel is built on one fact. For a row of logits split into
+blocks, the pair ``(m, d) = (max x, sum exp(x - m))`` of the whole row can be
+built block by block, and two partial states merge as
+
+    (m1, d1) (+) (m2, d2) = (m, d1 * e^(m1 - m) + d2 * e^(m2 - m)),   m = max(m1, m2).
+
+The factor ``e^(m_old - m_new)`` ("alpha") rescales what was summed under an
+older, smaller maximum. Softmax uses the final state to normalise; attention
+uses the same alpha to rescale its output accumulator; split-row softmax and
+split-K/V decoding merge per-program partial states with ``merge_states``.
+
+Units. The exponentials are ``exp2``. A caller states how many base-2 units one
+unit of its logits is, as the constexpr ``LOG2_PER_UNIT``:
+
+* ``LOG2E`` for natural-log logits (softmax). The difference ``x - m`` is taken
+  first, exactly, and only then scaled, so inputs around 1e4 keep fp32 accuracy.
+* ``1.0`` for logits already in base-2 units (attention folds ``log2(e)`` into
+  the softmax scale, saving a multiply per score).
+
+Empty states. A state that has seen only ``-inf`` (or nothing) is
+``(m, d) = (-inf, 0)``. ``e^(m_old - m_new)`` would then be ``e^(-inf + inf)``
+= NaN, so ``rescale_factor`` returns 0 for an empty old state and ``safe_max``
+replaces an empty maximum by 0 before it is subtracted. Merging two empty
+states gives an empty state, never NaN. NaN in the logits still propagates to
+``d`` (and so to every output of the row), as in ``torch.softmax``.
+
+All helpers work on 2-D tiles ``x`` of shape ``[ROWS, COLS]`` reduced along
+axis 1, with states as 1-D vectors of length ``ROWS``.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # log(y) = log2(y) * LN2
+
+
+@triton.jit
+def safe_max(m):
+    """The running maximum with an empty state's ``-inf`` replaced by 0 (so ``x - m`` is never ``-inf + inf``)."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def rescale_factor(m_old, m_new, LOG2_PER_UNIT: tl.constexpr):
+    """``e^(m_old - m_new)``: how much a sum taken under ``m_old`` shrinks under ``m_new``; 0 for an empty old state."""
+    return tl.where(m_old == float("-inf"), 0.0, tl.exp2((m_old - m_new) * LOG2_PER_UNIT))
+
+
+@triton.jit
+def empty_state(ROWS: tl.constexpr):
+    """The state of rows that have seen nothing yet: ``m = -inf``, ``d = 0``."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    d = tl.zeros([ROWS], tl.float32)
+    return m, d
+
+
+@triton.jit
+def online_update(m, d, x, LOG2_PER_UNIT: tl.constexpr):
+    """Fold a block of logits ``x`` ``[ROWS, COLS]`` into the running state ``(m, d)``.
+
+    Returns ``(m_new, d_new, p, alpha)``: the new state, the block's unnormalised
+    weights ``p = e^(x - m_new)`` (attention multiplies them into V) and
+    ``alpha = e^(m - m_new)``, the factor that rescaled the old denominator
+    (attention rescales its output accumulator by the same factor).
+    Positions that must not count are ``-inf`` in ``x`` and get ``p = 0``.
+    """
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    alpha = rescale_factor(m, m_new, LOG2_PER_UNIT)
+    p = tl.exp2((x - safe_max(m_new)[:, None]) * LOG2_PER_UNIT)
+    d_new = d * alpha + tl.sum(p, axis=1)
+    return m_new, d_new, p, alpha
+
+
+@triton.jit
+def merge_states(m_a, d_a, m_b, d_b, LOG2_PER_UNIT: tl.constexpr):
+    """``(m_a, d_a) (+) (m_b, d_b)``: the state of the union of two disjoint parts of a row."""
+    m = tl.maximum(m_a, m_b)
+    d = d_a * rescale_factor(m_a, m, LOG2_PER_UNIT) + d_b * rescale_factor(m_b, m, LOG2_PER_UNIT)
+    return m, d
+
+
+@triton.jit
+def _merge_natural(m_a, d_a, m_b, d_b):
+    # tl.reduce's combine function takes only the values: bind the units here.
+    return merge_states(m_a, d_a, m_b, d_b, LOG2E)
+
+
+@triton.jit
+def _merge_base2(m_a, d_a, m_b, d_b):
+    return merge_states(m_a, d_a, m_b, d_b, 1.0)
+
+
+@triton.jit
+def merge_partial_states(part_m, part_d, LOG2_PER_UNIT: tl.constexpr):
+    """Merge the partial states ``[ROWS, PARTS]`` of each row into one state ``[ROWS]``.
+
+    Empty parts (``-inf``, 0) are neutral, so padded slots may be loaded that way.
+    """
+    if LOG2_PER_UNIT == 1.0:
+        m, d = tl.reduce((part_m, part_d), 1, _merge_base2)
+    else:
+        m, d = tl.reduce((part_m, part_d), 1, _merge_natural)
+    return m, d
+
+
+@triton.jit
+def normalize(p, d, ZERO_IF_EMPTY: tl.constexpr):
+    """Divide weights ``p`` ``[ROWS, COLS]`` by the row denominators ``d``.
+
+    With ``ZERO_IF_EMPTY`` a row whose every position was masked (``d = 0``)
+    gives zeros (masked softmax, attention); without it, 0/0 = NaN, as
+    ``torch.softmax`` gives for a row of ``-inf``.
+    """
+    if ZERO_IF_EMPTY:
+        inv_d = tl.where(d == 0.0, 0.0, 1.0 / d)
+    else:
+        inv_d = 1.0 / d
+    return p * inv_d[:, None]
+
+
+@triton.jit
+def state_logsumexp(m, d, LOG2_PER_UNIT: tl.constexpr):
+    """The natural-log log-sum-exp ``log sum e^x`` of a state; ``-inf`` for an empty one."""
+    return (m + tl.log2(d) / LOG2_PER_UNIT) * (LOG2_PER_UNIT * LN2)
+
+
+@triton.jit
+def final_weights(x, m, d, LOG2_PER_UNIT: tl.constexpr, ZERO_IF_EMPTY: tl.constexpr):
+    """Softmax weights of logits ``x`` ``[ROWS, COLS]`` under a row's final state ``(m, d)``."""
+    p = tl.exp2((x - safe_max(m)[:, None]) * LOG2_PER_UNIT)
+    return normalize(p, d, ZERO_IF_EMPTY)

@@ -1,0 +1,462 @@
+"""Softmax and log-sum-exp over one dimension, in two regimes.
+
+* **fused**: a whole row (several rows when rows are short) is one tile held on
+  chip: one read of ``x``, one write of ``y``. The grid is persistent (as many
+  programs as the device holds at once, each looping over tiles), so short rows
+  are not launch-bound. Limited to rows of ``FUSED_MAX_COLS`` elements, past
+  which the tile no longer fits in registers.
+* **online**: a row is streamed in blocks of ``BLOCK_N``. Pass 1 folds the
+  blocks into the running state ``(m, d)`` with the core's ``online_update``;
+  pass 2 re-reads the blocks, last first (they are still in L2), and writes
+  ``y = e^(x - m) / d``. When there are too few rows to fill the GPU, each row
+  is split across programs: every program computes a partial ``(m, d)`` of its
+  chunk, a second launch merges the partials of the row with
+  ``merge_partial_states`` and normalises its chunk.
+
+Both regimes accumulate in fp32 and write the input dtype (or ``dtype``). The
+backward pass ``dx = y * (dy - sum(dy * y))`` follows the same two regimes.
+CPU tensors run these kernels through Triton's interpreter when
+``TRITON_INTERPRET=1``; otherwise they use ``torch.softmax`` in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import check_float_dtype, device_info, launch_persistent, runs_kernels
+from .online_softmax import (
+    LOG2E,
+    empty_state,
+    final_weights,
+    merge_partial_states,
+    normalize,
+    online_update,
+    state_logsumexp,
+)
+
+ALGORITHMS = ("auto", "fused", "online")
+
+
+# ----------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _tile_rows(tile, BLOCK_M: tl.constexpr):
+    """The (64-bit) row indices of tile number ``tile``: rows times strides can pass 2^31."""
+    return tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+
+
+@triton.jit
+def _work_item(item, n_splits, cols_per_split, n_cols):
+    """Row and column range ``[col_start, col_end)`` of work item ``item`` = row * n_splits + split."""
+    item = tl.cast(item, tl.int64)
+    row = item // n_splits
+    col_start = (item % n_splits) * cols_per_split
+    col_end = tl.minimum(col_start + cols_per_split, n_cols)
+    return row, col_start, col_end
+
+
+# Pass numbers of the online kernels.
+BOTH_PASSES = tl.constexpr(0)  # one program owns a whole row: statistics, then normalise
+PARTIAL_PASS = tl.constexpr(1)  # split rows, first launch: each program publishes the partial of its chunk
+FINAL_PASS = tl.constexpr(2)  # split rows, second launch: merge the row's partials, then normalise the chunk
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _softmax_fused_kernel(
+    x_ptr, y_ptr, lse_ptr,
+    n_rows, n_cols,
+    stride_xm, stride_xn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        rows = _tile_rows(tile, BLOCK_M)
+        row_ok = rows < n_rows
+        ok = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=ok, other=float("-inf"))
+        m, d = empty_state(BLOCK_M)
+        m, d, p, _ = online_update(m, d, x.to(tl.float32), LOG2E)
+        if WRITE_LSE:
+            tl.store(lse_ptr + rows, state_logsumexp(m, d, LOG2E), mask=row_ok)
+        if WRITE_Y:
+            y = normalize(p, d, False)
+            tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _softmax_online_kernel(
+    x_ptr, y_ptr, lse_ptr, part_m_ptr, part_d_ptr,
+    n_rows, n_cols, n_splits, cols_per_split,
+    stride_xm, stride_xn, stride_ym,
+    BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr,
+    WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    n_items = n_rows * n_splits
+    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
+        if PASS == FINAL_PASS:
+            # Walk the work backwards: what the first launch read last is still in L2.
+            row, col_start, col_end = _work_item(n_items - 1 - item, n_splits, cols_per_split, n_cols)
+        else:
+            row, col_start, col_end = _work_item(item, n_splits, cols_per_split, n_cols)
+        x_row = x_ptr + row * stride_xm
+
+        if PASS == FINAL_PASS:
+            parts = tl.arange(0, SPLITS_POW2)
+            part_ok = parts < n_splits
+            part_m = tl.load(part_m_ptr + row * n_splits + parts, mask=part_ok, other=float("-inf"))
+            part_d = tl.load(part_d_ptr + row * n_splits + parts, mask=part_ok, other=0.0)
+            m, d = merge_partial_states(part_m[None, :], part_d[None, :], LOG2E)
+        else:
+            m, d = empty_state(1)
+            for start in tl.range(col_start, col_end, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                x = tl.load(x_row + cols * stride_xn, mask=cols < col_end, other=float("-inf"))
+                m, d, _, _ = online_update(m, d, x.to(tl.float32)[None, :], LOG2E)
+            if PASS == PARTIAL_PASS:
+                here = row * n_splits + col_start // cols_per_split + tl.arange(0, 1)
+                tl.store(part_m_ptr + here, m)
+                tl.store(part_d_ptr + here, d)
+
+        if PASS != PARTIAL_PASS:
+            if WRITE_LSE:
+                tl.store(lse_ptr + row + tl.arange(0, 1), state_logsumexp(m, d, LOG2E), mask=(col_start + tl.arange(0, 1)) == 0)
+            if WRITE_Y:
+                y_row = y_ptr + row * stride_ym
+                n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
+                for k in tl.range(0, n_blocks):
+                    cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
+                    col_ok = cols < col_end
+                    x = tl.load(x_row + cols * stride_xn, mask=col_ok, other=float("-inf"))
+                    y = final_weights(x.to(tl.float32)[None, :], m, d, LOG2E, False)
+                    tl.store(y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit
+def _softmax_bwd_fused_kernel(
+    y_ptr, dy_ptr, dx_ptr,
+    n_rows, n_cols,
+    stride_ym, stride_dym, stride_dyn, stride_dxm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        rows = _tile_rows(tile, BLOCK_M)
+        ok = (rows < n_rows)[:, None] & col_ok[None, :]
+        y = tl.load(y_ptr + rows[:, None] * stride_ym + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=ok, other=0.0)
+        dy = dy.to(tl.float32)
+        dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+        tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _softmax_bwd_online_kernel(
+    y_ptr, dy_ptr, dx_ptr, part_ptr,
+    n_rows, n_cols, n_splits, cols_per_split,
+    stride_ym, stride_dym, stride_dyn, stride_dxm,
+    BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr,
+):
+    n_items = n_rows * n_splits
+    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
+        if PASS == FINAL_PASS:
+            row, col_start, col_end = _work_item(n_items - 1 - item, n_splits, cols_per_split, n_cols)
+        else:
+            row, col_start, col_end = _work_item(item, n_splits, cols_per_split, n_cols)
+        y_row = y_ptr + row * stride_ym
+        dy_row = dy_ptr + row * stride_dym
+
+        if PASS == FINAL_PASS:
+            parts = tl.arange(0, SPLITS_POW2)
+            dot = tl.sum(tl.load(part_ptr + row * n_splits + parts, mask=parts < n_splits, other=0.0), axis=0)
+        else:
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for start in tl.range(col_start, col_end, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                ok = cols < col_end
+                y = tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32)
+                dy = tl.load(dy_row + cols * stride_dyn, mask=ok, other=0.0).to(tl.float32)
+                acc += y * dy
+            dot = tl.sum(acc, axis=0)
+            if PASS == PARTIAL_PASS:
+                tl.store(part_ptr + row * n_splits + col_start // cols_per_split, dot)
+
+        if PASS != PARTIAL_PASS:
+            dx_row = dx_ptr + row * stride_dxm
+            n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
+            for k in tl.range(0, n_blocks):
+                cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
+                ok = cols < col_end
+                y = tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32)
+                dy = tl.load(dy_row + cols * stride_dyn, mask=ok, other=0.0).to(tl.float32)
+                tl.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------- host launchers
+
+# Largest row the fused kernel holds on chip. The row lives in registers as fp32
+# whatever the input dtype: 16384 fp32 values spread over 16 warps are 32
+# registers a thread. Chosen on an H100 (bench/results/h100): past it the fused
+# kernel spills and the online kernel is faster.
+FUSED_MAX_COLS = 16384
+# Elements in one fused tile when rows are short: 8 rows of 1024, 32 of 256, ...
+# enough work per loop turn that N = 64..1024 is not bound by loop overhead.
+FUSED_TILE_ELEMS = 4096
+# Elements a thread of the fused kernel holds; sets num_warps from the tile size.
+FUSED_ELEMS_PER_THREAD = 16
+# Block of the online kernels: 4096 fp32 values per loop turn (16 KB in flight per program).
+ONLINE_BLOCK_N = 4096
+ONLINE_NUM_WARPS = 8
+# Rows are split across programs until there are this many work items per multiprocessor.
+ONLINE_ITEMS_PER_SM = 4
+# ... but never into chunks shorter than this many blocks.
+ONLINE_MIN_BLOCKS_PER_SPLIT = 4
+# Bytes of one row held in L2 between the two passes, summed over resident programs,
+# kept under this share of a typical L2 by capping the persistent grid.
+ONLINE_RESIDENT_ROWS_BYTES = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class SoftmaxPlan:
+    """How one softmax call runs: the regime and its tile sizes."""
+
+    algorithm: str  # "fused" or "online"
+    block_m: int
+    block_n: int
+    num_warps: int
+    n_splits: int = 1  # online only: programs sharing one row
+    cols_per_split: int = 0
+
+
+def plan_softmax(
+    n_rows: int, n_cols: int, device: torch.device, algorithm: str = "auto",
+    block_n: int | None = None, n_splits: int | None = None,
+) -> SoftmaxPlan:
+    """Choose the regime and tile sizes for a (n_rows, n_cols) softmax; ``block_n``/``n_splits`` force them (tests)."""
+    if algorithm == "auto":
+        algorithm = "fused" if n_cols <= FUSED_MAX_COLS else "online"
+    if algorithm == "fused":
+        if n_cols > FUSED_MAX_COLS:
+            raise ValueError(
+                f"algorithm='fused' holds rows of at most {FUSED_MAX_COLS} elements on chip, got {n_cols}; "
+                "use algorithm='online' or 'auto'"
+            )
+        bn = triton.next_power_of_2(n_cols)
+        bm = max(1, min(FUSED_TILE_ELEMS // bn, triton.next_power_of_2(n_rows)))
+        warps = min(16, max(4, bm * bn // (32 * FUSED_ELEMS_PER_THREAD)))
+        return SoftmaxPlan("fused", bm, bn, warps)
+
+    bn = block_n or min(ONLINE_BLOCK_N, triton.next_power_of_2(n_cols))
+    if n_splits is None:
+        wanted = math.ceil(ONLINE_ITEMS_PER_SM * device_info(device).num_sms / n_rows)
+        n_splits = max(1, min(wanted, n_cols // (ONLINE_MIN_BLOCKS_PER_SPLIT * bn)))
+    # Chunks are whole blocks, so only the row's last chunk has a ragged end.
+    cols_per_split = triton.cdiv(triton.cdiv(n_cols, n_splits), bn) * bn
+    n_splits = triton.cdiv(n_cols, cols_per_split)
+    return SoftmaxPlan("online", 1, bn, ONLINE_NUM_WARPS, n_splits, cols_per_split)
+
+
+def _online_grid_cap(plan: SoftmaxPlan, n_cols: int, elem_size: int) -> int:
+    """Most programs to keep resident so that the rows they re-read in pass 2 stay in L2."""
+    row_bytes = min(n_cols, plan.cols_per_split) * elem_size
+    return max(1, ONLINE_RESIDENT_ROWS_BYTES // max(row_bytes, 1))
+
+
+def _launch_online(kernel, plan: SoftmaxPlan, n_rows: int, n_cols: int, elem_size: int, device, args, **flags):
+    """Run an online kernel's passes: one launch, or partials then final when rows are split."""
+    n_items = n_rows * plan.n_splits
+    cap = _online_grid_cap(plan, n_cols, elem_size)
+    meta = dict(BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits), num_warps=plan.num_warps)
+    passes = (BOTH_PASSES,) if plan.n_splits == 1 else (PARTIAL_PASS, FINAL_PASS)
+    for pass_ in passes:
+        info = device_info(device)
+        grid = (max(1, min(n_items, cap, info.num_sms * (info.max_warps_per_sm // plan.num_warps))),)
+        kernel[grid](*args, PASS=pass_.value, **meta, **flags)
+
+
+def softmax_forward(
+    x2d: torch.Tensor, out_dtype: torch.dtype, plan: SoftmaxPlan, write_y: bool = True, write_lse: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Softmax (and/or log-sum-exp) of each row of ``x2d`` (n_rows, n_cols), column stride 1 or not."""
+    n_rows, n_cols = x2d.shape
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2d.device) if write_y else None
+    lse = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device) if write_lse else None
+    y_arg = y if y is not None else x2d  # a pointer the kernel never writes through
+    lse_arg = lse if lse is not None else x2d
+    if plan.algorithm == "fused":
+        n_tiles = triton.cdiv(n_rows, plan.block_m)
+        key = ("softmax_fwd", plan.block_m, plan.block_n, x2d.dtype, out_dtype, write_y, write_lse, x2d.device)
+        launch_persistent(
+            _softmax_fused_kernel, n_tiles, x2d.device, key,
+            (x2d, y_arg, lse_arg, n_rows, n_cols, x2d.stride(0), x2d.stride(1), n_cols),
+            plan.num_warps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, WRITE_Y=write_y, WRITE_LSE=write_lse,
+        )
+    else:
+        n_parts = n_rows * plan.n_splits if plan.n_splits > 1 else 1
+        part_m = torch.empty(n_parts, dtype=torch.float32, device=x2d.device)
+        part_d = torch.empty(n_parts, dtype=torch.float32, device=x2d.device)
+        args = (x2d, y_arg, lse_arg, part_m, part_d, n_rows, n_cols, plan.n_splits, plan.cols_per_split,
+                x2d.stride(0), x2d.stride(1), n_cols)
+        _launch_online(_softmax_online_kernel, plan, n_rows, n_cols, x2d.element_size(), x2d.device, args,
+                       WRITE_Y=write_y, WRITE_LSE=write_lse)
+    return y, lse
+
+
+def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtype, plan: SoftmaxPlan) -> torch.Tensor:
+    """``dx = y * (dy - sum(dy * y))`` row by row; ``y2d`` is contiguous, ``dy2d`` any row-strided view."""
+    n_rows, n_cols = y2d.shape
+    dx = torch.empty((n_rows, n_cols), dtype=dx_dtype, device=y2d.device)
+    strides = (n_cols, dy2d.stride(0), dy2d.stride(1), n_cols)
+    if plan.algorithm == "fused":
+        n_tiles = triton.cdiv(n_rows, plan.block_m)
+        key = ("softmax_bwd", plan.block_m, plan.block_n, y2d.dtype, dy2d.dtype, dx_dtype, y2d.device)
+        launch_persistent(
+            _softmax_bwd_fused_kernel, n_tiles, y2d.device, key,
+            (y2d, dy2d, dx, n_rows, n_cols, *strides), plan.num_warps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        )
+    else:
+        partials = torch.empty(max(1, n_rows * plan.n_splits), dtype=torch.float32, device=y2d.device)
+        args = (y2d, dy2d, dx, partials, n_rows, n_cols, plan.n_splits, plan.cols_per_split, *strides)
+        _launch_online(_softmax_bwd_online_kernel, plan, n_rows, n_cols, y2d.element_size(), y2d.device, args)
+    return dx
+
+
+# ----------------------------------------------------------------------------- argument handling
+
+
+def _check_args(x: torch.Tensor, dim: int, algorithm: str) -> int:
+    """Validate ``x``, ``dim`` and ``algorithm``; return ``dim`` made non-negative."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_float_dtype("x", x)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    ndim = max(x.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dim={dim} is out of range for x with {x.dim()} dimension(s)")
+    return dim % ndim
+
+
+def as_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """View ``x`` as (rows, n) with the softmax dim last; copies only if that dim's stride is not 1
+    or the other dims cannot be flattened into one row stride."""
+    moved = x.movedim(dim, -1) if x.dim() > 0 else x.reshape(1)
+    n = moved.shape[-1]
+    if moved.stride(-1) != 1 and n > 1:
+        moved = moved.contiguous()
+    try:
+        return moved.view(-1, n)
+    except RuntimeError:
+        return moved.reshape(-1, n)  # leading dims not collapsible: one copy
+
+
+def from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """Undo ``as_rows`` for an output of the same shape as ``like``."""
+    if like.dim() == 0:
+        return rows.reshape(())
+    return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, algorithm: str, out_dtype: torch.dtype) -> torch.Tensor:
+        x2d = as_rows(x, dim)
+        plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm)
+        y2d, _ = softmax_forward(x2d, out_dtype, plan)
+        ctx.save_for_backward(y2d)
+        ctx.dim, ctx.plan, ctx.x_dtype, ctx.x_shape = dim, plan, x.dtype, x.shape
+        return from_rows(y2d, x, dim)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (y2d,) = ctx.saved_tensors
+        dy2d = as_rows(dy, ctx.dim)
+        dx2d = softmax_backward(y2d, dy2d, ctx.x_dtype, ctx.plan)
+        return from_rows(dx2d, dy, ctx.dim), None, None, None
+
+
+class _LogSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        x2d = as_rows(x, dim)
+        plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device)
+        _, lse = softmax_forward(x2d, x.dtype, plan, write_y=False, write_lse=True)
+        ctx.save_for_backward(x)
+        ctx.dim = dim
+        out_shape = x.shape[:dim] + x.shape[dim + 1:] if x.dim() > 0 else ()
+        return lse.to(x.dtype).view(out_shape)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        y = _Softmax.apply(x, ctx.dim, "auto", torch.float32)  # d lse / dx = softmax(x)
+        grad = y * (g.unsqueeze(ctx.dim) if x.dim() > 0 else g)
+        return grad.to(x.dtype), None
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Softmax of ``x`` along ``dim``, like ``torch.softmax``, on flashlite's Triton kernels.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor of any shape; strided views are read
+            in place when ``dim`` has stride 1.
+        dim: the dimension to normalise over.
+        algorithm: ``"fused"`` (row on chip, rows up to ``FUSED_MAX_COLS``),
+            ``"online"`` (blocked two-pass, any length, long rows split across
+            programs), or ``"auto"`` (fused while the row fits, online after).
+        dtype: output dtype (float32/float16/bfloat16); default ``x.dtype``.
+            Accumulation is always fp32.
+
+    Returns:
+        A tensor of ``x``'s shape. NaN in a row gives NaN for the row; a row of
+        ``-inf`` gives NaN, as in ``torch.softmax``. Differentiable.
+
+    CPU tensors run the kernels through Triton's interpreter under
+    ``TRITON_INTERPRET=1``, else ``torch.softmax`` in fp32.
+    """
+    dim = _check_args(x, dim, algorithm)
+    out_dtype = x.dtype if dtype is None else dtype
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    if x.numel() == 0:
+        return torch.empty_like(x, dtype=out_dtype)
+    if not runs_kernels(x):
+        return torch.softmax(x.float(), dim).to(out_dtype)
+    return _Softmax.apply(x, dim, algorithm, out_dtype)
+
+
+def logsumexp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``log(sum(exp(x), dim))`` from the online-softmax core's final state, ``m + log d``.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor; ``dim`` must be in range.
+        dim: the dimension reduced (removed from the result).
+
+    Returns:
+        A tensor of ``x``'s dtype without ``dim``: ``-inf`` for a row of ``-inf``,
+        NaN for a row with NaN, like ``torch.logsumexp``. Differentiable
+        (the gradient is ``softmax(x)``). This is the quantity attention returns as LSE.
+    """
+    dim = _check_args(x, dim, "auto")
+    if x.numel() == 0 or not runs_kernels(x):
+        return torch.logsumexp(x.float(), dim).to(x.dtype)
+    return _LogSumExp.apply(x, dim)
