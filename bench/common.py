@@ -42,6 +42,19 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def graph_time_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph: device time without host launch cost."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
+
+
 def try_time_ms(fn: Callable[[], object], **kw) -> float | None:
     """``time_ms``, or None if the provider fails (out of memory, unsupported shape)."""
     try:

@@ -75,6 +75,28 @@ def online_update(m, d, x, LOG2_PER_UNIT: tl.constexpr):
 
 
 @triton.jit
+def online_update_lanes(m, d, x, LOG2_PER_UNIT: tl.constexpr):
+    """Fold one value per lane into per-lane states ``(m, d)`` (all three the same shape): no reduction.
+
+    This is the element-wise form of ``online_update``, for streaming loops:
+    each lane keeps its own state, so a loop turn has no cross-thread
+    reduction to wait on, and lanes are merged once at the end with
+    ``merge_partial_states``. One exponential a value: whichever of ``m`` and
+    ``x`` is smaller is weighed by ``e^(smaller - larger)``:
+
+        x > m:  (m, d) -> (x, d * e^(m - x) + 1)
+        x <= m: (m, d) -> (m, d + e^(x - m))
+
+    NaN in ``x`` makes the lane's state NaN (and so the row's).
+    """
+    m_new = tl.maximum(m, x, propagate_nan=tl.PropagateNan.ALL)
+    e = tl.exp2((tl.minimum(m, x) - m_new) * LOG2_PER_UNIT)
+    e = tl.where(m_new == float("-inf"), 0.0, e)  # both empty: e^(-inf + inf) would be NaN
+    d_new = tl.where(x > m, d * e + 1.0, d + e)
+    return m_new, d_new
+
+
+@triton.jit
 def merge_states(m_a, d_a, m_b, d_b, LOG2_PER_UNIT: tl.constexpr):
     """``(m_a, d_a) (+) (m_b, d_b)``: the state of the union of two disjoint parts of a row."""
     m = tl.maximum(m_a, m_b)

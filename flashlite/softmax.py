@@ -6,7 +6,8 @@
   are not launch-bound. Limited to rows of ``FUSED_MAX_COLS`` elements, past
   which the tile no longer fits in registers.
 * **online**: a row is streamed in blocks of ``BLOCK_N``. Pass 1 folds the
-  blocks into the running state ``(m, d)`` with the core's ``online_update``;
+  blocks into running states ``(m, d)``, one per lane, with the core's
+  ``online_update_lanes`` (no reduction inside the loop), then merges the lanes;
   pass 2 re-reads the blocks, last first (they are still in L2), and writes
   ``y = e^(x - m) / d``. When there are too few rows to fill the GPU, each row
   is split across programs: every program computes a partial ``(m, d)`` of its
@@ -21,6 +22,7 @@ CPU tensors run these kernels through Triton's interpreter when
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -36,6 +38,7 @@ from .online_softmax import (
     merge_partial_states,
     normalize,
     online_update,
+    online_update_lanes,
     state_logsumexp,
 )
 
@@ -119,11 +122,14 @@ def _softmax_online_kernel(
             part_d = tl.load(part_d_ptr + row * n_splits + parts, mask=part_ok, other=0.0)
             m, d = merge_partial_states(part_m[None, :], part_d[None, :], LOG2E)
         else:
-            m, d = empty_state(1)
+            # Every lane keeps its own (m, d) over the blocks; the lanes merge once, after the loop.
+            lane_m = tl.full([1, BLOCK_N], float("-inf"), tl.float32)
+            lane_d = tl.zeros([1, BLOCK_N], tl.float32)
             for start in tl.range(col_start, col_end, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 x = tl.load(x_row + cols * stride_xn, mask=cols < col_end, other=float("-inf"))
-                m, d, _, _ = online_update(m, d, x.to(tl.float32)[None, :], LOG2E)
+                lane_m, lane_d = online_update_lanes(lane_m, lane_d, x.to(tl.float32)[None, :], LOG2E)
+            m, d = merge_partial_states(lane_m, lane_d, LOG2E)
             if PASS == PARTIAL_PASS:
                 here = row * n_splits + col_start // cols_per_split + tl.arange(0, 1)
                 tl.store(part_m_ptr + here, m)
@@ -208,16 +214,16 @@ def _softmax_bwd_online_kernel(
 # ----------------------------------------------------------------------------- host launchers
 
 # Largest row the fused kernel holds on chip. The row lives in registers as fp32
-# whatever the input dtype: 16384 fp32 values spread over 16 warps are 32
-# registers a thread. Chosen on an H100 (bench/results/h100): past it the fused
-# kernel spills and the online kernel is faster.
-FUSED_MAX_COLS = 16384
-# Elements in one fused tile when rows are short: 8 rows of 1024, 32 of 256, ...
-# enough work per loop turn that N = 64..1024 is not bound by loop overhead.
+# whatever the input dtype: 32768 values over 16 warps are 64 registers a thread.
+# Measured on an H100 (CUDA-graph times, M = 4096, `bench/softmax.py --tune`):
+# fused fp32 2.81 TB/s at N = 32768, but 2.12 TB/s at 65536 where it spills.
+FUSED_MAX_COLS = 32768
+# Elements in one fused tile when rows are short: 16 rows of 256, 4 of 1024, ...
+# With 32 elements a thread (so 4 warps for a 4096 tile) this gave the best
+# fp32 mix on the H100: 0.96 / 2.14 / 2.63 / 2.80 TB/s at N = 256 / 1024 / 4096 / 16384.
 FUSED_TILE_ELEMS = 4096
 # Elements a thread of the fused kernel holds; sets num_warps from the tile size.
-FUSED_ELEMS_PER_THREAD = 16
-# Block of the online kernels: 4096 fp32 values per loop turn (16 KB in flight per program).
+FUSED_ELEMS_PER_THREAD = 32
 ONLINE_BLOCK_N = 4096
 ONLINE_NUM_WARPS = 8
 # Rows are split across programs until there are this many work items per multiprocessor.
@@ -241,11 +247,16 @@ class SoftmaxPlan:
     cols_per_split: int = 0
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_softmax(
     n_rows: int, n_cols: int, device: torch.device, algorithm: str = "auto",
     block_n: int | None = None, n_splits: int | None = None,
 ) -> SoftmaxPlan:
-    """Choose the regime and tile sizes for a (n_rows, n_cols) softmax; ``block_n``/``n_splits`` force them (tests)."""
+    """Choose the regime and tile sizes for a (n_rows, n_cols) softmax; ``block_n``/``n_splits`` force them (tests).
+
+    Cached: the host cost of a call matters for small tensors (bench/results: a
+    4096 x 256 softmax is 9 us on an H100).
+    """
     if algorithm == "auto":
         algorithm = "fused" if n_cols <= FUSED_MAX_COLS else "online"
     if algorithm == "fused":
@@ -277,14 +288,18 @@ def _online_grid_cap(plan: SoftmaxPlan, n_cols: int, elem_size: int) -> int:
 
 def _launch_online(kernel, plan: SoftmaxPlan, n_rows: int, n_cols: int, elem_size: int, device, args, **flags):
     """Run an online kernel's passes: one launch, or partials then final when rows are split."""
+    info = device_info(device)
     n_items = n_rows * plan.n_splits
-    cap = _online_grid_cap(plan, n_cols, elem_size)
+    n_programs = min(n_items, info.num_sms * (info.max_warps_per_sm // plan.num_warps))
     meta = dict(BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits), num_warps=plan.num_warps)
-    passes = (BOTH_PASSES,) if plan.n_splits == 1 else (PARTIAL_PASS, FINAL_PASS)
-    for pass_ in passes:
-        info = device_info(device)
-        grid = (max(1, min(n_items, cap, info.num_sms * (info.max_warps_per_sm // plan.num_warps))),)
-        kernel[grid](*args, PASS=pass_.value, **meta, **flags)
+    if plan.n_splits == 1:
+        # One program re-reads its own row: keep few enough rows resident that they stay in L2.
+        grid = (max(1, min(n_programs, _online_grid_cap(plan, n_cols, elem_size))),)
+        kernel[grid](*args, PASS=BOTH_PASSES.value, **meta, **flags)
+    else:
+        # Every chunk is its own program; the second launch walks them backwards (see the kernel).
+        for pass_ in (PARTIAL_PASS, FINAL_PASS):
+            kernel[(max(1, n_programs),)](*args, PASS=pass_.value, **meta, **flags)
 
 
 def softmax_forward(
@@ -298,7 +313,7 @@ def softmax_forward(
     lse_arg = lse if lse is not None else x2d
     if plan.algorithm == "fused":
         n_tiles = triton.cdiv(n_rows, plan.block_m)
-        key = ("softmax_fwd", plan.block_m, plan.block_n, x2d.dtype, out_dtype, write_y, write_lse, x2d.device)
+        key = ("softmax_fwd", plan, x2d.dtype, out_dtype, write_y, write_lse, x2d.device)
         launch_persistent(
             _softmax_fused_kernel, n_tiles, x2d.device, key,
             (x2d, y_arg, lse_arg, n_rows, n_cols, x2d.stride(0), x2d.stride(1), n_cols),
@@ -322,7 +337,7 @@ def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtyp
     strides = (n_cols, dy2d.stride(0), dy2d.stride(1), n_cols)
     if plan.algorithm == "fused":
         n_tiles = triton.cdiv(n_rows, plan.block_m)
-        key = ("softmax_bwd", plan.block_m, plan.block_n, y2d.dtype, dy2d.dtype, dx_dtype, y2d.device)
+        key = ("softmax_bwd", plan, y2d.dtype, dy2d.dtype, dx_dtype, y2d.device)
         launch_persistent(
             _softmax_bwd_fused_kernel, n_tiles, y2d.device, key,
             (y2d, dy2d, dx, n_rows, n_cols, *strides), plan.num_warps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
@@ -441,7 +456,11 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
         return torch.empty_like(x, dtype=out_dtype)
     if not runs_kernels(x):
         return torch.softmax(x.float(), dim).to(out_dtype)
-    return _Softmax.apply(x, dim, algorithm, out_dtype)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Softmax.apply(x, dim, algorithm, out_dtype)
+    x2d = as_rows(x, dim)
+    y2d, _ = softmax_forward(x2d, out_dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm))
+    return from_rows(y2d, x, dim)
 
 
 def logsumexp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -1,0 +1,250 @@
+"""Softmax bandwidth: flashlite (auto, fused, online) against torch, torch.compile, naive PyTorch and textbook kernels.
+
+GB/s counts one read and one write of the tensor. The device-to-device copy
+bandwidth measured in the same run is the ceiling. Modes:
+
+    python bench/softmax.py            # full sweep -> bench/results/<gpu>/softmax.{json,md,png}
+    python bench/softmax.py --check    # GPU correctness (poisoned memory, >2^31 elements)
+    python bench/softmax.py --tune     # time the heuristic constants' candidates
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import importlib  # noqa: E402
+
+import flashlite  # noqa: E402
+
+fs = importlib.import_module("flashlite.softmax")  # the module (flashlite.softmax is the function)
+from baselines import naive_softmax, textbook_fused_softmax, textbook_online_softmax  # noqa: E402
+from common import (  # noqa: E402
+    copy_bandwidth_gbs, environment, gbs, graph_time_ms, plot_lines, results_dir, time_ms, try_time_ms, write_results,
+)
+
+WIDE_N = [256, 1024, 4096, 8192, 16384, 32768, 65536]  # with M = 4096 rows
+LONG_ROWS = [(128, 1 << 17), (16, 1 << 20), (4, 1 << 22), (1, 1 << 24)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PEERS = ["torch", "compile"]
+
+
+def softmax_bytes(x: torch.Tensor) -> int:
+    """Bytes a softmax must move: read x once, write y once."""
+    return 2 * x.numel() * x.element_size()
+
+
+def _compiled_softmax():
+    import torch._dynamo
+
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1024)
+    return torch.compile(lambda x: torch.softmax(x, dim=-1), dynamic=False)
+
+
+def providers(compiled) -> dict:
+    return {
+        "flashlite": lambda x: flashlite.softmax(x),
+        "fused": lambda x: flashlite.softmax(x, algorithm="fused") if x.shape[1] <= fs.FUSED_MAX_COLS else None,
+        "online": lambda x: flashlite.softmax(x, algorithm="online"),
+        "torch": lambda x: torch.softmax(x, dim=-1),
+        "compile": compiled,
+        "naive": naive_softmax,
+        "textbook_fused": lambda x: textbook_fused_softmax(x) if x.shape[1] <= 65536 else None,
+        "textbook_online": textbook_online_softmax,
+    }
+
+
+def measure(shape, dtype, provs) -> dict:
+    x = torch.randn(*shape, device="cuda", dtype=dtype)
+    row = {"dtype": str(dtype).replace("torch.", ""), "M": shape[0], "N": shape[1], "elements": x.numel()}
+    for name, fn in provs.items():
+        if fn(x) is None:
+            row[name] = None
+            continue
+        row[name] = gbs(softmax_bytes(x), try_time_ms(lambda: fn(x)))
+    del x
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_bench(args) -> None:
+    copy = copy_bandwidth_gbs()
+    compiled = _compiled_softmax()
+    provs = providers(compiled)
+    shapes = [(4096, n) for n in WIDE_N] + LONG_ROWS
+    if args.quick:
+        shapes = [(4096, 1024), (4096, 32768), (1, 1 << 24)]
+    rows = []
+    for dname in args.dtypes:
+        for shape in shapes:
+            t0 = time.time()
+            row = measure(shape, DTYPES[dname], provs)
+            best_peer = max(row[p] for p in PEERS if row[p] is not None)
+            row["frac_copy"] = row["flashlite"] / copy
+            row["x_best_peer"] = row["flashlite"] / best_peer
+            row["x_torch"] = row["flashlite"] / row["torch"]
+            row["x_compile"] = row["flashlite"] / row["compile"] if row["compile"] else None
+            rows.append(row)
+            print(f"{dname} {shape}: flashlite {row['flashlite']:.0f} GB/s ({row['frac_copy']:.0%} of copy), "
+                  f"x{row['x_best_peer']:.2f} best peer  [{time.time() - t0:.1f}s]", flush=True)
+    meta = environment() | {"copy_gbs": copy, "flashlite_fused_max_cols": fs.FUSED_MAX_COLS}
+    out = results_dir(args.out)
+    cols = ["dtype", "M", "N", "flashlite", "fused", "online", "torch", "compile", "naive", "textbook_fused",
+            "textbook_online", "frac_copy", "x_best_peer"]
+    write_results("softmax", out, meta, rows, cols, "Softmax forward, GB/s (read + write)")
+    panels = []
+    names = ["flashlite", "torch", "compile", "naive", "textbook_fused", "textbook_online"]
+    for dname in args.dtypes:
+        dt = str(DTYPES[dname]).replace("torch.", "")
+        wide = [r for r in rows if r["dtype"] == dt and r["M"] == 4096]
+        long = [r for r in rows if r["dtype"] == dt and r["M"] != 4096]
+        for label, sel, key in (("M = 4096", wide, "N"), ("long rows (M x N = 16M)", long, "N")):
+            if sel:
+                series = {n: [r[n] for r in sel] for n in names}
+                series["copy (ceiling)"] = [copy for _ in sel]
+                panels.append((f"softmax {dname}, {label}", [r[key] for r in sel], series, "GB/s"))
+    plot_lines(os.path.join(out, "softmax.png"), panels)
+    print_summary(rows, copy)
+
+
+def print_summary(rows, copy) -> None:
+    print(f"\ncopy {copy:.0f} GB/s")
+    print(f"{'dtype':9}{'shape':>16}{'flashlite':>10}{'torch':>8}{'compile':>9}{'%copy':>7}{'xbest':>7}")
+    for r in rows:
+        print(f"{r['dtype']:9}{str((r['M'], r['N'])):>16}{r['flashlite']:>10.0f}{r['torch']:>8.0f}"
+              f"{(r['compile'] or 0):>9.0f}{r['frac_copy']:>7.0%}{r['x_best_peer']:>7.2f}")
+
+
+# ----------------------------------------------------------------------------- --check
+
+
+def _poison_allocator(n_bytes: int = 1 << 30) -> None:
+    """Fill memory the caching allocator will hand out next with NaN, so unwritten outputs show."""
+    junk = torch.full((n_bytes // 4,), float("nan"), device="cuda")
+    del junk
+
+
+def run_check(args) -> None:
+    failures = 0
+
+    def report(name, err, tol):
+        nonlocal failures
+        ok = err == err and err <= tol
+        failures += not ok
+        print(f"{'ok ' if ok else 'BAD'} {name}: max err {err:.2e} (tol {tol:.0e})", flush=True)
+
+    tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+    shapes = [(1, 1), (37, 100), (4096, 257), (3, 16384), (5, 16385), (7, 100_003), (2, 3_000_000), (1, 1 << 24)]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in shapes:
+            for algo in ("auto", "online") + (("fused",) if shape[1] <= fs.FUSED_MAX_COLS else ()):
+                x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
+                _poison_allocator()
+                y = flashlite.softmax(x, algorithm=algo)
+                ref = torch.softmax(x.double(), -1)
+                report(f"softmax {dtype} {shape} {algo}", (y.double() - ref).abs().max().item(), tol[dtype])
+        x = torch.randn(64, 3000, device="cuda", dtype=dtype, requires_grad=True)
+        dy = torch.randn_like(x)
+        (dx,) = torch.autograd.grad(flashlite.softmax(x), x, dy)
+        x64 = x.detach().double().requires_grad_()
+        (ref,) = torch.autograd.grad(torch.softmax(x64, -1), x64, dy.double())
+        report(f"backward {dtype}", (dx.double() - ref).abs().max().item(), 4 * tol[dtype])
+        xl = torch.randn(3, 200_000, device="cuda", dtype=dtype, requires_grad=True)
+        dyl = torch.randn_like(xl)
+        (dxl,) = torch.autograd.grad(flashlite.softmax(xl), xl, dyl)
+        x64 = xl.detach().double().requires_grad_()
+        (ref,) = torch.autograd.grad(torch.softmax(x64, -1), x64, dyl.double())
+        report(f"backward long rows {dtype}", (dxl.double() - ref).abs().max().item(), 4 * tol[dtype])
+        x = torch.randn(6, 70_000, device="cuda", dtype=dtype) * 10
+        ref = torch.logsumexp(x.double(), -1)  # about 60: a bf16 ulp there is 0.25, so the bound is relative
+        report(f"logsumexp {dtype} (relative)", ((flashlite.logsumexp(x).double() - ref) / ref).abs().max().item(), 2e-6 if dtype == torch.float32 else 8e-3)
+    x = torch.randn(8, 9, 300, device="cuda")
+    for dim in range(3):
+        report(f"dim {dim}", (flashlite.softmax(x, dim=dim) - torch.softmax(x, dim)).abs().max().item(), 2e-6)
+    # More than 2^31 elements: 64-bit offsets, checked on the last rows (fused, then online).
+    for shape in ((2**31 // 8192 + 1, 8192), (2**31 // 32768 + 1, 32768)):
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        y = flashlite.softmax(x)
+        tail = torch.softmax(x[-3:].double(), -1)
+        report(f"> 2^31 elements {shape}", (y[-3:].double() - tail).abs().max().item(), 8e-3)
+        del x, y
+        torch.cuda.empty_cache()
+    print(f"\n{failures} failure(s)")
+
+
+# ----------------------------------------------------------------------------- --tune
+
+
+def run_tune(args) -> None:
+    """Time candidates for the constants in flashlite/softmax.py; print the table they were chosen from."""
+    fs.FUSED_MAX_COLS = 65536
+    print("fused: tile elems x elems/thread -> GB/s")
+    for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "fused") else ():
+        for n in (256, 1024, 4096, 16384, 32768, 65536):
+            x = torch.randn(4096, n, device="cuda", dtype=dtype)
+            line = []
+            for tile in (2048, 4096, 8192, 16384):
+                for ept in (8, 16, 32):
+                    fs.FUSED_TILE_ELEMS, fs.FUSED_ELEMS_PER_THREAD = tile, ept
+                    fs.plan_softmax.cache_clear()
+                    ms = graph_time_ms(lambda: flashlite.softmax(x, algorithm="fused"))
+                    line.append(f"{tile}/{ept}:{gbs(softmax_bytes(x), ms) or 0:.0f}")
+            print(f"  {str(dtype)[6:]:9} N={n:6}  " + "  ".join(line), flush=True)
+    fs.FUSED_MAX_COLS = 32768
+    fs.plan_softmax.cache_clear()
+    print("online: block_n/warps x items-per-SM x resident MB -> GB/s")
+    for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "online") else ():
+        for shape in ((4096, 65536),) + tuple(LONG_ROWS):
+            x = torch.randn(*shape, device="cuda", dtype=dtype)
+            line = []
+            for bn in (1024, 2048, 4096):
+                for warps in (4, 8, 16):
+                    for items in ((2, 4, 8) if shape[0] < 1024 else (4,)):
+                        for resident in ((32,) if shape[0] < 1024 else (32, 4096)):
+                            fs.ONLINE_BLOCK_N, fs.ONLINE_NUM_WARPS = bn, warps
+                            fs.ONLINE_ITEMS_PER_SM, fs.ONLINE_RESIDENT_ROWS_BYTES = items, resident << 20
+                            fs.plan_softmax.cache_clear()
+                            ms = graph_time_ms(lambda: flashlite.softmax(x, algorithm="online"))
+                            line.append((gbs(softmax_bytes(x), ms) or 0, f"{bn}/{warps}/{items}/{resident}"))
+            line.sort(reverse=True)
+            print(f"  {str(dtype)[6:]:9} {str(shape):16} best: " + "  ".join(f"{c}:{v:.0f}" for v, c in line[:6])
+                  + f"   worst: {line[-1][1]}:{line[-1][0]:.0f}", flush=True)
+    print("host cost per call (us), 4096 x 256 fp32:")
+    x = torch.randn(4096, 256, device="cuda")
+    for name, fn in (("flashlite", lambda: flashlite.softmax(x)), ("torch", lambda: torch.softmax(x, -1))):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(300):
+            fn()
+        torch.cuda.synchronize()
+        print(f"  {name}: {(time.perf_counter() - t0) / 300 * 1e6:.1f}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--quick", action="store_true", help="three shapes only")
+    parser.add_argument("--check", action="store_true", help="GPU correctness checks instead of timing")
+    parser.add_argument("--tune", choices=["all", "fused", "online"], help="time heuristic candidates instead of the sweep")
+    args = parser.parse_args(argv)
+    if args.check:
+        run_check(args)
+    elif args.tune:
+        run_tune(args)
+    else:
+        run_bench(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""flashlite.softmax / logsumexp against float64 torch, through the Triton interpreter."""
+
+import math
+
+import pytest
+import torch
+
+import flashlite
+from flashlite import _runtime
+from flashlite.softmax import as_rows, plan_softmax, softmax_backward, softmax_forward
+
+from .utils import DTYPES, assert_close, randn, softmax_ref
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 1),  # N = 1: the answer is exactly 1
+        (37, 100),  # odd rows, non-power-of-two N: padded fused tile
+        (5, 1000),  # one row a tile, N not a power of two
+        (199, 7),  # many short rows: several rows a tile, persistent loop takes several turns
+        (3, 4, 33),  # leading dims flattened
+    ],
+)
+@pytest.mark.parametrize("algorithm", ["auto", "fused", "online"])
+def test_matches_torch(shape, dtype, algorithm):
+    x = randn(*shape, dtype=dtype)
+    assert_close(flashlite.softmax(x, algorithm=algorithm), softmax_ref(x))
+
+
+@pytest.mark.parametrize("n_splits", [1, 3, 8])
+@pytest.mark.parametrize("n_cols", [130, 257])
+def test_online_many_blocks_and_split_rows(n_cols, n_splits):
+    # Blocks of 16: 9 to 17 blocks a row; splits of 3 and 8 give ragged last chunks and the partial merge.
+    x = randn(3, n_cols, scale=3.0)
+    plan = plan_softmax(3, n_cols, CPU, "online", block_n=16, n_splits=n_splits)
+    # Chunks are whole blocks, so 130 columns in 8 splits become 5 chunks of 32.
+    assert plan.cols_per_split % 16 == 0 and plan.n_splits == math.ceil(n_cols / plan.cols_per_split)
+    assert (plan.n_splits > 1) == (n_splits > 1)
+    y, lse = softmax_forward(x, torch.float32, plan, write_lse=True)
+    assert_close(y, softmax_ref(x))
+    assert_close(lse, torch.logsumexp(x.double(), -1))
+
+
+def test_split_rows_chosen_when_rows_are_few():
+    # One long row on the 4-"SM" interpreter device: the planner must split it across programs.
+    plan = plan_softmax(1, 1 << 16, CPU, "online")
+    assert plan.n_splits > 1
+    x = randn(2, 300)
+    plan = plan_softmax(2, 300, CPU, "online", block_n=32)
+    assert plan.n_splits > 1  # 2 rows < 4 work items per SM x 4 SMs
+    assert_close(softmax_forward(x, torch.float32, plan)[0], softmax_ref(x))
+
+
+def test_max_raised_by_a_later_block():
+    # Later blocks hold larger values: each raises the running max, so alpha < 1 rescales d.
+    x = torch.linspace(-20, 20, 200).repeat(2, 1) + randn(2, 200) * 0.1
+    plan = plan_softmax(2, 200, CPU, "online", block_n=16, n_splits=1)
+    assert_close(softmax_forward(x, torch.float32, plan)[0], softmax_ref(x))
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -2])
+def test_every_dim(dim):
+    x = randn(6, 7, 9)
+    assert_close(flashlite.softmax(x, dim=dim), softmax_ref(x, dim))
+
+
+def test_non_contiguous_views():
+    base = randn(8, 40)
+    strided_rows = base[::2, 3:30]  # row stride 80, column stride 1: read in place
+    assert_close(flashlite.softmax(strided_rows), softmax_ref(strided_rows))
+    transposed = base.t()  # softmax dim has stride 40: copied, still right
+    assert_close(flashlite.softmax(transposed), softmax_ref(transposed))
+    permuted = randn(4, 5, 6).permute(2, 0, 1)  # leading dims not collapsible
+    assert_close(flashlite.softmax(permuted, dim=1), softmax_ref(permuted, 1))
+
+
+def test_reads_strided_rows_without_copy():
+    x = randn(4, 64)[:, :50]
+    rows = as_rows(x, 1)
+    assert rows.data_ptr() == x.data_ptr() and rows.stride() == (64, 1)
+
+
+@pytest.mark.parametrize("scale", [1e4, -1e4])
+def test_large_magnitudes(scale):
+    x = randn(4, 300, scale=scale)
+    assert_close(flashlite.softmax(x), softmax_ref(x))
+    assert_close(flashlite.softmax(x, algorithm="online"), softmax_ref(x))
+
+
+def test_shift_invariance_at_large_offset():
+    # x - m is taken before scaling by log2(e): an offset of 1e4 must not cost accuracy.
+    x = randn(4, 100)
+    shifted = x + 1e4  # exactly representable shift of the float64 values is not needed: compare to its own ref
+    assert_close(flashlite.softmax(shifted), softmax_ref(shifted))
+    assert_close(flashlite.softmax(shifted, algorithm="online"), softmax_ref(shifted))
+
+
+@pytest.mark.parametrize("algorithm", ["fused", "online"])
+def test_nan_and_inf_rows(algorithm):
+    x = randn(4, 50)
+    x[0, 7] = float("nan")  # NaN row: all NaN
+    x[1] = float("-inf")  # all -inf: NaN, as torch
+    x[2, :25] = float("-inf")  # partly -inf: zeros there
+    x[3, 3] = float("inf")  # +inf: NaN, as torch
+    y = flashlite.softmax(x, algorithm=algorithm)
+    ref = torch.softmax(x.double(), -1)
+    assert_close(y, ref)
+    assert torch.isnan(y[0]).all() and torch.isnan(y[1]).all()
+    assert (y[2, :25] == 0).all()
+
+
+def test_all_neg_inf_first_block_online():
+    x = randn(2, 64)
+    x[:, :16] = float("-inf")  # the first block of 16 is empty: alpha from an empty state must be 0, not NaN
+    plan = plan_softmax(2, 64, CPU, "online", block_n=16, n_splits=1)
+    assert_close(softmax_forward(x, torch.float32, plan)[0], softmax_ref(x))
+    plan = plan_softmax(2, 64, CPU, "online", block_n=16, n_splits=4)  # and an empty partial in the merge
+    assert_close(softmax_forward(x, torch.float32, plan)[0], softmax_ref(x))
+
+
+def test_dtype_argument():
+    x = randn(5, 30, dtype=torch.bfloat16)
+    y = flashlite.softmax(x, dtype=torch.float32)
+    assert y.dtype == torch.float32
+    assert_close(y, softmax_ref(x), dtype=torch.float32)
+    y16 = flashlite.softmax(randn(3, 9), dtype=torch.float16)
+    assert y16.dtype == torch.float16
+
+
+def test_empty_and_scalar():
+    assert flashlite.softmax(torch.empty(0, 5)).shape == (0, 5)
+    assert flashlite.softmax(torch.empty(3, 0)).shape == (3, 0)
+    assert flashlite.softmax(torch.tensor(2.5)).item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,dim", [((7, 33), -1), ((4, 5, 6), 1)])
+def test_backward_matches_torch(shape, dim, dtype):
+    x = randn(*shape, dtype=dtype, requires_grad=True)
+    dy = randn(*shape, dtype=dtype)
+    (dx,) = torch.autograd.grad(flashlite.softmax(x, dim=dim), x, dy)
+    x64 = x.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(torch.softmax(x64, dim), x64, dy.double())
+    assert dx.dtype == dtype
+    assert_close(dx, ref, atol=TOL_GRAD[dtype], rtol=TOL_GRAD[dtype])
+
+
+TOL_GRAD = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_backward_online(n_splits):
+    x = randn(3, 100)
+    dy = randn(3, 100)
+    plan = plan_softmax(3, 100, CPU, "online", block_n=16, n_splits=n_splits)
+    y, _ = softmax_forward(x, torch.float32, plan)
+    dx = softmax_backward(y, dy, torch.float32, plan)
+    x64 = x.double().requires_grad_()
+    (ref,) = torch.autograd.grad(torch.softmax(x64, -1), x64, dy.double())
+    assert_close(dx, ref, atol=1e-6)
+
+
+def test_backward_non_contiguous_grad():
+    x = randn(6, 20, requires_grad=True)
+    dy = randn(20, 6).t()  # grad arrives with column stride 6
+    (dx,) = torch.autograd.grad(flashlite.softmax(x), x, dy)
+    x64 = x.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(torch.softmax(x64, -1), x64, dy.double())
+    assert_close(dx, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,dim", [((9, 70), -1), ((3, 4, 5), 0), ((1,), 0)])
+def test_logsumexp(shape, dim, dtype):
+    x = randn(*shape, dtype=dtype, scale=5.0)
+    out = flashlite.logsumexp(x, dim=dim)
+    assert out.dtype == dtype and out.shape == torch.logsumexp(x, dim).shape
+    assert_close(out, torch.logsumexp(x.double(), dim))
+
+
+def test_logsumexp_special_rows_and_grad():
+    x = randn(3, 40, scale=1e3)
+    x[1] = float("-inf")
+    x[2, 5] = float("nan")
+    out = flashlite.logsumexp(x)
+    assert_close(out, torch.logsumexp(x.double(), -1))
+    x = randn(4, 30, requires_grad=True)
+    (g,) = torch.autograd.grad(flashlite.logsumexp(x).sum(), x)
+    assert_close(g, softmax_ref(x.detach()))
+
+
+def test_pytorch_path_without_interpreter(monkeypatch):
+    monkeypatch.setattr(_runtime, "interpreter_enabled", lambda: False)
+    x = randn(4, 10, dtype=torch.bfloat16)
+    assert_close(flashlite.softmax(x), softmax_ref(x))
+    assert_close(flashlite.logsumexp(x), torch.logsumexp(x.double(), -1))
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="x must be float32"):
+        flashlite.softmax(torch.ones(3, 4, dtype=torch.int32))
+    with pytest.raises(TypeError, match="x must be float32"):
+        flashlite.softmax(torch.ones(3, dtype=torch.bool))
+    with pytest.raises(IndexError, match="dim=2"):
+        flashlite.softmax(randn(3, 4), dim=2)
+    with pytest.raises(ValueError, match="algorithm must be"):
+        flashlite.softmax(randn(3, 4), algorithm="blocked")
+    with pytest.raises(TypeError, match="dtype must be"):
+        flashlite.softmax(randn(3, 4), dtype=torch.int64)
+    with pytest.raises(ValueError, match="algorithm='fused' holds rows"):
+        flashlite.softmax(randn(1, 20000), algorithm="fused")
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        flashlite.softmax([1.0, 2.0])
+    with pytest.raises(IndexError, match="dim=-3"):
+        flashlite.logsumexp(randn(3, 4), dim=-3)
