@@ -66,6 +66,12 @@ def try_time_ms(fn: Callable[[], object], **kw) -> float | None:
         return None
 
 
+def poison_allocator(n_bytes: int = 1 << 30) -> None:
+    """Fill memory the caching allocator will hand out next with NaN, so that outputs a kernel forgot to write show."""
+    junk = torch.full((n_bytes // 4,), float("nan"), device="cuda")
+    del junk
+
+
 def copy_bandwidth_gbs(n_bytes: int = 2 * 2**30) -> float:
     """Measured device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(n_bytes // 4, device="cuda")

@@ -27,7 +27,8 @@ import flashlite  # noqa: E402
 fs = importlib.import_module("flashlite.softmax")  # the module (flashlite.softmax is the function)
 from baselines import naive_softmax, textbook_fused_softmax, textbook_online_softmax  # noqa: E402
 from common import (  # noqa: E402
-    copy_bandwidth_gbs, environment, gbs, graph_time_ms, plot_lines, results_dir, time_ms, try_time_ms, write_results,
+    copy_bandwidth_gbs, environment, gbs, graph_time_ms, plot_lines, poison_allocator, results_dir, time_ms,
+    try_time_ms, write_results,
 )
 
 WIDE_N = [256, 1024, 4096, 8192, 16384, 32768, 65536]  # with M = 4096 rows
@@ -127,12 +128,6 @@ def print_summary(rows, copy) -> None:
 # ----------------------------------------------------------------------------- --check
 
 
-def _poison_allocator(n_bytes: int = 1 << 30) -> None:
-    """Fill memory the caching allocator will hand out next with NaN, so unwritten outputs show."""
-    junk = torch.full((n_bytes // 4,), float("nan"), device="cuda")
-    del junk
-
-
 def run_check(args) -> None:
     failures = 0
 
@@ -148,7 +143,7 @@ def run_check(args) -> None:
         for shape in shapes:
             for algo in ("auto", "online") + (("fused",) if shape[1] <= fs.FUSED_MAX_COLS else ()):
                 x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
-                _poison_allocator()
+                poison_allocator()
                 y = flashlite.softmax(x, algorithm=algo)
                 ref = torch.softmax(x.double(), -1)
                 report(f"softmax {dtype} {shape} {algo}", (y.double() - ref).abs().max().item(), tol[dtype])
@@ -201,23 +196,23 @@ def run_tune(args) -> None:
             print(f"  {str(dtype)[6:]:9} N={n:6}  " + "  ".join(line), flush=True)
     fs.FUSED_MAX_COLS = 32768
     fs.plan_softmax.cache_clear()
-    print("online: block_n/warps x items-per-SM x resident MB -> GB/s")
+    print("online: block_n/warps (whole rows | split rows) x num_stages -> GB/s")
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "online") else ():
         for shape in ((4096, 65536),) + tuple(LONG_ROWS):
             x = torch.randn(*shape, device="cuda", dtype=dtype)
             line = []
-            for bn in (1024, 2048, 4096):
-                for warps in (4, 8, 16):
-                    for items in ((2, 4, 8) if shape[0] < 1024 else (4,)):
-                        for resident in ((32,) if shape[0] < 1024 else (32, 4096)):
-                            fs.ONLINE_BLOCK_N, fs.ONLINE_NUM_WARPS = bn, warps
-                            fs.ONLINE_ITEMS_PER_SM, fs.ONLINE_RESIDENT_ROWS_BYTES = items, resident << 20
-                            fs.plan_softmax.cache_clear()
-                            ms = graph_time_ms(lambda: flashlite.softmax(x, algorithm="online"))
-                            line.append((gbs(softmax_bytes(x), ms) or 0, f"{bn}/{warps}/{items}/{resident}"))
+            for bn, warps in ((1024, 4), (2048, 4), (4096, 8), (4096, 16)):
+                for stages in (1, 2, 3, 4):
+                    fs.ONLINE_BLOCK_N, fs.ONLINE_NUM_WARPS = bn, warps
+                    fs.SPLIT_BLOCK_N, fs.SPLIT_NUM_WARPS = bn, warps
+                    fs.ONLINE_NUM_STAGES = stages
+                    fs.plan_softmax.cache_clear()
+                    ms = graph_time_ms(lambda: flashlite.softmax(x, algorithm="online"))
+                    line.append((gbs(softmax_bytes(x), ms) or 0, f"{bn}/{warps}/s{stages}"))
             line.sort(reverse=True)
             print(f"  {str(dtype)[6:]:9} {str(shape):16} best: " + "  ".join(f"{c}:{v:.0f}" for v, c in line[:6])
                   + f"   worst: {line[-1][1]}:{line[-1][0]:.0f}", flush=True)
+            del x
     print("host cost per call (us), 4096 x 256 fp32:")
     x = torch.randn(4096, 256, device="cuda")
     for name, fn in (("flashlite", lambda: flashlite.softmax(x)), ("torch", lambda: torch.softmax(x, -1))):

@@ -9,6 +9,7 @@ otherwise each public op falls back to a plain PyTorch computation for them.
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ class DeviceInfo:
     regs_per_sm: int  # 32-bit registers in one multiprocessor's register file
     smem_per_sm: int  # bytes of shared memory a multiprocessor can give its programs
     max_warps_per_sm: int
+    capability: tuple[int, int] = (0, 0)  # compute capability, e.g. (9, 0) for Hopper; (0, 0) in the interpreter
 
 
 # Stand-in for the interpreter: small, so that persistent loops take several turns in tests.
@@ -47,7 +49,7 @@ def _cuda_device_info(index: int) -> DeviceInfo:
     regs = getattr(props, "regs_per_multiprocessor", 65536)
     smem = getattr(props, "shared_memory_per_multiprocessor", 232448)
     threads = getattr(props, "max_threads_per_multi_processor", 2048)
-    return DeviceInfo(props.multi_processor_count, regs, smem, threads // 32)
+    return DeviceInfo(props.multi_processor_count, regs, smem, threads // 32, (props.major, props.minor))
 
 
 def device_info(device: torch.device) -> DeviceInfo:
@@ -64,6 +66,15 @@ def check_float_dtype(name: str, t: torch.Tensor) -> None:
     """Raise a TypeError naming argument ``name`` unless it is fp32, fp16 or bf16."""
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_scale(scale, default: float) -> float:
+    """``scale`` as a float (``default`` when None); a TypeError for a bool, tensor or anything not a real number."""
+    if scale is None:
+        return default
+    if type(scale) is not float and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    return float(scale)
 
 
 # Programs per multiprocessor of each compiled persistent kernel, read off its registers and shared memory.

@@ -54,23 +54,33 @@ def apply_masks(
     s, q_idx, k_idx, seqlen_q, seqlen_k,
     mask_ptr, stride_mask_q, stride_mask_k,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    BIAS_TO_UNITS: tl.constexpr,
+    BIAS_TO_UNITS: tl.constexpr, MASK_PER_KEY: tl.constexpr = False,
 ):
     """Logits ``s`` ``[M, N]`` with every position that does not count set to ``-inf`` and the bias added.
 
     ``mask_ptr`` points at the mask of this (batch, head), already offset by the
     caller; ``stride_mask_q``/``stride_mask_k`` are 0 on broadcast dims.
+    With ``MASK_PER_KEY`` (``stride_mask_q == 0``: a key-padding mask such as
+    ``(B, 1, 1, Lk)``) every query row reads the same mask row, so it is loaded
+    once as ``[1, N]`` and broadcast instead of gathered ``M`` times.
     """
     k_ok = k_idx < seqlen_k
     keep = k_ok[None, :] & (q_idx < seqlen_q)[:, None]
     if IS_CAUSAL:
         keep = keep & causal_visible(q_idx, k_idx, seqlen_q, seqlen_k)
     if HAS_MASK:
-        mask_ptrs = mask_ptr + q_idx[:, None] * stride_mask_q + k_idx[None, :] * stride_mask_k
-        if MASK_IS_BOOL:
-            keep = keep & (tl.load(mask_ptrs, mask=keep, other=0) != 0)
+        # 64-bit: a mask stored keys-outermost (e.g. an (Lk, Lq) tensor transposed) has key strides near 2^31.
+        key_offsets = k_idx.to(tl.int64) * stride_mask_k
+        if MASK_PER_KEY:
+            mask_ptrs = mask_ptr + key_offsets[None, :]
+            load_ok = k_ok[None, :]
         else:
-            s = s + tl.load(mask_ptrs, mask=keep, other=0.0).to(tl.float32) * BIAS_TO_UNITS
+            mask_ptrs = mask_ptr + q_idx[:, None] * stride_mask_q + key_offsets[None, :]
+            load_ok = keep
+        if MASK_IS_BOOL:
+            keep = keep & (tl.load(mask_ptrs, mask=load_ok, other=0) != 0)
+        else:
+            s = s + tl.load(mask_ptrs, mask=load_ok, other=0.0).to(tl.float32) * BIAS_TO_UNITS
     return tl.where(keep, s, float("-inf"))
 
 

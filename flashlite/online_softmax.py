@@ -16,7 +16,7 @@ unit of its logits is, as the constexpr ``LOG2_PER_UNIT``:
 
 * ``LOG2E`` for natural-log logits (softmax). The difference ``x - m`` is taken
   first, exactly, and only then scaled, so inputs around 1e4 keep fp32 accuracy.
-* ``1.0`` for logits already in base-2 units (attention folds ``log2(e)`` into
+* ``BASE2_UNITS`` (1.0) for logits already in base-2 units (attention folds ``log2(e)`` into
   the softmax scale, saving a multiply per score).
 
 Empty states. A state that has seen only ``-inf`` (or nothing) is
@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
+BASE2_UNITS = tl.constexpr(1.0)  # LOG2_PER_UNIT of logits already in base 2
 LN2 = tl.constexpr(0.6931471805599453)  # log(y) = log2(y) * LN2
 
 

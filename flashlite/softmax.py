@@ -8,7 +8,7 @@
 * **online**: a row is streamed in blocks of ``BLOCK_N``. Pass 1 folds the
   blocks into running states ``(m, d)``, one per lane, with the core's
   ``online_update_lanes`` (no reduction inside the loop), then merges the lanes;
-  pass 2 re-reads the blocks, last first (they are still in L2), and writes
+  pass 2 re-reads the blocks, last first (most likely still in L2), and writes
   ``y = e^(x - m) / d``. When there are too few rows to fill the GPU, each row
   is split across programs: every program computes a partial ``(m, d)`` of its
   chunk, a second launch merges the partials of the row with
@@ -103,7 +103,7 @@ def _softmax_online_kernel(
     x_ptr, y_ptr, lse_ptr, part_m_ptr, part_d_ptr,
     n_rows, n_cols, n_splits, cols_per_split,
     stride_xm, stride_xn, stride_ym,
-    BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr, NUM_STAGES: tl.constexpr,
     WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     n_items = n_rows * n_splits
@@ -125,7 +125,7 @@ def _softmax_online_kernel(
             # Every lane keeps its own (m, d) over the blocks; the lanes merge once, after the loop.
             lane_m = tl.full([1, BLOCK_N], float("-inf"), tl.float32)
             lane_d = tl.zeros([1, BLOCK_N], tl.float32)
-            for start in tl.range(col_start, col_end, BLOCK_N):
+            for start in tl.range(col_start, col_end, BLOCK_N, num_stages=NUM_STAGES):
                 cols = start + tl.arange(0, BLOCK_N)
                 x = tl.load(x_row + cols * stride_xn, mask=cols < col_end, other=float("-inf"))
                 lane_m, lane_d = online_update_lanes(lane_m, lane_d, x.to(tl.float32)[None, :], LOG2E)
@@ -141,7 +141,7 @@ def _softmax_online_kernel(
             if WRITE_Y:
                 y_row = y_ptr + row * stride_ym
                 n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
-                for k in tl.range(0, n_blocks):
+                for k in tl.range(0, n_blocks, num_stages=NUM_STAGES):
                     cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
                     col_ok = cols < col_end
                     x = tl.load(x_row + cols * stride_xn, mask=col_ok, other=float("-inf"))
@@ -174,7 +174,7 @@ def _softmax_bwd_online_kernel(
     y_ptr, dy_ptr, dx_ptr, part_ptr,
     n_rows, n_cols, n_splits, cols_per_split,
     stride_ym, stride_dym, stride_dyn, stride_dxm,
-    BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     n_items = n_rows * n_splits
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
@@ -190,7 +190,7 @@ def _softmax_bwd_online_kernel(
             dot = tl.sum(tl.load(part_ptr + row * n_splits + parts, mask=parts < n_splits, other=0.0), axis=0)
         else:
             acc = tl.zeros([BLOCK_N], tl.float32)
-            for start in tl.range(col_start, col_end, BLOCK_N):
+            for start in tl.range(col_start, col_end, BLOCK_N, num_stages=NUM_STAGES):
                 cols = start + tl.arange(0, BLOCK_N)
                 ok = cols < col_end
                 y = tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32)
@@ -203,7 +203,7 @@ def _softmax_bwd_online_kernel(
         if PASS != PARTIAL_PASS:
             dx_row = dx_ptr + row * stride_dxm
             n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
-            for k in tl.range(0, n_blocks):
+            for k in tl.range(0, n_blocks, num_stages=NUM_STAGES):
                 cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
                 ok = cols < col_end
                 y = tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32)
@@ -224,15 +224,18 @@ FUSED_MAX_COLS = 32768
 FUSED_TILE_ELEMS = 4096
 # Elements a thread of the fused kernel holds; sets num_warps from the tile size.
 FUSED_ELEMS_PER_THREAD = 32
-ONLINE_BLOCK_N = 4096
-ONLINE_NUM_WARPS = 8
+# Online kernels, measured on an H100 (`bench/softmax.py --tune online`, CUDA-graph times):
+# whole rows (many rows): blocks of 4096 over 16 warps, 2.07 TB/s fp32 at 4096 x 65536
+# (capping the grid so re-read rows stay in L2 only lost speed);
+# split rows (few rows): blocks of 2048 over 4 warps, 1.3-1.7 TB/s fp32 on 128 x 128K ... 1 x 16M.
+ONLINE_BLOCK_N, ONLINE_NUM_WARPS = 4096, 16
+SPLIT_BLOCK_N, SPLIT_NUM_WARPS = 2048, 4
+# Loads in flight in the streaming loops (software pipelining of `tl.range`).
+ONLINE_NUM_STAGES = 3
 # Rows are split across programs until there are this many work items per multiprocessor.
 ONLINE_ITEMS_PER_SM = 4
 # ... but never into chunks shorter than this many blocks.
 ONLINE_MIN_BLOCKS_PER_SPLIT = 4
-# Bytes of one row held in L2 between the two passes, summed over resident programs,
-# kept under this share of a typical L2 by capping the persistent grid.
-ONLINE_RESIDENT_ROWS_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -270,36 +273,28 @@ def plan_softmax(
         warps = min(16, max(4, bm * bn // (32 * FUSED_ELEMS_PER_THREAD)))
         return SoftmaxPlan("fused", bm, bn, warps)
 
-    bn = block_n or min(ONLINE_BLOCK_N, triton.next_power_of_2(n_cols))
     if n_splits is None:
         wanted = math.ceil(ONLINE_ITEMS_PER_SM * device_info(device).num_sms / n_rows)
-        n_splits = max(1, min(wanted, n_cols // (ONLINE_MIN_BLOCKS_PER_SPLIT * bn)))
+        n_splits = max(1, min(wanted, n_cols // (ONLINE_MIN_BLOCKS_PER_SPLIT * (block_n or SPLIT_BLOCK_N))))
+    bn, warps = (ONLINE_BLOCK_N, ONLINE_NUM_WARPS) if n_splits == 1 else (SPLIT_BLOCK_N, SPLIT_NUM_WARPS)
+    bn = block_n or min(bn, triton.next_power_of_2(n_cols))
     # Chunks are whole blocks, so only the row's last chunk has a ragged end.
     cols_per_split = triton.cdiv(triton.cdiv(n_cols, n_splits), bn) * bn
     n_splits = triton.cdiv(n_cols, cols_per_split)
-    return SoftmaxPlan("online", 1, bn, ONLINE_NUM_WARPS, n_splits, cols_per_split)
+    return SoftmaxPlan("online", 1, bn, warps, n_splits, cols_per_split)
 
 
-def _online_grid_cap(plan: SoftmaxPlan, n_cols: int, elem_size: int) -> int:
-    """Most programs to keep resident so that the rows they re-read in pass 2 stay in L2."""
-    row_bytes = min(n_cols, plan.cols_per_split) * elem_size
-    return max(1, ONLINE_RESIDENT_ROWS_BYTES // max(row_bytes, 1))
-
-
-def _launch_online(kernel, plan: SoftmaxPlan, n_rows: int, n_cols: int, elem_size: int, device, args, **flags):
+def _launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device, args, **flags) -> None:
     """Run an online kernel's passes: one launch, or partials then final when rows are split."""
     info = device_info(device)
     n_items = n_rows * plan.n_splits
-    n_programs = min(n_items, info.num_sms * (info.max_warps_per_sm // plan.num_warps))
-    meta = dict(BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits), num_warps=plan.num_warps)
-    if plan.n_splits == 1:
-        # One program re-reads its own row: keep few enough rows resident that they stay in L2.
-        grid = (max(1, min(n_programs, _online_grid_cap(plan, n_cols, elem_size))),)
-        kernel[grid](*args, PASS=BOTH_PASSES.value, **meta, **flags)
-    else:
-        # Every chunk is its own program; the second launch walks them backwards (see the kernel).
-        for pass_ in (PARTIAL_PASS, FINAL_PASS):
-            kernel[(max(1, n_programs),)](*args, PASS=pass_.value, **meta, **flags)
+    grid = (max(1, min(n_items, info.num_sms * (info.max_warps_per_sm // plan.num_warps))),)
+    meta = dict(BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
+                NUM_STAGES=ONLINE_NUM_STAGES, num_warps=plan.num_warps)
+    # With split rows every chunk is its own program; the second launch walks them backwards (see the kernel).
+    passes = (BOTH_PASSES,) if plan.n_splits == 1 else (PARTIAL_PASS, FINAL_PASS)
+    for pass_ in passes:
+        kernel[grid](*args, PASS=pass_.value, **meta, **flags)
 
 
 def softmax_forward(
@@ -325,7 +320,7 @@ def softmax_forward(
         part_d = torch.empty(n_parts, dtype=torch.float32, device=x2d.device)
         args = (x2d, y_arg, lse_arg, part_m, part_d, n_rows, n_cols, plan.n_splits, plan.cols_per_split,
                 x2d.stride(0), x2d.stride(1), n_cols)
-        _launch_online(_softmax_online_kernel, plan, n_rows, n_cols, x2d.element_size(), x2d.device, args,
+        _launch_online(_softmax_online_kernel, plan, n_rows, x2d.device, args,
                        WRITE_Y=write_y, WRITE_LSE=write_lse)
     return y, lse
 
@@ -345,7 +340,7 @@ def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtyp
     else:
         partials = torch.empty(max(1, n_rows * plan.n_splits), dtype=torch.float32, device=y2d.device)
         args = (y2d, dy2d, dx, partials, n_rows, n_cols, plan.n_splits, plan.cols_per_split, *strides)
-        _launch_online(_softmax_bwd_online_kernel, plan, n_rows, n_cols, y2d.element_size(), y2d.device, args)
+        _launch_online(_softmax_bwd_online_kernel, plan, n_rows, y2d.device, args)
     return dx
 
 

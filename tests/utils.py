@@ -65,7 +65,7 @@ def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ k.transpose(-1, -2)).float() * scale if dtype != torch.float64 else (q @ k.transpose(-1, -2)) * scale
     lq, lk = s.shape[-2:]
-    keep = torch.ones(lq, lk, dtype=torch.bool)
+    keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device)  # on the inputs' device: also a GPU reference
     if causal:
         keep = keep.tril(diagonal=lk - lq)
     if attn_mask is not None:

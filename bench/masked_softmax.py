@@ -1,0 +1,245 @@
+"""Masked softmax bandwidth: flashlite against the unfused PyTorch chain and torch.compile of it.
+
+The peers compute ``softmax(masked_fill(s * scale, ~mask, -inf))``, eagerly and
+compiled, for three masks on (B, H, L, L) scores:
+
+* ``causal``: flashlite's ``causal=True`` (no mask tensor), the peers an (L, L) ``tril`` mask;
+* ``key_padding``: a (B, 1, 1, L) boolean mask, each batch entry keeping a random prefix;
+* ``full``: a (B, H, L, L) boolean mask, 90 % kept.
+
+Effective GB/s counts one read and one write of the scores plus the bytes of
+the mask as given (not expanded), the same bytes for every provider, so the
+ratios are ratios of times. A causal row needs only its visible part read, so
+flashlite's causal case can pass the plain-softmax bandwidth (column
+``softmax``: ``flashlite.softmax`` of the same scores, no mask). The device copy
+bandwidth measured in the same run is the ceiling. Modes:
+
+    python bench/masked_softmax.py            # full sweep -> bench/results/<gpu>/masked_softmax.{json,md,png}
+    python bench/masked_softmax.py --quick    # L = 2048 only
+    python bench/masked_softmax.py --check    # GPU correctness against a float64 reference, poisoned memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import flashlite  # noqa: E402
+
+fms = importlib.import_module("flashlite.masked_softmax")  # the module (flashlite.masked_softmax may be the function)
+from common import (  # noqa: E402
+    copy_bandwidth_gbs, environment, gbs, plot_lines, poison_allocator, results_dir, try_time_ms, write_results,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MASKS = ("causal", "key_padding", "full")
+PEERS = ("torch", "compile")
+FULL_MASK_KEEP = 0.9
+# The issue's targets: flashlite over each peer, on every case.
+TARGETS = {"torch": 4.0, "compile": 1.0}
+
+
+def masked_softmax_bytes(scores: torch.Tensor, mask: torch.Tensor | None) -> int:
+    """Bytes a masked softmax must move: read the scores once, write them once, read the mask as given."""
+    mask_bytes = 0 if mask is None else mask.numel() * mask.element_size()
+    return 2 * scores.numel() * scores.element_size() + mask_bytes
+
+
+def torch_chain(s: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """The unfused PyTorch masked softmax every peer computes."""
+    return torch.softmax((s * scale).masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def _compiled_chain():
+    import torch._dynamo
+
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1024)
+    return torch.compile(torch_chain, dynamic=False)
+
+
+def make_case(kind: str, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Scores, the boolean mask the peers use, and flashlite's keyword arguments for mask ``kind``."""
+    b, h, lq, lk = shape
+    s = torch.randn(shape, device="cuda", dtype=dtype)
+    if kind == "causal":
+        keep = torch.ones(lq, lk, dtype=torch.bool, device="cuda").tril(lk - lq)
+        return s, keep, {"causal": True}
+    if kind == "key_padding":
+        lengths = torch.randint(lk // 2, lk + 1, (b,), device="cuda")
+        keep = (torch.arange(lk, device="cuda") < lengths[:, None]).view(b, 1, 1, lk)
+    else:
+        keep = torch.rand(shape, device="cuda") < FULL_MASK_KEEP
+    return s, keep, {"mask": keep}
+
+
+def measure(kind: str, shape: tuple, dtype: torch.dtype, compiled, scale: float) -> dict:
+    s, keep, kw = make_case(kind, shape, dtype)
+    n_bytes = masked_softmax_bytes(s, kw.get("mask"))
+    row = {"mask": kind, "dtype": str(dtype).replace("torch.", ""), "B": shape[0], "H": shape[1], "L": shape[3],
+           "MB": n_bytes / 2**20}
+    provs = {
+        "flashlite": lambda: fms.masked_softmax(s, scale=scale, **kw),
+        "torch": lambda: torch_chain(s, keep, scale),
+        "compile": lambda: compiled(s, keep, scale),
+        "softmax": lambda: flashlite.softmax(s),  # plain softmax, no mask: the bandwidth causal should pass
+    }
+    for name, fn in provs.items():
+        row[name] = gbs(n_bytes, try_time_ms(fn))
+    return row  # the scores and masks go with this frame; run_bench empties the cache
+
+
+def run_bench(args) -> None:
+    copy = copy_bandwidth_gbs()
+    compiled = _compiled_chain()
+    lengths = [2048] if args.quick else args.lengths
+    rows = []
+    for dname in args.dtypes:
+        for kind in args.masks:
+            for length in lengths:
+                t0 = time.time()
+                row = measure(kind, (args.batch, args.heads, length, length), DTYPES[dname], compiled, args.scale)
+                torch.cuda.empty_cache()
+                fl = row["flashlite"]
+                row["frac_copy"] = fl / copy if fl else None
+                for peer in PEERS + ("softmax",):
+                    row[f"x_{peer}"] = fl / row[peer] if fl and row[peer] else None
+                rows.append(row)
+                print(f"{dname} {kind:12} L={length}: flashlite {fl or 0:.0f} GB/s ({row['frac_copy'] or 0:.0%} of copy), "
+                      f"x{row['x_torch'] or 0:.2f} torch, x{row['x_compile'] or 0:.2f} compile, "
+                      f"x{row['x_softmax'] or 0:.2f} plain softmax  [{time.time() - t0:.1f}s]", flush=True)
+    meta = environment() | {"copy_gbs": copy, "scale": args.scale, "full_mask_keep": FULL_MASK_KEEP}
+    out = results_dir(args.out)
+    cols = ["mask", "dtype", "B", "H", "L", "flashlite", "torch", "compile", "softmax", "frac_copy",
+            "x_torch", "x_compile", "x_softmax"]
+    write_results("masked_softmax", out, meta, rows, cols,
+                  "Masked softmax forward, effective GB/s (scores read + written, mask bytes as given)")
+    panels = []
+    for dname in args.dtypes:
+        dt = str(DTYPES[dname]).replace("torch.", "")
+        for kind in args.masks:
+            sel = [r for r in rows if r["dtype"] == dt and r["mask"] == kind]
+            if sel:
+                series = {n: [r[n] for r in sel] for n in ("flashlite", "torch", "compile", "softmax")}
+                series["copy (ceiling)"] = [copy for _ in sel]
+                panels.append((f"{kind} {dname}, ({args.batch}, {args.heads}, L, L)", [r["L"] for r in sel],
+                               series, "effective GB/s"))
+    plot_lines(os.path.join(out, "masked_softmax.png"), panels)
+    print_summary(rows, copy)
+
+
+def print_summary(rows: list[dict], copy: float) -> None:
+    print(f"\ncopy {copy:.0f} GB/s; targets: x{TARGETS['torch']:g} the unfused chain, x{TARGETS['compile']:g} torch.compile")
+    print(f"{'mask':13}{'dtype':10}{'L':>6}{'flashlite':>10}{'torch':>8}{'compile':>9}{'softmax':>9}"
+          f"{'%copy':>7}{'xtorch':>8}{'xcomp':>7}  targets")
+    for r in rows:
+        met = all(r[f"x_{p}"] is not None and r[f"x_{p}"] >= t for p, t in TARGETS.items())
+        print(f"{r['mask']:13}{r['dtype']:10}{r['L']:>6}{r['flashlite'] or 0:>10.0f}{r['torch'] or 0:>8.0f}"
+              f"{r['compile'] or 0:>9.0f}{r['softmax'] or 0:>9.0f}{r['frac_copy'] or 0:>7.0%}"
+              f"{r['x_torch'] or 0:>8.2f}{r['x_compile'] or 0:>7.2f}  {'met' if met else 'MISSED'}")
+
+
+# ----------------------------------------------------------------------------- --check
+
+
+def run_check(args) -> None:
+    """flashlite on the GPU against the float64 reference of tests/utils.py (run on CPU copies)."""
+    from tests.utils import masked_softmax_ref
+
+    failures = 0
+    tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+    def report(name: str, y: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
+        """Max error within ``atol``, no NaN the reference lacks, exact zeros where the reference is 0."""
+        nonlocal failures
+        y = y.detach().double().cpu()
+        err = (y - ref).abs().nan_to_num(nan=float("inf")).max().item() if y.numel() else 0.0
+        new_nan = bool((torch.isnan(y) & ~torch.isnan(ref)).any())
+        not_zero = bool(((ref == 0) & (y != 0)).any())  # masked positions (and empty rows) must be exactly 0
+        ok = err <= atol and not new_nan and not not_zero
+        failures += not ok
+        print(f"{'ok ' if ok else 'BAD'} {name}: max err {err:.2e} (tol {atol:.0e})"
+              + (" NaN where the reference has none" if new_nan else "")
+              + (" nonzero where masked" if not_zero else ""), flush=True)
+
+    def rand_mask(shape, keep=0.7):
+        return torch.rand(shape, device="cuda") < keep
+
+    # (name, scores shape, mask maker or None, causal, scale, algorithm)
+    cases = [
+        ("causal Lq = Lk", (2, 4, 257, 257), None, True, 1.0, "auto"),
+        ("causal Lq < Lk", (2, 4, 100, 1000), None, True, 0.125, "auto"),
+        ("causal Lq > Lk (empty rows)", (2, 4, 300, 129), None, True, 1.0, "auto"),
+        ("key padding", (3, 4, 64, 1000), lambda s: rand_mask((s[0], 1, 1, s[3])), False, 0.5, "auto"),
+        ("key padding + causal", (3, 4, 512, 512), lambda s: rand_mask((s[0], 1, 1, s[3])), True, 0.5, "auto"),
+        ("full bool, fully masked rows", (2, 3, 128, 333), lambda s: rand_mask(s, 0.02), False, 1.0, "auto"),
+        ("(Lq, Lk) float bias + causal", (2, 4, 200, 300),
+         lambda s: torch.randn(s[2:], device="cuda") * 2, True, 0.3, "auto"),
+        ("per-head bias, 3 leading dims", (2, 3, 2, 64, 100),
+         lambda s: torch.randn((2, 1, 2, 1, 100), device="cuda"), False, 1.0, "auto"),
+        ("long rows, few (split)", (1, 2, 3, 100_003), lambda s: rand_mask((1, 1, 1, s[3])), True, 1.0, "auto"),
+        ("long rows, many", (2, 8, 64, 20_000), lambda s: rand_mask((s[0], 1, 1, s[3])), True, 1.0, "auto"),
+        ("online forced", (2, 4, 333, 5000), lambda s: rand_mask((s[0], 1, s[2], s[3])), True, 1.0, "online"),
+    ]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for name, shape, make_mask, causal, scale, algo in cases:
+            x = torch.randn(shape, device="cuda", dtype=dtype) * 3
+            mask = make_mask(shape) if make_mask else None
+            poison_allocator()
+            y = fms.masked_softmax(x, mask, scale=scale, causal=causal, algorithm=algo)
+            ref = masked_softmax_ref(x.cpu(), None if mask is None else mask.cpu(), scale, causal)
+            report(f"{name} {shape} {str(dtype)[6:]}", y, ref, tol[dtype])
+            del x, mask, y
+        for name, shape in (("backward", (2, 4, 300, 700)), ("backward long rows", (1, 2, 4, 70_000))):
+            x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+            bias = torch.randn(shape[1], 1, shape[3], device="cuda", dtype=dtype, requires_grad=True)
+            dy = torch.randn(shape, device="cuda", dtype=dtype)
+            poison_allocator()
+            dx, dbias = torch.autograd.grad(fms.masked_softmax(x, bias, scale=0.7, causal=True), (x, bias), dy)
+            x64 = x.detach().cpu().double().requires_grad_()
+            b64 = bias.detach().cpu().double().requires_grad_()
+            rx, rb = torch.autograd.grad(masked_softmax_ref(x64, b64, 0.7, True), (x64, b64), dy.cpu().double())
+            report(f"{name} dx {str(dtype)[6:]}", dx, rx, 4 * tol[dtype])
+            # The bias gradient sums B x Lq terms: its tolerance is relative to its size.
+            report(f"{name} dbias {str(dtype)[6:]}", dbias, rb, 4 * tol[dtype] * max(1.0, rb.abs().max().item()))
+    # More than 2^31 scores: 64-bit row offsets, checked on the last rows of the last head.
+    b, h, length = 1, 33, 8192
+    x = torch.randn(b, h, length, length, device="cuda", dtype=torch.bfloat16)
+    pad = rand_mask((b, 1, 1, length), 0.8)
+    y = fms.masked_softmax(x, pad, causal=True)
+    tail = masked_softmax_ref(x[:, -1:, -4:].cpu(), pad.cpu(), None, True)  # Lq = 4 keeps the bottom-right diagonal
+    report(f"> 2^31 scores {tuple(x.shape)}", y[:, -1:, -4:], tail, tol[torch.bfloat16])
+    del x, y
+    torch.cuda.empty_cache()
+    print(f"\n{failures} failure(s)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    parser.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096], help="L of (B, H, L, L)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--scale", type=float, default=0.125, help="score scale (1/sqrt(64))")
+    parser.add_argument("--quick", action="store_true", help="L = 2048 only")
+    parser.add_argument("--check", action="store_true", help="GPU correctness checks instead of timing")
+    args = parser.parse_args(argv)
+    if args.check:
+        run_check(args)
+    else:
+        run_bench(args)
+
+
+if __name__ == "__main__":
+    main()

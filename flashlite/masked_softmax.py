@@ -1,0 +1,564 @@
+"""Masked and causal softmax of attention scores, over the keys (the last dim).
+
+``y = softmax(x * scale + bias)`` over keys, for scores ``x`` of shape
+``(..., seqlen_q, seqlen_k)``, where positions removed by a boolean mask or by
+causal masking count as ``-inf``. Both regimes of ``flashlite.softmax`` are
+kept, in one kernel (``SINGLE_BLOCK`` picks the first):
+
+* **fused**: rows of up to ``softmax.FUSED_MAX_COLS`` keys, several short rows
+  a tile, one tile on chip: one read of ``x``, one write of ``y``, persistent grid.
+* **online**: longer rows stream in blocks of ``BLOCK_N`` through the core's
+  ``online_update_lanes`` (a running state per lane, lanes merged after the
+  loop), then are re-read (from L2) and normalised; when rows
+  are few, each is split across programs whose partial ``(m, d)`` are merged
+  with ``merge_partial_states``. The planner is ``softmax.plan_softmax``.
+
+Masks. The keep/bias logic is ``masking.apply_masks``, the same helper the
+attention kernel calls. A mask is boolean (True = keep, as in
+``scaled_dot_product_attention``) or float (added to the scaled scores, in
+natural-log units), of any shape that broadcasts to ``x``. It is never
+expanded: ``masking.broadcast_mask`` gives a view with stride 0 on broadcast
+dims, and each row finds its mask from its coordinates.
+
+Rows and their coordinates. The kernels see up to two leading ("batch") dims:
+flat row ``r`` of a ``(B0, B1, seqlen_q, seqlen_k)`` view is query
+``q = r % seqlen_q`` of batch ``(t // B1, t % B1)``, ``t = r // seqlen_q``, and
+its offset in ``x`` (or the mask) is ``b0 * stride_b0 + b1 * stride_b1 + q *
+stride_q``. Example: (B, H, Lq) = (2, 3, 4), row 17 -> t = 4, q = 1,
+(b0, b1) = (1, 1). Leading dims are first merged wherever both ``x``'s and the
+mask's strides allow (a ``(B, 1, 1, Lk)`` key-padding mask under contiguous
+``(B, H, Lq, Lk)`` scores keeps two dims; an ``(Lq, Lk)`` mask merges (B, H)
+into one); if more than two remain, the host launches once per index of the
+outer ones, still without copying.
+
+Causal, aligned bottom-right: query ``i`` sees keys ``j <= i + seqlen_k - seqlen_q``.
+The hidden part of a row is not read, only written (zeros): loads of ``x``
+stop at the end of the ``READ_GROUP``-key group that holds the diagonal (so
+they stay vector-wide; at most 15 keys past it), loads of the mask stop at the
+diagonal itself (``apply_masks``). With ``seqlen_q > seqlen_k`` the first
+queries see nothing.
+
+Empty rows. A row with every key masked gives zeros (``normalize`` with
+``ZERO_IF_EMPTY``), where ``torch.softmax`` of a row of ``-inf`` gives NaN; NaN
+in a visible score still makes its row NaN. Masked positions get exactly 0.
+
+Backward: ``dx = scale * y * (dy - sum(dy * y))``, the same two regimes, reading
+a causal row only up to its diagonal's key group, as the forward (masked
+positions have ``y = 0``, so gradient 0; no mask is read). A float mask that requires grad gets ``y * (dy - sum(dy * y))``
+summed over its broadcast dims; a boolean mask has no gradient.
+
+CPU tensors run the kernels through Triton's interpreter under
+``TRITON_INTERPRET=1``; otherwise PyTorch in fp32.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import check_float_dtype, check_scale, device_info, launch_persistent, runs_kernels
+from .masking import apply_masks, broadcast_mask, causal_key_end
+from .online_softmax import (
+    LOG2E,
+    empty_state,
+    final_weights,
+    merge_partial_states,
+    normalize,
+    online_update,
+    online_update_lanes,
+)
+from .softmax import (
+    ALGORITHMS,
+    BOTH_PASSES,
+    FINAL_PASS,
+    PARTIAL_PASS,
+    SoftmaxPlan,
+    _tile_rows,
+    _work_item,
+    as_rows,
+    plan_softmax,
+)
+
+# Additive masks are in the same natural-log units as the scores here.
+NATURAL_UNITS = tl.constexpr(1.0)
+# Causal loads stop at a multiple of this many keys: 16 bytes of a bool mask, 32 of bf16, 64 of fp32,
+# so every vector load of a row is whole (the PTX for sm_90 shows ld.global.v4 instead of 16 scalar loads).
+READ_GROUP = tl.constexpr(16)
+
+
+# ----------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _row_coords(rows, seqlen_q, n_inner):
+    """Leading indices ``(b0, b1)`` and query index ``q`` of flat rows of a ``(B0, n_inner, seqlen_q, *)`` view."""
+    q = rows % seqlen_q
+    t = rows // seqlen_q
+    return t // n_inner, t % n_inner, q
+
+
+@triton.jit
+def _visible_end(q, row_ok, seqlen_q, seqlen_k, IS_CAUSAL: tl.constexpr):
+    """Per row, one past the last key that may count (0 for rows outside the tensor)."""
+    if IS_CAUSAL:
+        end = causal_key_end(q, seqlen_q, seqlen_k)
+    else:
+        end = tl.zeros_like(q) + seqlen_k
+    return tl.where(row_ok, end, 0)
+
+
+@triton.jit
+def _read_end(key_end, seqlen_k):
+    """Where the loads of a row stop: ``key_end`` rounded up to whole groups of ``READ_GROUP`` keys.
+
+    Loads whose mask ends at an arbitrary key are split into single-element
+    loads; ending on a group boundary keeps them vector-wide. The few keys read
+    past ``key_end`` (fewer than ``READ_GROUP``, mostly in a sector fetched anyway)
+    are masked by ``apply_masks``. Example: key_end = 37 -> loads stop at 48.
+    """
+    return tl.minimum(tl.cdiv(key_end, READ_GROUP) * READ_GROUP, seqlen_k)
+
+
+@triton.jit
+def _masked_scores(
+    x_rows, mask_rows, q_idx, cols, key_end, col_end, seqlen_q, seqlen_k, scale,
+    stride_xn, stride_mm, stride_mn,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+):
+    """Scaled, masked scores ``[M, N]`` of columns ``cols``; keys past ``_read_end(key_end)`` (per row) or
+    ``col_end`` are not read; they, and everything masking removes, come back ``-inf``."""
+    readable = (cols[None, :] < _read_end(key_end, seqlen_k)[:, None]) & (cols < col_end)[None, :]
+    x = tl.load(x_rows[:, None] + cols[None, :] * stride_xn, mask=readable, other=float("-inf"))
+    s = x.to(tl.float32) * scale
+    return apply_masks(
+        s, q_idx, cols, seqlen_q, seqlen_k, mask_rows, stride_mm, stride_mn,
+        IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_UNITS,
+    )
+
+
+@triton.jit
+def _visible_y_dy(y_rows, dy_rows, cols, key_end, col_end, seqlen_k, stride_dyn):
+    """``y`` and ``dy`` (fp32) ``[M, N]`` of columns ``cols``, both 0 past each row's ``key_end``.
+
+    Loads stop at ``_read_end``; ``y`` is already 0 past ``key_end`` (the forward
+    wrote it so), and ``dy`` is zeroed there so that values the forward never
+    looked at (NaN, inf) cannot reach the row's sum.
+    """
+    readable = (cols[None, :] < _read_end(key_end, seqlen_k)[:, None]) & (cols < col_end)[None, :]
+    y = tl.load(y_rows[:, None] + cols[None, :], mask=readable, other=0.0).to(tl.float32)
+    dy = tl.load(dy_rows[:, None] + cols[None, :] * stride_dyn, mask=readable, other=0.0).to(tl.float32)
+    return y, tl.where(cols[None, :] < key_end[:, None], dy, 0.0)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.heuristics({
+    "HAS_MASK": lambda a: a["mask_ptr"] is not None,
+    "MASK_IS_BOOL": lambda a: a["mask_ptr"] is not None and a["mask_ptr"].dtype == torch.uint8,
+    "SINGLE_BLOCK": lambda a: a["seqlen_k"] <= a["BLOCK_N"],
+})
+@triton.jit
+def _masked_softmax_fwd_kernel(
+    x_ptr, mask_ptr, y_ptr, part_m_ptr, part_d_ptr,
+    n_rows, n_inner, seqlen_q, seqlen_k, n_splits, cols_per_split, scale,
+    stride_xb, stride_xh, stride_xm, stride_xn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+):
+    # A work item is (tile of BLOCK_M rows, chunk of columns); chunks exist only when rows are split (BLOCK_M = 1).
+    n_items = tl.cdiv(n_rows, BLOCK_M) * n_splits
+    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
+        if PASS == FINAL_PASS:
+            # Walk the work backwards: what the first launch read last is still in L2.
+            tile, col_start, col_end = _work_item(n_items - 1 - item, n_splits, cols_per_split, seqlen_k)
+        else:
+            tile, col_start, col_end = _work_item(item, n_splits, cols_per_split, seqlen_k)
+        rows = _tile_rows(tile, BLOCK_M)
+        row_ok = rows < n_rows
+        b0, b1, q = _row_coords(rows, seqlen_q, n_inner)
+        x_rows = x_ptr + b0 * stride_xb + b1 * stride_xh + q * stride_xm
+        if HAS_MASK:
+            mask_rows = (mask_ptr + b0 * stride_mb + b1 * stride_mh)[:, None]
+        else:
+            mask_rows = mask_ptr
+        q_idx = tl.where(row_ok, q, seqlen_q)  # rows past the end: an out-of-range query, so apply_masks reads nothing
+        key_end = _visible_end(q, row_ok, seqlen_q, seqlen_k, IS_CAUSAL)
+        tile_end = tl.minimum(col_end, tl.max(key_end, axis=0))  # no key past this is read by the tile
+
+        if PASS == FINAL_PASS:
+            parts = tl.arange(0, SPLITS_POW2)
+            part_at = rows[:, None] * n_splits + parts[None, :]
+            part_ok = (parts < n_splits)[None, :]
+            part_m = tl.load(part_m_ptr + part_at, mask=part_ok, other=float("-inf"))
+            part_d = tl.load(part_d_ptr + part_at, mask=part_ok, other=0.0)
+            m, d = merge_partial_states(part_m, part_d, LOG2E)
+        elif SINGLE_BLOCK:
+            cols = tl.arange(0, BLOCK_N)
+            s = _masked_scores(
+                x_rows, mask_rows, q_idx, cols, key_end, col_end, seqlen_q, seqlen_k, scale,
+                stride_xn, stride_mm, stride_mn, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
+            )
+            m, d = empty_state(BLOCK_M)
+            m, d, p, _ = online_update(m, d, s, LOG2E)
+        else:
+            # Every lane keeps its own (m, d) over the blocks (no reduction in the loop); lanes merge after it.
+            lane_m = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+            lane_d = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for start in tl.range(col_start, tile_end, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                s = _masked_scores(
+                    x_rows, mask_rows, q_idx, cols, key_end, col_end, seqlen_q, seqlen_k, scale,
+                    stride_xn, stride_mm, stride_mn, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
+                )
+                lane_m, lane_d = online_update_lanes(lane_m, lane_d, s, LOG2E)
+            m, d = merge_partial_states(lane_m, lane_d, LOG2E)
+        if PASS == PARTIAL_PASS:
+            tl.store(part_m_ptr + rows * n_splits + col_start // cols_per_split, m)
+            tl.store(part_d_ptr + rows * n_splits + col_start // cols_per_split, d)
+
+        if PASS != PARTIAL_PASS:
+            y_rows = y_ptr + rows * seqlen_k
+            if SINGLE_BLOCK:
+                y = normalize(p, d, True)
+                ok = row_ok[:, None] & (cols < seqlen_k)[None, :]
+                tl.store(y_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+            else:
+                # Blocks past tile_end load nothing and come out as zeros.
+                n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
+                for k in tl.range(0, n_blocks):
+                    cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
+                    s = _masked_scores(
+                        x_rows, mask_rows, q_idx, cols, key_end, col_end, seqlen_q, seqlen_k, scale,
+                        stride_xn, stride_mm, stride_mn, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
+                    )
+                    y = final_weights(s, m, d, LOG2E, True)
+                    ok = row_ok[:, None] & (cols < col_end)[None, :]
+                    tl.store(y_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.heuristics({"SINGLE_BLOCK": lambda a: a["seqlen_k"] <= a["BLOCK_N"]})
+@triton.jit
+def _masked_softmax_bwd_kernel(
+    y_ptr, dy_ptr, dx_ptr, part_ptr,
+    n_rows, seqlen_q, seqlen_k, n_splits, cols_per_split, scale,
+    stride_dym, stride_dyn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+):
+    # y and dx are contiguous (n_rows, seqlen_k); y is 0 wherever the forward masked, so no mask is needed here.
+    n_items = tl.cdiv(n_rows, BLOCK_M) * n_splits
+    for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
+        if PASS == FINAL_PASS:
+            tile, col_start, col_end = _work_item(n_items - 1 - item, n_splits, cols_per_split, seqlen_k)
+        else:
+            tile, col_start, col_end = _work_item(item, n_splits, cols_per_split, seqlen_k)
+        rows = _tile_rows(tile, BLOCK_M)
+        row_ok = rows < n_rows
+        key_end = _visible_end(rows % seqlen_q, row_ok, seqlen_q, seqlen_k, IS_CAUSAL)
+        tile_end = tl.minimum(col_end, tl.max(key_end, axis=0))
+        y_rows = y_ptr + rows * seqlen_k
+        dy_rows = dy_ptr + rows * stride_dym
+
+        if PASS == FINAL_PASS:
+            parts = tl.arange(0, SPLITS_POW2)
+            part_at = rows[:, None] * n_splits + parts[None, :]
+            dot = tl.sum(tl.load(part_ptr + part_at, mask=(parts < n_splits)[None, :], other=0.0), axis=1)
+        elif SINGLE_BLOCK:
+            cols = tl.arange(0, BLOCK_N)
+            y, dy = _visible_y_dy(y_rows, dy_rows, cols, key_end, col_end, seqlen_k, stride_dyn)
+            dot = tl.sum(y * dy, axis=1)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for start in tl.range(col_start, tile_end, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                y, dy = _visible_y_dy(y_rows, dy_rows, cols, key_end, col_end, seqlen_k, stride_dyn)
+                acc += y * dy
+            dot = tl.sum(acc, axis=1)
+        if PASS == PARTIAL_PASS:
+            tl.store(part_ptr + rows * n_splits + col_start // cols_per_split, dot)
+
+        if PASS != PARTIAL_PASS:
+            dx_rows = dx_ptr + rows * seqlen_k
+            if SINGLE_BLOCK:
+                dx = scale * y * (dy - dot[:, None])
+                ok = row_ok[:, None] & (cols < seqlen_k)[None, :]
+                tl.store(dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=ok)
+            else:
+                n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
+                for k in tl.range(0, n_blocks):
+                    cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
+                    y, dy = _visible_y_dy(y_rows, dy_rows, cols, key_end, col_end, seqlen_k, stride_dyn)
+                    dx = scale * y * (dy - dot[:, None])
+                    ok = row_ok[:, None] & (cols < col_end)[None, :]
+                    tl.store(dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------- host launchers
+
+
+def batch_layout(x: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[int], list[int], list[int]]:
+    """The leading dims of ``x`` (..., Lq, Lk) and of its broadcast ``mask``, merged as far as the strides of
+    both allow: ``(sizes, x strides, mask strides)``, outermost first, at least two (padded with size-1 dims).
+
+    Dims of size 1 are dropped; neighbours merge when both tensors step over them
+    as over one dim. Example: contiguous x (2, 3, 4, Lq, Lk) with a key-padding
+    mask (2, 1, 1, 1, Lk) keeps (2, 12); with a mask (2, 1, 4, 1, Lk) nothing
+    merges, and the three dims are launched as 2 x (3, 4).
+    """
+    lead = x.shape[:-2]
+    mask_strides = mask.stride()[:-2] if mask is not None else (0,) * len(lead)
+    sizes: list[int] = []
+    sx: list[int] = []
+    sm: list[int] = []
+    for size, stride_x, stride_m in zip(lead, x.stride()[:-2], mask_strides):
+        if size == 1:
+            continue
+        if sizes and sx[-1] == stride_x * size and sm[-1] == stride_m * size:
+            sizes[-1] *= size
+            sx[-1], sm[-1] = stride_x, stride_m
+        else:
+            sizes.append(size)
+            sx.append(stride_x)
+            sm.append(stride_m)
+    pad = max(0, 2 - len(sizes))
+    return [1] * pad + sizes, [0] * pad + sx, [0] * pad + sm
+
+
+def _plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str, block_n: int | None,
+          n_splits: int | None) -> SoftmaxPlan:
+    # Plain softmax's regimes, limits and block sizes (tuned on an H100 for softmax), not re-tuned for
+    # the mask tile: bench/masked_softmax.py measures the fused regime (L <= 4096) only.
+    return plan_softmax(n_rows, seqlen_k, device, algorithm, block_n, n_splits)
+
+
+def _launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device: torch.device, args: tuple, **flags) -> None:
+    """The online regime's launches: one over whole rows, or partials then final when rows are split.
+
+    Any grid is correct (the kernels loop over their work items); this one fills
+    the device, as plain softmax's online launcher does.
+    """
+    info = device_info(device)
+    grid = (max(1, min(n_rows * plan.n_splits, info.num_sms * (info.max_warps_per_sm // plan.num_warps))),)
+    passes = (BOTH_PASSES,) if plan.n_splits == 1 else (PARTIAL_PASS, FINAL_PASS)
+    for pass_ in passes:
+        kernel[grid](*args, PASS=pass_.value, BLOCK_M=1, BLOCK_N=plan.block_n,
+                     SPLITS_POW2=triton.next_power_of_2(plan.n_splits), num_warps=plan.num_warps, **flags)
+
+
+def _launch_forward(
+    x: torch.Tensor, mask: torch.Tensor | None, y: torch.Tensor, sizes: list[int], sx: list[int], sm: list[int],
+    scale: float, causal: bool, algorithm: str, block_n: int | None, n_splits: int | None,
+) -> None:
+    """One launch (two for split rows) over the rows of (B0, B1, Lq, Lk) = (*sizes, Lq, Lk) scores starting
+    at ``x``'s first element, leading strides ``sx`` (``sm`` for the mask); ``y`` contiguous."""
+    seqlen_q, seqlen_k = x.shape[-2:]
+    n_rows = sizes[0] * sizes[1] * seqlen_q
+    plan = _plan(n_rows, seqlen_k, x.device, algorithm, block_n, n_splits)
+    split = plan.algorithm == "online" and plan.n_splits > 1
+    part_m = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x.device) if split else None
+    part_d = torch.empty_like(part_m) if split else None
+    mask_qk = mask.stride()[-2:] if mask is not None else (0, 0)
+    cols_per_split = plan.cols_per_split or seqlen_k  # the fused plan leaves it 0: one chunk, the whole row
+    args = (x, mask, y, part_m, part_d, n_rows, sizes[1], seqlen_q, seqlen_k, plan.n_splits, cols_per_split, scale,
+            sx[0], sx[1], x.stride(-2), x.stride(-1), sm[0], sm[1], *mask_qk)
+    if plan.algorithm == "fused":
+        key = ("masked_softmax_fwd", plan, x.dtype, None if mask is None else mask.dtype, causal, x.device)
+        launch_persistent(
+            _masked_softmax_fwd_kernel, triton.cdiv(n_rows, plan.block_m), x.device, key, args, plan.num_warps,
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
+        )
+    else:
+        _launch_online(_masked_softmax_fwd_kernel, plan, n_rows, x.device, args, IS_CAUSAL=causal)
+
+
+def masked_softmax_forward(
+    x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
+    algorithm: str = "auto", block_n: int | None = None, n_splits: int | None = None,
+) -> torch.Tensor:
+    """Masked softmax of ``x`` (..., Lq, Lk) over its last dim; ``mask`` already broadcast to ``x``'s shape
+    (``broadcast_mask``: uint8 for boolean). Returns a contiguous tensor of ``x``'s shape and dtype.
+    ``block_n``/``n_splits`` force the online plan (tests)."""
+    sizes, sx, sm = batch_layout(x, mask)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    plan_args = (scale, causal, algorithm, block_n, n_splits)
+    if len(sizes) == 2:
+        _launch_forward(x, mask, y, sizes, sx, sm, *plan_args)
+        return y
+    # More than two leading dims that do not merge: one launch per index of the outer ones, on strided views.
+    seqlen_q, seqlen_k = x.shape[-2:]
+    xv = x.as_strided((*sizes, seqlen_q, seqlen_k), (*sx, *x.stride()[-2:]))
+    mv = None if mask is None else mask.as_strided((*sizes, seqlen_q, seqlen_k), (*sm, *mask.stride()[-2:]))
+    yv = y.view(*sizes, seqlen_q, seqlen_k)  # y is contiguous and size-1 dims do not move it
+    for outer in itertools.product(*(range(n) for n in sizes[:-2])):
+        _launch_forward(xv[outer], None if mv is None else mv[outer], yv[outer], sizes[-2:], sx[-2:], sm[-2:],
+                        *plan_args)
+    return y
+
+
+def masked_softmax_backward(
+    y2d: torch.Tensor, dy2d: torch.Tensor, seqlen_q: int, scale: float, causal: bool, dx_dtype: torch.dtype,
+    algorithm: str = "auto", block_n: int | None = None, n_splits: int | None = None,
+) -> torch.Tensor:
+    """``dx = scale * y * (dy - sum(dy * y))`` of rows (n_rows, Lk), row r being query ``r % seqlen_q``;
+    ``y2d`` contiguous, ``dy2d`` any row-strided view. A causal row is read up to the ``READ_GROUP``-key
+    group that holds its diagonal."""
+    n_rows, seqlen_k = y2d.shape
+    dx = torch.empty((n_rows, seqlen_k), dtype=dx_dtype, device=y2d.device)
+    plan = _plan(n_rows, seqlen_k, y2d.device, algorithm, block_n, n_splits)
+    split = plan.algorithm == "online" and plan.n_splits > 1
+    partials = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=y2d.device) if split else None
+    cols_per_split = plan.cols_per_split or seqlen_k
+    args = (y2d, dy2d, dx, partials, n_rows, seqlen_q, seqlen_k, plan.n_splits, cols_per_split, float(scale),
+            dy2d.stride(0), dy2d.stride(1))
+    if plan.algorithm == "fused":
+        key = ("masked_softmax_bwd", plan, y2d.dtype, dy2d.dtype, dx_dtype, causal, y2d.device)
+        launch_persistent(
+            _masked_softmax_bwd_kernel, triton.cdiv(n_rows, plan.block_m), y2d.device, key, args, plan.num_warps,
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
+        )
+    else:
+        _launch_online(_masked_softmax_bwd_kernel, plan, n_rows, y2d.device, args, IS_CAUSAL=causal)
+    return dx
+
+
+# ----------------------------------------------------------------------------- argument handling
+
+
+def _check_args(x: torch.Tensor, mask, scale, causal: bool, dim: int, algorithm: str) -> tuple[int, float]:
+    """Validate everything but the mask's shape and dtype (``broadcast_mask`` checks those);
+    return ``dim`` made non-negative and ``scale`` as a float."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_float_dtype("x", x)
+    if x.dim() < 1 or (causal and x.dim() < 2):
+        need = "(..., seqlen_q, seqlen_k)" if causal else "at least one dim"
+        raise ValueError(f"x must have shape {need}, got {tuple(x.shape)}")
+    if not -x.dim() <= dim < x.dim():
+        raise IndexError(f"dim={dim} is out of range for x with {x.dim()} dimension(s)")
+    dim %= x.dim()
+    if causal and dim != x.dim() - 1:
+        raise ValueError(f"causal=True needs the softmax over the last dim (the keys), got dim={dim}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if mask is not None and isinstance(mask, torch.Tensor) and mask.device != x.device:
+        raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
+    return dim, check_scale(scale, 1.0)
+
+
+def _masked_softmax_torch(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
+                          dim: int) -> torch.Tensor:
+    """The same function in PyTorch (fp32), for tensors the kernels do not run on."""
+    s = x.float() * scale
+    keep = torch.ones((), dtype=torch.bool, device=x.device)
+    if causal:
+        lq, lk = x.shape[-2:]
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=x.device).tril(lk - lq)
+    if mask is not None and mask.dtype == torch.bool:
+        keep = keep & mask
+    elif mask is not None:
+        s = s + mask.float()
+    s = s.masked_fill(~keep, float("-inf"))
+    y = torch.softmax(s, dim)
+    empty = (s == float("-inf")).all(dim, keepdim=True)
+    return y.masked_fill(empty, 0.0).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+def _forward_moved(x: torch.Tensor, mask_view: torch.Tensor | None, scale: float, causal: bool, dim: int,
+                   algorithm: str) -> torch.Tensor:
+    """The masked softmax of ``x`` in the layout of ``x.movedim(dim, -1)`` (contiguous); ``mask_view`` is
+    ``broadcast_mask(mask, x.shape)``'s view."""
+    if dim != x.dim() - 1:
+        x = x.movedim(dim, -1)  # (..., Lq, Lk): the keys last
+        mask_view = None if mask_view is None else mask_view.movedim(dim, -1)
+    if (x.shape[-1] - 1) * abs(x.stride(-1)) >= 2**31:
+        x = x.contiguous()  # the kernels step keys with 32-bit offsets; rows and batches are 64-bit
+    if x.dim() == 1:
+        y = masked_softmax_forward(x[None], None if mask_view is None else mask_view[None], scale, causal, algorithm)
+        return y[0]  # one row: Lq = 1
+    return masked_softmax_forward(x, mask_view, scale, causal, algorithm)
+
+
+class _MaskedSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mask: torch.Tensor | None, mask_view: torch.Tensor | None, scale: float,
+                causal: bool, dim: int, algorithm: str) -> torch.Tensor:
+        y = _forward_moved(x, mask_view, scale, causal, dim, algorithm)
+        ctx.save_for_backward(y)
+        ctx.scale, ctx.causal, ctx.dim, ctx.algorithm = scale, causal, dim, algorithm
+        ctx.mask_shape, ctx.mask_dtype = (None, None) if mask is None else (mask.shape, mask.dtype)
+        return y.movedim(-1, dim)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (y,) = ctx.saved_tensors  # (..., Lq, Lk), or (Lk,) for one row
+        seqlen_q = y.shape[-2] if y.dim() > 1 else 1
+        dy2d = as_rows(dy, ctx.dim)  # (rows, Lk); copies only if dy is not row-strided
+        y2d = y.view(dy2d.shape)
+        grad_mask = None
+        if ctx.needs_input_grad[1]:
+            # d/d(bias) is the unscaled softmax gradient: one kernel pass in fp32 with scale 1, then scale it for x.
+            g2d = masked_softmax_backward(y2d, dy2d, seqlen_q, 1.0, ctx.causal, torch.float32, ctx.algorithm)
+            grad_mask = g2d.view(y.shape).movedim(-1, ctx.dim).sum_to_size(ctx.mask_shape).to(ctx.mask_dtype)
+            dx2d = (g2d * ctx.scale).to(y.dtype) if ctx.needs_input_grad[0] else None
+        else:
+            dx2d = masked_softmax_backward(y2d, dy2d, seqlen_q, ctx.scale, ctx.causal, y.dtype, ctx.algorithm)
+        dx = None if dx2d is None else dx2d.view(y.shape).movedim(-1, ctx.dim)
+        return dx, grad_mask, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def masked_softmax(
+    x: torch.Tensor, mask: torch.Tensor | None = None, *, scale: float | None = None, causal: bool = False,
+    dim: int = -1, algorithm: str = "auto",
+) -> torch.Tensor:
+    """``softmax(x * scale + mask)`` over keys, with masked positions removed; fused on flashlite's kernels.
+
+    Args:
+        x: scores (..., seqlen_q, seqlen_k), float32/float16/bfloat16, any leading
+            dims, any strides (read in place, never copied).
+        mask: None; boolean, True = keep (the convention of
+            ``scaled_dot_product_attention``); or float32/float16/bfloat16, added
+            to the scaled scores (``-inf`` removes a position). Any shape that
+            broadcasts to ``x``: key padding (B, 1, 1, Lk), (Lq, Lk), per head
+            (B, H, Lq, Lk), ...; broadcast through strides, never expanded.
+        scale: multiplies the scores before the mask is added; None = 1.0.
+        causal: query ``i`` sees keys ``j <= i + seqlen_k - seqlen_q`` (aligned
+            bottom-right, as FlashAttention >= 2.1); keys past that are not read
+            and their outputs are 0. Combines with ``mask``.
+        dim: the keys' dim. Must be the last one when ``causal``; otherwise any
+            dim, with ``mask`` still broadcast against ``x``'s own shape.
+        algorithm: ``"auto"``, ``"fused"`` (rows up to ``softmax.FUSED_MAX_COLS``
+            keys) or ``"online"``, as in ``flashlite.softmax``.
+
+    Returns:
+        A tensor of ``x``'s shape and dtype (accumulation in fp32). Masked
+        positions are exactly 0. **A row with every key masked gives zeros**, where
+        ``torch.softmax`` of ``masked_fill(x, ~mask, -inf)`` gives NaN; NaN in a
+        visible score still gives NaN for its row. Differentiable in ``x`` and in
+        a float ``mask`` (the bias gradient, summed over broadcast dims).
+
+    Raises:
+        TypeError for a non-float ``x`` or a mask that is neither bool nor
+        float32/float16/bfloat16; ValueError for a mask that does not broadcast
+        to ``x``, lives on another device, or ``causal`` without a (Lq, Lk) last pair.
+    """
+    dim, scale = _check_args(x, mask, scale, causal, dim, algorithm)
+    mask_view = None if mask is None else broadcast_mask(mask, x.shape)[0]  # stride 0 on broadcast dims; bool as uint8
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    if not runs_kernels(x):
+        return _masked_softmax_torch(x, mask, scale, causal, dim)
+    if torch.is_grad_enabled() and (x.requires_grad or (mask is not None and mask.requires_grad)):
+        return _MaskedSoftmax.apply(x, mask, mask_view, scale, causal, dim, algorithm)
+    y = _forward_moved(x, mask_view, scale, causal, dim, algorithm)
+    return y if dim == x.dim() - 1 else y.movedim(-1, dim)
