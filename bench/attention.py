@@ -13,6 +13,7 @@ its inputs, for flashlite, SDPA flash and the naive chain. Modes:
     python bench/attention.py --check    # GPU correctness against float64, poisoned memory, all head dims
     python bench/attention.py --check --quick   # the same on four head dims and two length pairs
     python bench/attention.py --tune     # time tile configs at L = 4096 and print the table
+    python bench/attention.py --backward # bwd and fwd+bwd TFLOP/s vs SDPA flash/cuDNN -> attention_backward.*
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
     """FLOPs of the forward pass: two (Lq x Lk x D) matmuls; half of the pairs count under causal."""
     flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
     return flops / 2 if causal else flops
+
+
+def backward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
+    """FLOPs of the backward pass, counted as FlashAttention does: 2.5x the forward (five matmuls to two)."""
+    return 2.5 * attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal)
 
 
 def batch_for(length: int) -> int:
@@ -231,6 +237,66 @@ def print_summary(rows: list[dict]) -> None:
           f"D = {TARGET_CUDNN_D}, L >= {TARGET_CUDNN_MIN_L}: " + ("all met" if not misses else f"{len(misses)} missed"))
     for miss in misses:
         print("  missed: " + miss)
+
+
+# ----------------------------------------------------------------------------- --backward
+
+BACKWARD_PEERS = ("flash", "cudnn")
+
+
+def measure_backward(length: int, head_dim: int, causal: bool) -> dict:
+    """bwd and fwd+bwd TFLOP/s of flashlite and each peer; bwd alone re-runs autograd on one retained graph."""
+    batch = batch_for(length)
+    q, k, v = (t.requires_grad_() for t in make_qkv(batch, length, head_dim))
+    do = torch.randn_like(q)
+    fwd = attention_flops(batch, HEADS, length, length, head_dim, causal)
+    bwd = backward_flops(batch, HEADS, length, length, head_dim, causal)
+    row = {"D": head_dim, "causal": causal, "L": length, "B": batch}
+    provs = providers(causal)
+    for name in ("flashlite",) + BACKWARD_PEERS:
+        def fwd_bwd(fn=provs[name]):
+            return torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+        try:
+            out = provs[name](q, k, v)
+        except RuntimeError:  # backend unavailable for this shape
+            row[f"{name}_bwd"] = row[f"{name}_fwdbwd"] = None
+            continue
+        row[f"{name}_bwd"] = tflops(bwd, measure_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)))
+        row[f"{name}_fwdbwd"] = tflops(fwd + bwd, measure_ms(fwd_bwd))
+        del out
+    mine = row["flashlite_bwd"]
+    for peer in BACKWARD_PEERS:
+        row[f"x_{peer}_bwd"] = mine / row[f"{peer}_bwd"] if mine and row[f"{peer}_bwd"] else None
+    del q, k, v, do
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_backward(args) -> None:
+    lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
+    names = ("flashlite",) + BACKWARD_PEERS
+    rows = []
+    for head_dim in args.head_dims:
+        for causal in (False, True):
+            for length in lengths:
+                row = measure_backward(length, head_dim, causal)
+                rows.append(row)
+                print(f"D={head_dim} causal={causal!s:5} L={length:6} bwd: " + "  ".join(
+                    f"{n} {row[f'{n}_bwd']:.0f}" if row[f"{n}_bwd"] else f"{n} —" for n in names), flush=True)
+    out = results_dir(args.out)
+    meta = environment() | {"heads": HEADS, "tokens_per_batch": TOKENS, "dtype": "bfloat16",
+                            "flops": "bwd 2.5x fwd (4·B·H·L²·D, halved for causal); fwd+bwd 3.5x"}
+    cols = ["D", "causal", "L", "B", *(f"{n}_bwd" for n in names), *(f"{n}_fwdbwd" for n in names),
+            *(f"x_{p}_bwd" for p in BACKWARD_PEERS)]
+    write_results("attention_backward", out, meta, rows, cols, "Attention backward, TFLOP/s (bf16, H = 16)")
+    panels = []
+    for head_dim in args.head_dims:
+        for causal in (False, True):
+            sel = [r for r in rows if r["D"] == head_dim and r["causal"] == causal]
+            for kind in ("bwd", "fwdbwd"):
+                panels.append((f"attention {kind}, D={head_dim}, causal={causal}", [r["L"] for r in sel],
+                               {n: [r[f"{n}_{kind}"] for r in sel] for n in names}, "TFLOP/s"))
+    plot_lines(os.path.join(out, "attention_backward.png"), panels)
 
 
 # ----------------------------------------------------------------------------- --check
@@ -422,8 +488,11 @@ def main(argv=None) -> None:
     parser.add_argument("--check", action="store_true", help="GPU correctness checks instead of timing")
     parser.add_argument("--tune", action="store_true", help="time tile configs instead of the sweep")
     parser.add_argument("--tune-length", type=int, default=4096, help="sequence length of --tune (default 4096)")
+    parser.add_argument("--backward", action="store_true", help="time bwd and fwd+bwd instead of the forward")
     args = parser.parse_args(argv)
-    if args.check:
+    if args.backward:
+        run_backward(args)
+    elif args.check:
         run_check(args)
     elif args.tune:
         run_tune(args)

@@ -49,7 +49,9 @@ with ``merge_states``. ``flash_attention`` sends calls there when it splits
 Precision: fp16/bf16 dots accumulate in fp32, the softmax is fp32, P is rounded
 to the input dtype for the second dot (as in FlashAttention). fp32 inputs use
 IEEE fp32 dots (no tf32): accurate to ~1e-6, but several times slower than bf16.
-There is no backward pass yet: calling backward raises NotImplementedError.
+The backward pass (dQ, dK, dV, an additive mask's gradient, a gradient through
+LSE) is ``flashlite.attention_backward``; when q, k or v requires grad the
+forward also writes LSE and saves q, k, v, o, LSE for it.
 CPU tensors run the kernel through Triton's interpreter under
 ``TRITON_INTERPRET=1``, else a PyTorch fp32 computation that materialises the
 scores.
@@ -559,24 +561,41 @@ def _attention_torch(
 
 
 class _FlashAttention(torch.autograd.Function):
+    """``(o, lse)`` of ``flash_attention``; differentiable in q, k, v, an additive mask and through lse
+    (backward: ``flashlite.attention_backward``, not for the split-K/V path)."""
+
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, mask, mask_is_bool, write_lse, num_splits, cache_seqlens):
-        if num_splits == 1 and cache_seqlens is None:
-            o, lse = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse)
+        split = num_splits != 1 or cache_seqlens is not None
+        trains = any(ctx.needs_input_grad[:3]) or ctx.needs_input_grad[5]
+        if not split:
+            o, lse = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse or trains)
         else:  # split-K/V decoding, also the path of a cache with per-element lengths (flashlite.split_kv)
             from .split_kv import split_kv_forward  # split_kv builds on this module's K/V loop: imported on use
 
             o, lse = split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse, num_splits, cache_seqlens)
-        if lse is not None:
-            ctx.mark_non_differentiable(lse)
+        ctx.split = split
+        if trains and not split:
+            ctx.save_for_backward(q, k, v, o, lse, mask)
+            ctx.causal, ctx.scale, ctx.mask_is_bool = causal, scale, mask_is_bool
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        raise NotImplementedError(
-            "flashlite.flash_attention has no backward pass yet; for training use "
-            "torch.nn.functional.scaled_dot_product_attention"
+        if ctx.split:
+            raise NotImplementedError(
+                "flashlite.flash_attention has no backward pass for split-K/V attention (num_splits > 1 or "
+                "cache_seqlens given); call it with num_splits=1 and without cache_seqlens to train"
+            )
+        from .attention_backward import attention_backward  # builds on this module's tile helpers: imported on use
+
+        q, k, v, o, lse, mask = ctx.saved_tensors
+        dq, dk, dv, dmask = attention_backward(
+            _unit_stride_head_dim(do), q, k, v, o, lse, dlse, ctx.causal, ctx.scale, mask, ctx.mask_is_bool,
+            mask_needs_grad=ctx.needs_input_grad[5],
         )
+        dmask = None if dmask is None else dmask.to(mask.dtype)
+        return dq, dk, dv, None, None, dmask, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- public API
@@ -631,11 +650,17 @@ def flash_attention(
     ``num_splits`` are for.
 
     fp16/bf16 compute in fp32 with P rounded to the input dtype, like
-    FlashAttention; fp32 uses IEEE fp32 dots (slow, accurate to ~1e-6). No
-    backward pass yet: differentiating through the kernel's result raises
-    NotImplementedError. CPU tensors run the Triton kernel through the
-    interpreter under ``TRITON_INTERPRET=1``, else a PyTorch fp32 path (plain
-    autograd) that materialises the scores.
+    FlashAttention; fp32 uses IEEE fp32 dots (slow, accurate to ~1e-6).
+
+    Differentiable (``flashlite.attention_backward``, FlashAttention-2 style,
+    deterministic): gradients of q, k, v (dk/dv summed over each GQA group), of
+    a float ``attn_mask`` that requires grad (summed over its broadcast dims;
+    this materialises one (B, H, Lq, Lk) fp32 buffer), and through the returned
+    ``lse``. A boolean mask has no gradient. The split-K/V path (``num_splits``
+    > 1, ``cache_seqlens``) has no backward: it raises NotImplementedError. CPU
+    tensors run the Triton kernels through the interpreter under
+    ``TRITON_INTERPRET=1``, else a PyTorch fp32 path (plain autograd) that
+    materialises the scores.
     """
     from .split_kv import auto_num_splits, check_split_args  # split_kv builds on this module: imported on use
 
@@ -651,7 +676,8 @@ def flash_attention(
         lse = torch.full((batch, n_heads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
-        if num_splits is None:
-            num_splits = auto_num_splits(q, k, mask)
+        if num_splits is None:  # training keeps the forward kernel: the split path has no backward
+            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mask) if t is not None)
+            num_splits = 1 if needs_grad else auto_num_splits(q, k, mask)
         o, lse = _FlashAttention.apply(q, k, v, causal, scale, mask, mask_is_bool, return_lse, num_splits, cache_seqlens)
     return (o, lse) if return_lse else o

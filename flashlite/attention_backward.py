@@ -1,0 +1,463 @@
+"""Flash attention, backward: dQ, dK, dV (and the bias gradient) without storing the L×L probabilities.
+
+The forward saved ``O`` and the natural-log ``LSE`` of every query row. With
+``S = Q Kᵀ · scale + bias`` and ``P = softmax(S) = e^(S - LSE)``:
+
+    dV = Pᵀ dO,   dP = dO Vᵀ,   dS = P ⊙ (dP - δ),   δ = rowsum(dO ⊙ O) - dLSE,
+    dQ = dS K · scale,   dK = dSᵀ Q · scale,   d(bias) = dS.
+
+(``δ_i = Σ_j P_ij dP_ij = rowsum(dO ⊙ O)``; a gradient flowing into the returned
+LSE adds ``P ⊙ dLSE`` to dS, i.e. subtracts ``dLSE`` from δ: supported.)
+
+Three kernels, FlashAttention-2 style:
+
+1. ``_attention_bwd_delta_kernel``: δ per query row, in fp32.
+2. ``_attention_bwd_dkdv_kernel``: one program per (batch, K/V head, key tile)
+   keeps its K and V tile and fp32 dK/dV accumulators on chip and streams the
+   Q, dO, LSE and δ tiles of every query head of its GQA group. dK/dV of a
+   shared K/V head are therefore summed over the group in registers: no
+   repeated K/V in memory, no atomics.
+3. ``_attention_bwd_dq_kernel``: one program per (batch, head, query tile)
+   keeps Q, dO and an fp32 dQ accumulator and streams K/V tiles. It recomputes
+   P and dS a second time (FlashAttention-2 trades these FLOPs for having no
+   atomic adds), so every gradient is deterministic: two runs are bitwise equal.
+
+P is never stored: both kernels recompute it from the scores and LSE. In the
+base-2 units of the forward (``flashlite.online_softmax``), the LSE is the
+row's final online-softmax state ``(m, d) = (LSE · log2(e), 1)``, so
+``P = e^(s - m)`` with the core's ``safe_max`` (a row that saw no key has
+``LSE = -inf``; ``safe_max`` makes ``m = 0``, and every score of that row is
+``-inf``, so its P is 0, never NaN).
+
+Key/query ranges under ``causal`` (bottom-right: query ``i`` sees key
+``j <= i + Lk - Lq``, as the forward). The dQ kernel skips key tiles as the
+forward does. The dK/dV kernel skips the query tiles above the diagonal: key
+tile ``[n, n + BLOCK_N)`` is first seen by query ``n - (Lk - Lq)`` and seen
+whole from query ``n + BLOCK_N - 1 - (Lk - Lq)`` on. Worked example: Lq = 6,
+Lk = 8 (offset 2), BLOCK_M = BLOCK_N = 2, key tile 4..5: query 2 is the first
+to see key 4, query 3 the first to see key 5; query tiles [0, 2) are skipped,
+[2, 4) is masked (the diagonal), [4, 6) is full. Masks (``apply_masks``)
+are applied on the diagonal and, with a user mask, on every tile.
+
+Ragged tiles. Loads are bounds-checked and give zeros past L and D (head dims
+that are not powers of two are padded like the forward). Query rows past Lq
+have dO = 0 and δ = 0, so they add nothing to dK/dV; key rows past Lk only
+produce dK/dV rows that are never stored. The dQ kernel masks its ragged last
+key tile, as the forward does.
+
+Masks. A boolean mask has no gradient. An additive (float) mask that requires
+grad gets ``d(bias) = dS``: the dQ kernel then also writes dS into a
+(B, H, Lq, Lk) fp32 buffer (the only L×L memory of the backward, allocated
+only in that case), and autograd sums it over the mask's broadcast dims.
+
+Precision: fp32 accumulators; P and dS are rounded to the input dtype for the
+dots with dO, Q and K (as FlashAttention); fp32 inputs use IEEE fp32 dots.
+Offsets that grow with batch, heads and rows are 64-bit.
+
+Limits: no TMA or persistent-grid variants yet; the GPU tile table is
+provisional (compiled for sm_90, not timed). The split-K/V forward
+(``num_splits > 1``, ``cache_seqlens``) has no backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import KV_LOOP_FLAGS, AttentionConfig, _dot, _load_tile, _store_tile, head_dim_padded
+from .masking import apply_masks, causal_key_end, causal_offset
+from .online_softmax import LOG2E, safe_max
+
+# ----------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _probs_and_score_grads(
+    q, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
+    mask_ptr, stride_mask_q, stride_mask_k,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    """``P`` and ``dS`` ``[BLOCK_M, BLOCK_N]`` (fp32) of one (query tile, key tile) pair.
+
+    ``lse2`` is the rows' LSE in base-2 units, ``qk_scale = scale · log2(e)``.
+    With ``MASKED``, positions that do not count (bounds, causal, the user's
+    mask) get ``P = 0``; without it every pair must count.
+    """
+    s = _dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS) * qk_scale
+    if MASKED:
+        s = apply_masks(
+            s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
+            IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, LOG2E, MASK_PER_KEY,
+        )
+    p = tl.exp2(s - safe_max(lse2)[:, None])  # the final state (m, d) = (lse2, 1): no division
+    dp = _dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST_DOTS)
+    ds = p * (dp - delta[:, None])
+    return p, ds
+
+
+@triton.jit
+def _load_rows(ptr, q_idx, seqlen_q):
+    """One fp32 value per query row (LSE or δ) of a (batch, head)'s row vector; 0 past ``seqlen_q``."""
+    return tl.load(ptr + q_idx, mask=q_idx < seqlen_q, other=0.0)
+
+
+@triton.jit
+def _dkdv_over_query_tiles(
+    dk, dv, k, v, k_idx, q_src, do_src, lse_src, delta_src, stride_qm, stride_dom,
+    query_start, query_end, seqlen_q, seqlen_k, head_dim, qk_scale,
+    mask_ptr, stride_mask_q, stride_mask_k,
+    BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    """Add the query tiles ``[query_start, query_end)`` of one query head to the key tile's (dk, dv) accumulators.
+
+    ``query_start`` must be a multiple of ``BLOCK_M``. Query rows are always
+    bounds-checked (rows past ``seqlen_q`` load as zeros and add nothing).
+    """
+    for start in tl.range(query_start, query_end, BLOCK_M):
+        start = tl.multiple_of(start, BLOCK_M)
+        q_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_M)
+        q = _load_tile(q_src, start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+        do = _load_tile(do_src, start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+        lse2 = _load_rows(lse_src, q_idx, seqlen_q) * LOG2E
+        delta = _load_rows(delta_src, q_idx, seqlen_q)
+        p, ds = _probs_and_score_grads(
+            q, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
+            mask_ptr, stride_mask_q, stride_mask_k,
+            MASKED, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, DOT_PRECISION, UPCAST_DOTS,
+        )
+        dv = _dot(tl.trans(p.to(do.dtype)), do, dv, DOT_PRECISION, UPCAST_DOTS)
+        dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, DOT_PRECISION, UPCAST_DOTS)
+    return dk, dv
+
+
+@triton.jit
+def _dq_over_key_tiles(
+    dq, q, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, stride_dsm,
+    key_start, key_end, seqlen_q, seqlen_k, head_dim, qk_scale,
+    mask_ptr, stride_mask_q, stride_mask_k,
+    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, STORE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    """Add keys ``[key_start, key_end)`` to the query tile's dq accumulator (unscaled: ``Σ dS K``).
+
+    As ``_attend_kv_tiles``: ``key_start`` a multiple of ``BLOCK_N``; with
+    ``MASKED`` K/V rows are bounds-checked and ``apply_masks`` runs, without it
+    every key of the range counts for every row. ``STORE_DS`` also writes dS
+    (the bias gradient) to ``ds_dst``, the (batch, head)'s (Lq, Lk) fp32 matrix.
+    """
+    for start in tl.range(key_start, key_end, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        k_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
+        v = _load_tile(v_src, start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
+        p, ds = _probs_and_score_grads(
+            q, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
+            mask_ptr, stride_mask_q, stride_mask_k,
+            MASKED, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, DOT_PRECISION, UPCAST_DOTS,
+        )
+        if STORE_DS:
+            ok = (q_idx < seqlen_q)[:, None] & (k_idx < seqlen_k)[None, :]
+            tl.store(ds_dst + q_idx[:, None] * stride_dsm + k_idx[None, :], ds, mask=ok)
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION, UPCAST_DOTS)
+    return dq
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.heuristics({
+    "EVEN_D": lambda args: args["head_dim"] == args["HEAD_DIM_PADDED"],
+    "HAS_DLSE": lambda args: args["dlse_ptr"] is not None,
+})
+@triton.jit
+def _attention_bwd_delta_kernel(
+    o_ptr, do_ptr, dlse_ptr, delta_ptr,
+    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    n_heads, seqlen_q, head_dim,
+    BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    # δ = rowsum(dO ⊙ O) - dLSE for one tile of BLOCK_M rows of one (batch, head); dLSE is (B, H, Lq) contiguous.
+    n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
+    bh = tl.program_id(0) // n_query_tiles
+    m_start = (tl.program_id(0) % n_query_tiles) * BLOCK_M
+    b64 = tl.cast(bh // n_heads, tl.int64)
+    h64 = tl.cast(bh % n_heads, tl.int64)
+    o_src = o_ptr + b64 * stride_ob + h64 * stride_oh
+    do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
+    o = _load_tile(o_src, m_start, seqlen_q, stride_om, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    do = _load_tile(do_src, m_start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    rows = tl.cast(bh, tl.int64) * seqlen_q + m_start + tl.arange(0, BLOCK_M)
+    ok = (m_start + tl.arange(0, BLOCK_M)) < seqlen_q
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + rows, mask=ok, other=0.0)
+    tl.store(delta_ptr + rows, delta, mask=ok)
+
+
+@triton.heuristics(KV_LOOP_FLAGS)
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    n_heads, kv_group, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    # Tiles numbered per (batch, kv head), key tile fastest; under causal the first key tiles see the most
+    # queries, and they are the first to start.
+    n_key_tiles = tl.cdiv(seqlen_k, BLOCK_N)
+    bh_kv = tl.program_id(0) // n_key_tiles
+    n_start = (tl.program_id(0) % n_key_tiles) * BLOCK_N
+    n_kv_heads = n_heads // kv_group
+    b64 = tl.cast(bh_kv // n_kv_heads, tl.int64)
+    h_kv64 = tl.cast(bh_kv % n_kv_heads, tl.int64)
+
+    k_src = k_ptr + b64 * stride_kb + h_kv64 * stride_kh
+    v_src = v_ptr + b64 * stride_vb + h_kv64 * stride_vh
+    k = _load_tile(k_src, n_start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, True, EVEN_D, False)
+    v = _load_tile(v_src, n_start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, True, EVEN_D, False)
+    k_idx = tl.cast(n_start, tl.int64) + tl.arange(0, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
+
+    # [query_begin, full_begin): masked query tiles (the causal diagonal, or all with a user mask);
+    # [full_begin, seqlen_q): tiles that see every key of this tile. See the module docstring's example.
+    query_tiles_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        offset = causal_offset(seqlen_q, seqlen_k)
+        query_begin = tl.maximum(n_start - offset, 0) // BLOCK_M * BLOCK_M
+        full_begin = tl.cdiv(tl.maximum(n_start + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
+        full_begin = tl.minimum(full_begin, query_tiles_end)
+    else:
+        query_begin = 0
+        full_begin = 0
+    if HAS_MASK:
+        full_begin = query_tiles_end
+
+    for g in range(0, kv_group):  # every query head that reads this K/V head
+        h64 = h_kv64 * kv_group + g
+        bh64 = b64 * n_heads + h64
+        q_src = q_ptr + b64 * stride_qb + h64 * stride_qh
+        do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
+        lse_src = lse_ptr + bh64 * seqlen_q
+        delta_src = delta_ptr + bh64 * seqlen_q
+        mask_bh = mask_ptr
+        if HAS_MASK:
+            mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
+        dk, dv = _dkdv_over_query_tiles(
+            dk, dv, k, v, k_idx, q_src, do_src, lse_src, delta_src, stride_qm, stride_dom,
+            query_begin, full_begin, seqlen_q, seqlen_k, head_dim, qk_scale, mask_bh, stride_mask_q, stride_mask_k,
+            BLOCK_M, HEAD_DIM_PADDED, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            EVEN_D, DOT_PRECISION, UPCAST_DOTS,
+        )
+        if not HAS_MASK:
+            dk, dv = _dkdv_over_query_tiles(
+                dk, dv, k, v, k_idx, q_src, do_src, lse_src, delta_src, stride_qm, stride_dom,
+                full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim, qk_scale, mask_bh, stride_mask_q, stride_mask_k,
+                BLOCK_M, HEAD_DIM_PADDED, False, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+                EVEN_D, DOT_PRECISION, UPCAST_DOTS,
+            )
+
+    dk_dst = dk_ptr + b64 * stride_dkb + h_kv64 * stride_dkh
+    dv_dst = dv_ptr + b64 * stride_dvb + h_kv64 * stride_dvh
+    _store_tile(dk_dst, (dk * scale).to(k.dtype), n_start, seqlen_k, stride_dkn, head_dim, BLOCK_N, HEAD_DIM_PADDED, EVEN_D)
+    _store_tile(dv_dst, dv.to(v.dtype), n_start, seqlen_k, stride_dvn, head_dim, BLOCK_N, HEAD_DIM_PADDED, EVEN_D)
+
+
+@triton.heuristics({**KV_LOOP_FLAGS, "STORE_DS": lambda args: args["ds_ptr"] is not None})
+@triton.jit
+def _attention_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ds_ptr, mask_ptr,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    n_heads, kv_group, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, STORE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    # Numbered as the forward: head-major, query tile fastest, the heaviest (last) causal tiles first.
+    n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
+    bh = tl.program_id(0) // n_query_tiles
+    m_tile = tl.program_id(0) % n_query_tiles
+    if IS_CAUSAL:
+        m_tile = n_query_tiles - 1 - m_tile
+    m_start = m_tile * BLOCK_M
+    b64 = tl.cast(bh // n_heads, tl.int64)
+    h64 = tl.cast(bh % n_heads, tl.int64)
+    h_kv64 = h64 // kv_group
+    bh64 = tl.cast(bh, tl.int64)
+
+    q_src = q_ptr + b64 * stride_qb + h64 * stride_qh
+    do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
+    k_src = k_ptr + b64 * stride_kb + h_kv64 * stride_kh
+    v_src = v_ptr + b64 * stride_vb + h_kv64 * stride_vh
+    mask_bh = mask_ptr
+    if HAS_MASK:
+        mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
+    ds_dst = ds_ptr
+    if STORE_DS:  # a (B, H, Lq, Lk) contiguous fp32 buffer
+        ds_dst = ds_ptr + bh64 * seqlen_q * seqlen_k
+
+    q = _load_tile(q_src, m_start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    do = _load_tile(do_src, m_start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
+    lse2 = _load_rows(lse_ptr + bh64 * seqlen_q, q_idx, seqlen_q) * LOG2E
+    delta = _load_rows(delta_ptr + bh64 * seqlen_q, q_idx, seqlen_q)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+
+    # Key ranges as the forward's: [0, full_end) full tiles, [full_end, key_end) masked ones.
+    if IS_CAUSAL:
+        key_end = causal_key_end(tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k)
+        full_end = causal_key_end(m_start, seqlen_q, seqlen_k) // BLOCK_N * BLOCK_N
+    else:
+        key_end = seqlen_k
+        full_end = seqlen_k // BLOCK_N * BLOCK_N
+    if HAS_MASK:
+        full_end = 0
+    else:
+        dq = _dq_over_key_tiles(
+            dq, q, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, seqlen_k,
+            0, full_end, seqlen_q, seqlen_k, head_dim, qk_scale, mask_bh, stride_mask_q, stride_mask_k,
+            BLOCK_N, HEAD_DIM_PADDED, False, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            EVEN_D, False, DOT_PRECISION, UPCAST_DOTS,
+        )
+    dq = _dq_over_key_tiles(
+        dq, q, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, seqlen_k,
+        full_end, key_end, seqlen_q, seqlen_k, head_dim, qk_scale, mask_bh, stride_mask_q, stride_mask_k,
+        BLOCK_N, HEAD_DIM_PADDED, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+        EVEN_D, STORE_DS, DOT_PRECISION, UPCAST_DOTS,
+    )
+    dq_dst = dq_ptr + b64 * stride_dqb + h64 * stride_dqh
+    _store_tile(dq_dst, (dq * scale).to(q.dtype), m_start, seqlen_q, stride_dqm, head_dim, BLOCK_M, HEAD_DIM_PADDED, EVEN_D)
+
+
+# ----------------------------------------------------------------------------- host launchers
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Tiles of the two main backward kernels (``block_m`` query rows, ``block_n`` keys in each)."""
+
+    dkdv: AttentionConfig  # K/V tile of block_n rows on chip, Q/dO tiles of block_m rows streamed
+    dq: AttentionConfig  # Q/dO tile of block_m rows on chip, K/V tiles of block_n rows streamed
+
+
+# Rows of one δ program: O and dO tiles of 64 x 256 fp16 are 64 KB, within every head dim's budget.
+DELTA_BLOCK_M = 64
+
+# PROVISIONAL, NOT TIMED: starting points by padded head dim. dK/dV keeps two fp32
+# (BLOCK_N, D) accumulators plus K and V on chip, so its streamed query tile is
+# small; dQ mirrors the forward. Checked offline only: compiled for sm_90 with
+# Triton 3.9 (bf16, causal; cuobjdump resource usage), the per-thread stack frame
+# (spills) of each choice: D <= 64 dkdv 248 regs / 0 B, dq 216 regs / 0 B;
+# D = 128 dkdv 255 / 64 B, dq 255 / 8 B; D = 256 dkdv 255 / 40 B, dq 255 / 224 B
+# (bigger tiles spilled 200-2000 B). Re-time on the GPU with
+# `python bench/attention.py --backward` and replace.
+_CONFIGS = {
+    16: BackwardConfig(AttentionConfig(32, 128, 8, 2), AttentionConfig(128, 64, 8, 2)),
+    32: BackwardConfig(AttentionConfig(32, 128, 8, 2), AttentionConfig(128, 64, 8, 2)),
+    64: BackwardConfig(AttentionConfig(32, 128, 8, 2), AttentionConfig(128, 64, 8, 2)),
+    128: BackwardConfig(AttentionConfig(16, 128, 8, 2), AttentionConfig(128, 32, 8, 2)),
+    256: BackwardConfig(AttentionConfig(32, 32, 8, 1), AttentionConfig(32, 32, 4, 1)),
+}
+# fp32: IEEE dots on the FMA units, small tiles (as the forward's fp32 table). Also provisional.
+_FP32_CONFIGS = {
+    hd: BackwardConfig(AttentionConfig(32, 32, 4, 1), AttentionConfig(32, 32, 4, 1)) if hd <= 64
+    else BackwardConfig(AttentionConfig(16, 32, 4, 1), AttentionConfig(32, 16, 4, 1))
+    for hd in (16, 32, 64, 128, 256)
+}
+# The interpreter runs one program at a time in numpy: small tiles (tests force smaller ones still).
+INTERPRETER_CONFIG = BackwardConfig(AttentionConfig(32, 32, 4, 1), AttentionConfig(32, 32, 4, 1))
+
+
+def default_backward_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> BackwardConfig:
+    """The tile config of a backward call: the interpreter's, or the fp32 or fp16/bf16 table's."""
+    if device.type != "cuda":
+        return INTERPRETER_CONFIG
+    table = _FP32_CONFIGS if dtype == torch.float32 else _CONFIGS
+    return table[head_dim_padded(head_dim)]
+
+
+def _bhl_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """Batch, head and row strides of a (B, H, L, D) tensor whose head dim has stride 1."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def attention_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool,
+    mask_needs_grad: bool = False, config: BackwardConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of ``flash_attention`` from the saved forward, on (B, H, L, D) tensors whose head dim has stride 1.
+
+    Args:
+        do: (B, H, Lq, D) gradient of the output ``o`` (head dim stride 1).
+        q, k, v, o: the forward's inputs and output; k, v have H_kv heads.
+        lse: (B, H, Lq) fp32 natural-log LSE from the forward (``-inf`` for empty rows).
+        dlse: None or the (B, H, Lq) gradient of the returned LSE.
+        causal, scale, mask, mask_is_bool: as given to ``attention_forward`` (``mask``
+            broadcast to (B, H, Lq, Lk)).
+        mask_needs_grad: also return the gradient of an additive mask.
+        config: forces the tiles (tests); by default ``default_backward_config``.
+
+    Returns:
+        ``(dq, dk, dv, dmask)``: dq like q, dk/dv like k/v (summed over each GQA
+        group), ``dmask`` (B, H, Lq, Lk) fp32 or None.
+    """
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    hd_pad = head_dim_padded(head_dim)
+    if config is None:
+        config = default_backward_config(head_dim, q.dtype, q.device)
+    bh = batch * n_heads
+    delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    _attention_bwd_delta_kernel[(triton.cdiv(seqlen_q, DELTA_BLOCK_M) * bh,)](
+        o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim,
+        BLOCK_M=DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
+    )
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device) if mask_needs_grad else None
+    lse = lse.contiguous()
+    mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+    common = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, head_dim, scale * LOG2E, scale)
+    meta = dict(
+        HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see attention._dot)
+    )
+    c = config.dkdv
+    _attention_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],)](
+        q, k, v, do, lse, delta, dk, dv, mask,
+        *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dk), *_bhl_strides(dv),
+        *mask_strides, *common,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
+    )
+    c = config.dq
+    _attention_bwd_dq_kernel[(triton.cdiv(seqlen_q, c.block_m) * bh,)](
+        q, k, v, do, lse, delta, dq, ds, mask,
+        *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dq),
+        *mask_strides, *common,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
+    )
+    return dq, dk, dv, ds

@@ -1,0 +1,122 @@
+"""HuggingFace transformers on flashlite: ``attn_implementation="fl_attention"``.
+
+    import flashlite.integrations.transformers as fl_hf
+    fl_hf.register()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=fl_hf.NAME)  # "fl_attention"
+
+Why not "flashlite": transformers sends every implementation whose name
+contains "flash" down its FlashAttention-2 path (``is_flash_attention_requested``
+is ``"flash" in name`` in transformers 5.x: unpadded varlen inputs, and a hub
+kernel looked up under that name), which flashlite's (B, H, L, D) function is
+not. So the name avoids that substring (and "sdpa", "flex", "paged", which
+transformers matches too).
+
+``register()`` puts ``attention_forward`` in transformers' ``AttentionInterface``,
+which every recent model's attention layer looks up by
+``config._attn_implementation``. The layer calls it with
+``query`` (B, H, Lq, D), ``key``/``value`` (B, H_kv, Lk, D) (K/V heads not
+repeated: flash_attention does GQA itself), the 4-D ``attention_mask`` or None,
+``scaling`` and ``dropout``; it returns ``(attn_output (B, Lq, H, D), None)``.
+
+Masks. transformers builds the mask with the function that its
+``AttentionMaskInterface`` holds under the same name, and hands a custom
+implementation without one *no mask at all* (padding would be ignored), so
+``register()`` also registers the mask builder of "sdpa" (transformers >= 4.53).
+That builder gives
+
+* None when the mask is plain causal (no padding, Lq == Lk or Lq == 1): then
+  the layer's ``is_causal`` decides, as in SDPA;
+* else a boolean (B, 1, Lq, Lk) mask, **True = keep**: flashlite's convention,
+  passed through as is. With left padding, the queries at padding positions
+  see no key; flash_attention gives them zeros (SDPA would give NaN).
+
+A float mask (additive, 0 or the dtype's minimum: what transformers < 4.53
+builds for a custom name, or a user's 4-D mask) is passed through as an additive
+bias; rows masked with the minimum everywhere come out finite too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import flash_attention
+
+# Registered name. Must not contain "flash", "sdpa", "flex" or "paged": transformers matches those substrings.
+NAME = "fl_attention"
+_RESERVED_SUBSTRINGS = ("flash", "sdpa", "flex", "paged")
+
+__all__ = ["NAME", "attention_forward", "register"]
+
+
+def attention_forward(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature on ``flashlite.flash_attention``.
+
+    Args:
+        module: the calling attention layer; its ``is_causal`` (default True) is
+            used when no mask is given (``kwargs["is_causal"]`` wins if present).
+        query: (B, H, Lq, D). key, value: (B, H_kv, Lk, D) with ``H % H_kv == 0``.
+        attention_mask: None, or 4-D broadcastable to (B, H, Lq, Lk'), Lk' >= Lk
+            (cut to Lk): bool True = keep, or float additive.
+        scaling: the score scale; default ``1 / sqrt(D)``.
+        dropout: must be 0.0 (flashlite has no attention dropout).
+        **kwargs: ``softcap``, ``s_aux`` (attention sinks) and ``position_bias``
+            are not supported and raise when set; the rest (``sliding_window``,
+            whose window the mask already holds, cache details) are ignored.
+
+    Returns:
+        ``(attn_output, None)``: attn_output (B, Lq, H, D) contiguous, in query's dtype;
+        no attention weights (they are never formed).
+    """
+    if dropout:
+        raise ValueError(f"dropout={dropout} is not supported by flashlite's attention (set attention_dropout=0.0)")
+    for name in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name} is not supported by attn_implementation={NAME!r}; use 'eager' or 'sdpa'")
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    causal = False
+    if attention_mask is not None:
+        if attention_mask.dim() != 4:
+            raise ValueError(f"attention_mask must be 4-D (B, 1 or H, Lq, Lk), got shape {tuple(attention_mask.shape)}")
+        attention_mask = attention_mask[..., :seqlen_k]  # some versions build it to the cache's full length
+    else:
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(module, "is_causal", True)
+        causal = bool(is_causal) and seqlen_q > 1  # one query row sees every key either way
+        if causal and seqlen_k > seqlen_q:
+            # transformers omits the mask with Lk > Lq > 1 only for the prefill of an empty static cache:
+            # the keys past Lq are unused slots and "causal" means top-left, as SDPA's is_causal.
+            # flashlite aligns causal bottom-right, so drop the unused slots, as transformers' SDPA path does.
+            key, value = key[:, :, :seqlen_q], value[:, :, :seqlen_q]
+    out = flash_attention(query, key, value, causal=causal, scale=scaling, attn_mask=attention_mask)  # (B, H, Lq, D)
+    return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D)
+
+
+def register(name: str = NAME) -> None:
+    """Make ``attn_implementation=name`` (default ``"fl_attention"``) available to transformers models (idempotent).
+
+    Registers ``attention_forward`` in ``transformers.AttentionInterface`` and,
+    where transformers has one (>= 4.53), SDPA's mask builder under the same name
+    in ``AttentionMaskInterface`` (boolean masks, True = keep; None when causal
+    alone suffices).
+
+    Raises:
+        ValueError: ``name`` contains a substring that transformers routes elsewhere ("flash", ...).
+    """
+    reserved = [part for part in _RESERVED_SUBSTRINGS if part in name.lower()]
+    if reserved:
+        raise ValueError(
+            f"name {name!r} contains {reserved[0]!r}: transformers would treat it as its own "
+            f"{reserved[0]} implementation; choose another (default {NAME!r})"
+        )
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, attention_forward)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    except ImportError:  # pragma: no cover - before 4.53 models build an additive 4-D mask for custom names
+        return
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

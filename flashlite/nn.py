@@ -1,0 +1,193 @@
+"""Layers built on ``flashlite.flash_attention``; no kernel code lives here.
+
+``MultiheadAttention`` is the usual projection → split heads → attention →
+merge heads → projection, with one fused input projection for Q, K and V. The
+heads are split by ``einops.rearrange`` into (B, H, L, D) *views* of the
+projection's output (the head dim keeps stride 1, so ``flash_attention`` reads
+them in place), and merged back from the attention output, which comes out in
+(B, L, H, D) memory order, again without a copy.
+
+Masks follow ``flashlite.masked_softmax`` and ``scaled_dot_product_attention``:
+a boolean mask is **True = keep**. That includes ``key_padding_mask``, where
+``torch.nn.MultiheadAttention`` uses the opposite (True = ignore): pass
+``~mask`` when porting code from it.
+
+Devices: CUDA runs flashlite's kernels; CPU tensors run them through Triton's
+interpreter under ``TRITON_INTERPRET=1``, else flashlite's PyTorch path (fp32,
+plain autograd), so the layer trains on CPU as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .attention import MAX_HEAD_DIM, MIN_HEAD_DIM, flash_attention
+
+__all__ = ["MultiheadAttention"]
+
+
+class MultiheadAttention(nn.Module):
+    """Multi-head (or grouped-query) attention on ``flashlite.flash_attention``.
+
+    Weights: ``qkv`` is one ``Linear(E, (H + 2·H_kv)·D)`` whose output rows are
+    ``[Q (H·D) | K (H_kv·D) | V (H_kv·D)]``, each head's D features together
+    (``(h d)`` order); ``out_proj`` is ``Linear(E, E)``. ``D = E / H``.
+    Self-attention runs the fused projection once on ``x``; cross-attention
+    (``kv`` given) applies the Q rows of the same weight to ``x`` and the K/V
+    rows to ``kv``, so one set of weights serves both uses.
+
+    Args:
+        embed_dim: E, the model width of ``x``, ``kv`` and the output.
+        num_heads: H query heads; must divide ``embed_dim``, and the head dim
+            ``embed_dim // num_heads`` must lie in [16, 256] (flash_attention's range).
+        num_kv_heads: H_kv key/value heads (GQA/MQA); must divide ``num_heads``.
+            Default ``num_heads`` (plain multi-head attention). K/V heads are
+            shared by ``num_heads // num_kv_heads`` query heads without being copied.
+        causal: causal self-attention. Aligned bottom-right as in
+            ``flash_attention``: query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``
+            (the usual lower triangle when Lq == Lk).
+        bias: biases in both projections.
+        dropout: only 0.0: flashlite's attention has no dropout on the
+            attention weights. Any other value raises ValueError.
+        device, dtype: of the parameters, as for ``torch.nn.Linear``.
+    """
+
+    def __init__(
+        self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, causal: bool = False,
+        bias: bool = True, dropout: float = 0.0, device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        head_dim = embed_dim // num_heads
+        if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"head dim embed_dim // num_heads = {embed_dim} // {num_heads} = {head_dim} is not supported: "
+                f"it must lie in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]"
+            )
+        if dropout != 0.0:
+            raise ValueError(
+                f"dropout={dropout!r} is not supported: flashlite's attention has no dropout, only dropout=0.0"
+            )
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.causal = causal
+        self.dropout = 0.0
+        factory = dict(device=device, dtype=dtype)
+        self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"causal={self.causal}"
+        )
+
+    def forward(
+        self, x: torch.Tensor, kv: torch.Tensor | None = None, *,
+        key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``x`` over itself, or over ``kv`` (cross-attention).
+
+        Args:
+            x: (B, Lq, E), the queries (and keys/values when ``kv`` is None).
+            kv: None, or (B, Lk, E): the keys/values source for cross-attention.
+            key_padding_mask: None, or (B, Lk) bool, **True = keep** (a real token),
+                False = padding. This is the opposite of ``torch.nn.MultiheadAttention``,
+                where True marks a key to ignore: pass ``~mask`` when porting.
+            attn_mask: None, or broadcastable to (B, H, Lq, Lk): bool (True = keep)
+                or float (added to the scaled scores). Combined with
+                ``key_padding_mask`` and ``causal`` (a key counts only if all allow it).
+
+        Returns:
+            (B, Lq, E) in x's dtype. A query that may see no key at all (every key
+            masked) gets zero attention output, so its result is ``out_proj``'s bias.
+        """
+        batch, seqlen_q = self._check_input("x", x)
+        if kv is None:
+            seqlen_k = seqlen_q
+            q, k, v = self.qkv(x).split(self._split_sizes(), dim=-1)  # (B, L, H·D), (B, L, H_kv·D) x 2
+        else:
+            kv_batch, seqlen_k = self._check_input("kv", kv)
+            if kv_batch != batch:
+                raise ValueError(f"kv has batch size {kv_batch} but x has {batch}")
+            q_size = self.num_heads * self.head_dim
+            weight_q, weight_kv = self.qkv.weight.split([q_size, self.qkv.out_features - q_size])
+            bias_q, bias_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split(
+                [q_size, self.qkv.out_features - q_size])
+            q = F.linear(x, weight_q, bias_q)  # (B, Lq, H·D)
+            k, v = F.linear(kv, weight_kv, bias_kv).chunk(2, dim=-1)  # (B, Lk, H_kv·D) x 2
+        mask = self._combine_masks(key_padding_mask, attn_mask, batch, seqlen_q, seqlen_k, x.device)
+
+        # Views, no copies: the last dim splits into (heads, head_dim) with head_dim at stride 1.
+        q = rearrange(q, "b l (h d) -> b h l d", h=self.num_heads)  # (B, H, Lq, D)
+        k = rearrange(k, "b l (h d) -> b h l d", h=self.num_kv_heads)  # (B, H_kv, Lk, D)
+        v = rearrange(v, "b l (h d) -> b h l d", h=self.num_kv_heads)  # (B, H_kv, Lk, D)
+        o = flash_attention(q, k, v, causal=self.causal, attn_mask=mask)  # (B, H, Lq, D)
+        o = rearrange(o, "b h l d -> b l (h d)")  # (B, Lq, E); a view when o is in (B, L, H, D) order
+        return self.out_proj(o)
+
+    # ------------------------------------------------------------------------- helpers
+
+    def _split_sizes(self) -> list[int]:
+        kv_size = self.num_kv_heads * self.head_dim
+        return [self.num_heads * self.head_dim, kv_size, kv_size]
+
+    def _check_input(self, name: str, t: torch.Tensor) -> tuple[int, int]:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3 or t.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"{name} must have shape (batch, seqlen, embed_dim={self.embed_dim}), got {tuple(t.shape)}"
+            )
+        return t.shape[0], t.shape[1]
+
+    def _combine_masks(
+        self, key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None,
+        batch: int, seqlen_q: int, seqlen_k: int, device: torch.device,
+    ) -> torch.Tensor | None:
+        """One mask for flash_attention: ``attn_mask`` and ``key_padding_mask`` (as (B, 1, 1, Lk)), both True = keep."""
+        full = (batch, self.num_heads, seqlen_q, seqlen_k)
+        if attn_mask is not None:
+            if not isinstance(attn_mask, torch.Tensor):
+                raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+            try:
+                ok = torch.broadcast_shapes(attn_mask.shape, full) == full
+            except RuntimeError:
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Lq, Lk) = {full}"
+                )
+        if key_padding_mask is None:
+            return attn_mask
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError(
+                "key_padding_mask must be a bool tensor (True = keep, the opposite of torch.nn.MultiheadAttention), "
+                f"got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}"
+            )
+        if tuple(key_padding_mask.shape) != (batch, seqlen_k):
+            raise ValueError(
+                f"key_padding_mask must have shape (B, Lk) = {(batch, seqlen_k)}, got {tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.device != device:
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but x is on {device}")
+        keep = key_padding_mask[:, None, None, :]  # (B, 1, 1, Lk): flash_attention reads it once per key tile
+        if attn_mask is None:
+            return keep
+        if attn_mask.dtype == torch.bool:
+            return attn_mask & keep
+        return torch.where(keep, attn_mask, float("-inf"))

@@ -1,0 +1,108 @@
+"""attn_implementation="fl_attention" (flashlite) in a tiny random Llama, against transformers' own "eager" and "sdpa"."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the optional extra flashlite[transformers]; CI installs it
+
+import flashlite.integrations.transformers as fl_hf  # noqa: E402
+
+from .utils import assert_attention_close  # noqa: E402
+
+VOCAB = 128
+SEQLEN = 12
+N_PAD = [0, 5]  # left padding of each batch row: row 1's first queries see only padding keys
+
+
+def tiny_llamas(*implementations: str, dtype: torch.dtype = torch.float32) -> list[torch.nn.Module]:
+    """One random tiny Llama (hidden 64, 2 layers, 4 heads, 2 K/V heads: GQA, head dim 16) per implementation,
+    all with the same weights."""
+    fl_hf.register()
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    # A config per model: the attention layers read config._attn_implementation at every call.
+    models = [
+        transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl).to(dtype).eval()
+        for impl in implementations
+    ]
+    for model, impl in zip(models, implementations):
+        assert model.config._attn_implementation == impl
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    return models
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (B, L) and the 2-D attention mask (1 = token, 0 = padding), left-padded by N_PAD."""
+    ids = torch.randint(0, VOCAB, (len(N_PAD), SEQLEN))
+    mask = (torch.arange(SEQLEN)[None, :] >= torch.tensor(N_PAD)[:, None]).long()
+    return ids, mask
+
+
+def test_register():
+    fl_hf.register()
+    assert transformers.AttentionInterface().get(fl_hf.NAME) is fl_hf.attention_forward
+    with pytest.raises(ValueError, match="contains 'flash'"):  # transformers would route it to FlashAttention-2
+        fl_hf.register("flashlite")
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_logits_match_eager_and_sdpa(padded):
+    # Unpadded: transformers passes no mask and the layer's is_causal (flash_attention(causal=True));
+    # padded: a boolean (B, 1, L, L) mask, True = keep, causal included.
+    flash, eager, sdpa = tiny_llamas(fl_hf.NAME, "eager", "sdpa")
+    ids, mask = batch()
+    kw = dict(attention_mask=mask) if padded else {}
+    with torch.no_grad():
+        logits = flash(ids, **kw).logits
+        logits_eager = eager(ids, **kw).logits
+        logits_sdpa = sdpa(ids, **kw).logits
+    assert torch.isfinite(logits).all()  # padding queries see no key: zeros, never NaN
+    real = mask.bool() if padded else torch.ones_like(mask, dtype=torch.bool)
+    torch.testing.assert_close(logits[real], logits_eager[real], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[real], logits_sdpa[real], atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_padded_within_flash_attention_tolerance():
+    # FlashAttention's rule on the logits: flashlite's bf16 error vs a float64 model at most twice
+    # that of transformers' bf16 SDPA model, plus the bf16 floor. The float64 model is "sdpa":
+    # "eager" in float64 gives NaN on the fully masked padding rows, which then spreads to every row.
+    flash, sdpa = tiny_llamas(fl_hf.NAME, "sdpa", dtype=torch.bfloat16)
+    (sdpa64,) = tiny_llamas("sdpa", dtype=torch.float64)
+    sdpa64.load_state_dict(flash.state_dict())
+    ids, mask = batch()
+    real = mask.bool()
+    with torch.no_grad():
+        logits = flash(ids, attention_mask=mask).logits[real]
+        ref64 = sdpa64(ids, attention_mask=mask).logits[real]
+        logits_sdpa = sdpa(ids, attention_mask=mask).logits[real]
+    assert_attention_close(logits, ref64, logits_sdpa, torch.bfloat16)
+
+
+def test_kv_cache_continuation():
+    # A prefill of 9 tokens, then 3 more against the cache (Lq = 3 < Lk = 12: causal aligned
+    # bottom-right, through the mask transformers builds), against one eager pass over all 12.
+    flash, eager = tiny_llamas(fl_hf.NAME, "eager")
+    ids, mask = batch()
+    with torch.no_grad():
+        full = eager(ids, attention_mask=mask).logits
+        cache = flash(ids[:, :9], attention_mask=mask[:, :9], use_cache=True).past_key_values
+        step = flash(ids[:, 9:], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(step, full[:, 9:], atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_arguments():
+    q = torch.randn(1, 2, 3, 16)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match="dropout"):
+        fl_hf.attention_forward(module, q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="softcap"):
+        fl_hf.attention_forward(module, q, q, q, None, softcap=30.0)
+    out, weights = fl_hf.attention_forward(module, q, q, q, None)
+    assert out.shape == (1, 3, 2, 16) and weights is None
