@@ -21,6 +21,11 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# True while torch.compile traces (torch >= 2.3): the public ops then hand their checked arguments to
+# flashlite.ops' custom ops. The bare torch function, so the eager check costs one call.
+is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
 def runs_kernels(x: torch.Tensor) -> bool:
     """True if flashlite's Triton kernels handle tensor ``x`` (CUDA, or CPU under the interpreter)."""
     if x.is_cuda:

@@ -74,7 +74,7 @@ try:  # host-side tensor descriptors (TMA on Hopper): Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton: K/V through pointers only
     TensorDescriptor = None
 
-from ._runtime import check_float_dtype, check_scale, device_info, launch_persistent, runs_kernels
+from ._runtime import check_float_dtype, check_scale, device_info, is_compiling, launch_persistent, runs_kernels
 from .masking import apply_masks, broadcast_mask, causal_key_end
 from .online_softmax import BASE2_UNITS, LOG2E, empty_state, normalize, online_update, state_logsumexp
 
@@ -560,6 +560,12 @@ def _attention_torch(
 # ----------------------------------------------------------------------------- autograd
 
 
+SPLIT_HAS_NO_BACKWARD = (
+    "flashlite.flash_attention has no backward pass for split-K/V attention (num_splits > 1 or "
+    "cache_seqlens given); call it with num_splits=1 and without cache_seqlens to train"
+)
+
+
 class _FlashAttention(torch.autograd.Function):
     """``(o, lse)`` of ``flash_attention``; differentiable in q, k, v, an additive mask and through lse
     (backward: ``flashlite.attention_backward``, not for the split-K/V path)."""
@@ -583,10 +589,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         if ctx.split:
-            raise NotImplementedError(
-                "flashlite.flash_attention has no backward pass for split-K/V attention (num_splits > 1 or "
-                "cache_seqlens given); call it with num_splits=1 and without cache_seqlens to train"
-            )
+            raise NotImplementedError(SPLIT_HAS_NO_BACKWARD)
         from .attention_backward import attention_backward  # builds on this module's tile helpers: imported on use
 
         q, k, v, o, lse, mask = ctx.saved_tensors
@@ -635,7 +638,8 @@ def flash_attention(
             (``split_kv.SPLIT_AUTOMATIC``); then only on CUDA when the grid of
             query tiles x B x H would leave the GPU mostly idle and Lk is long.
             1 never splits; n > 1 forces n splits (not yet verified on a GPU),
-            clamped to the number of key tiles. The result means the same either way.
+            clamped to the number of key tiles (and to 65535, CUDA's grid limit). The result
+            means the same either way.
         cache_seqlens: None, or (B,) int32/int64 on q's device: batch element ``b``
             attends keys ``[0, cache_seqlens[b])`` of k and v only (a KV cache filled
             up to there, read in place without a copy). Values must lie in [0, Lk]
@@ -669,10 +673,16 @@ def flash_attention(
     batch, n_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     scale = check_scale(scale, 1.0 / math.sqrt(head_dim))
+    if is_compiling():  # one node of the graph (flashlite.ops); training keeps the forward kernel, as below
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, attn_mask) if t is not None)
+        splits = 1 if num_splits is None and grads else num_splits
+        o, lse = torch.ops.flashlite.flash_attention(q, k, v, causal, scale, attn_mask, splits, cache_seqlens)
+        return (o, lse) if return_lse else o
     if not runs_kernels(q):
         o, lse = _attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens)
     elif batch * n_heads * seqlen_q == 0 or seqlen_k == 0:  # nothing to launch; no key means empty rows
-        o = torch.zeros_like(q)
+        # Zeros that stay in the autograd graph (gradient 0 for q), whatever q holds (NaN included).
+        o = torch.where(torch.zeros_like(q, dtype=torch.bool), q, 0.0)
         lse = torch.full((batch, n_heads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))

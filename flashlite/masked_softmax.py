@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_float_dtype, check_scale, device_info, launch_persistent, runs_kernels
+from ._runtime import check_float_dtype, check_scale, device_info, is_compiling, launch_persistent, runs_kernels
 from .masking import apply_masks, broadcast_mask, causal_key_end
 from .online_softmax import (
     LOG2E,
@@ -554,6 +554,8 @@ def masked_softmax(
     """
     dim, scale = _check_args(x, mask, scale, causal, dim, algorithm)
     mask_view = None if mask is None else broadcast_mask(mask, x.shape)[0]  # stride 0 on broadcast dims; bool as uint8
+    if is_compiling():  # one node of the graph (flashlite.ops)
+        return torch.ops.flashlite.masked_softmax(x, mask, scale, causal, dim, algorithm)
     if x.numel() == 0:
         return torch.empty_like(x)
     if not runs_kernels(x):

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_float_dtype, device_info, launch_persistent, runs_kernels
+from ._runtime import check_float_dtype, device_info, is_compiling, launch_persistent, runs_kernels
 from .online_softmax import (
     LOG2E,
     empty_state,
@@ -447,6 +447,8 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
     out_dtype = x.dtype if dtype is None else dtype
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    if is_compiling():  # one node of the graph (flashlite.ops)
+        return torch.ops.flashlite.softmax(x, dim, algorithm, out_dtype)
     if x.numel() == 0:
         return torch.empty_like(x, dtype=out_dtype)
     if not runs_kernels(x):
@@ -471,6 +473,8 @@ def logsumexp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         (the gradient is ``softmax(x)``). This is the quantity attention returns as LSE.
     """
     dim = _check_args(x, dim, "auto")
+    if is_compiling():  # one node of the graph (flashlite.ops)
+        return torch.ops.flashlite.logsumexp(x, dim)
     if x.numel() == 0 or not runs_kernels(x):
         return torch.logsumexp(x.float(), dim).to(x.dtype)
     return _LogSumExp.apply(x, dim)

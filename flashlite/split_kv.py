@@ -230,6 +230,8 @@ SPLIT_MIN_SEQLEN_K = 8192
 SPLIT_TARGET_PROGRAMS_PER_SM = 2
 SPLIT_MIN_KEYS = 512
 SPLIT_MAX = 128
+# Splits are grid axis 1, which CUDA caps at 65535 programs: forced num_splits is clamped to it.
+MAX_GRID_SPLITS = 65535
 
 
 def split_config(n_rows: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> AttentionConfig:
@@ -336,7 +338,7 @@ def split_kv_forward(
     if config is not None:
         programs = triton.cdiv(pack * seqlen_q, config.block_m) * batch * (n_heads // pack)
     config = config or default
-    num_splits = max(1, min(num_splits, triton.cdiv(seqlen_k, config.block_n)))
+    num_splits = max(1, min(num_splits, triton.cdiv(seqlen_k, config.block_n), MAX_GRID_SPLITS))
 
     n_out_rows = batch * n_heads * seqlen_q
     part_m = torch.empty((num_splits, n_out_rows), dtype=torch.float32, device=q.device)

@@ -117,9 +117,12 @@ def test_no_bias_and_layout():
     assert isinstance(flashlite.nn.MultiheadAttention(32, 2), torch.nn.Module)  # exported as flashlite.nn
 
 
-def test_gradients_pytorch_path(monkeypatch):
-    """Gradients of the layer (PyTorch path, plain autograd) against float64 autograd of the reference."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read per call: CPU tensors take flashlite's PyTorch path
+@pytest.mark.parametrize("path", ["kernels", "pytorch"])
+def test_gradients(monkeypatch, path):
+    """Gradients of the layer against float64 autograd of the reference: through flashlite's Triton forward
+    and backward kernels (the interpreter), and through the PyTorch path (plain autograd)."""
+    if path == "pytorch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # read per call: CPU tensors take flashlite's PyTorch path
     layer = MultiheadAttention(64, 4, num_kv_heads=2, causal=True)
     layer64 = copy.deepcopy(layer).double()
     x, kv = randn(2, 6, 64, requires_grad=True), randn(2, 10, 64, requires_grad=True)

@@ -1,0 +1,310 @@
+"""flashlite's public ops as PyTorch custom ops, so that ``torch.compile(fullgraph=True)`` traces them.
+
+Dynamo cannot trace into a Triton launch from the host code of an op module
+(nor into ``torch.autograd.Function``s that launch kernels), so while compiling
+the public functions hand their checked arguments to the ops registered here,
+each of which the graph keeps as one opaque node:
+
+* ``flashlite::softmax(x, dim, algorithm, dtype)`` and ``flashlite::logsumexp(x, dim)``;
+* ``flashlite::masked_softmax(x, mask, scale, causal, dim, algorithm)``;
+* ``flashlite::flash_attention(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens) -> (o, lse)``;
+
+and, for their gradients, ``flashlite::softmax_backward``,
+``flashlite::masked_softmax_backward`` and ``flashlite::flash_attention_backward``.
+Each op's implementation calls the same launchers as the eager path (or the
+same PyTorch fallback on devices the kernels do not run on), its fake
+implementation returns empty tensors of the real outputs' shapes, dtypes *and
+strides* (inductor plans its buffers from them), and ``register_autograd``
+wires forward to backward. Eager calls never come here: the public functions
+route to ``torch.ops.flashlite`` only under ``torch.compiler.is_compiling()``,
+after validating their arguments.
+
+Differences from the eager path, all while compiling: ``flash_attention``
+always writes the log-sum-exp (the op cannot know whether a gradient will be
+asked for; it costs one fp32 store per query row); the split-K/V path still has
+no backward, and a graph that needs one fails when it is compiled rather than
+when backward runs. Ops need torch >= 2.4 (``torch.library.custom_op``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._runtime import runs_kernels
+from .attention import SPLIT_HAS_NO_BACKWARD, _attention_torch, _unit_stride_head_dim, attention_forward
+from .masked_softmax import _forward_moved, _masked_softmax_torch, masked_softmax_backward
+from .masking import broadcast_mask
+from .softmax import as_rows, from_rows, plan_softmax, softmax_backward, softmax_forward
+
+
+def _empty_rows_layout(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of ``x``'s shape laid out as the launchers return it: contiguous with ``dim`` last,
+    then moved back (``from_rows``)."""
+    if x.dim() == 0:
+        return torch.empty((), dtype=dtype, device=x.device)
+    return torch.empty(x.movedim(dim, -1).shape, dtype=dtype, device=x.device).movedim(-1, dim)
+
+
+def _softmax_grad_torch(y: torch.Tensor, dy: torch.Tensor, dim: int, scale: float) -> torch.Tensor:
+    """``scale * y * (dy - sum(dy * y))`` along ``dim`` in fp32: the backward of both softmaxes off the kernels."""
+    y, dy = y.float(), dy.float()
+    return scale * y * (dy - (dy * y).sum(dim, keepdim=True))
+
+
+# ----------------------------------------------------------------------------- softmax
+
+
+@torch.library.custom_op("flashlite::softmax", mutates_args=(),
+                         schema="(Tensor x, int dim, str algorithm, ScalarType dtype) -> Tensor")
+def _softmax(x: torch.Tensor, dim: int, algorithm: str, dtype: torch.dtype) -> torch.Tensor:
+    if x.numel() == 0 or not runs_kernels(x):
+        return _empty_rows_layout(x, dim, dtype).copy_(torch.softmax(x.float(), dim))
+    x2d = as_rows(x, dim)
+    y2d, _ = softmax_forward(x2d, dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm))
+    return from_rows(y2d, x, dim)
+
+
+@_softmax.register_fake
+def _(x, dim, algorithm, dtype):
+    return _empty_rows_layout(x, dim, dtype)
+
+
+@torch.library.custom_op("flashlite::softmax_backward", mutates_args=(),
+                         schema="(Tensor y, Tensor dy, int dim, str algorithm, ScalarType dx_dtype) -> Tensor")
+def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, algorithm: str, dx_dtype: torch.dtype) -> torch.Tensor:
+    if y.numel() == 0 or not runs_kernels(y):
+        return _empty_rows_layout(y, dim, dx_dtype).copy_(_softmax_grad_torch(y, dy, dim, 1.0))
+    y2d = as_rows(y, dim).contiguous()  # (rows, n): the kernel reads y with row stride n
+    dy2d = as_rows(dy, dim)
+    dx2d = softmax_backward(y2d, dy2d, dx_dtype, plan_softmax(y2d.shape[0], y2d.shape[1], y.device, algorithm))
+    return from_rows(dx2d, y, dim)
+
+
+@_softmax_bwd.register_fake
+def _(y, dy, dim, algorithm, dx_dtype):
+    return _empty_rows_layout(y, dim, dx_dtype)
+
+
+def _softmax_setup(ctx, inputs, output) -> None:
+    x, ctx.dim, ctx.algorithm, _ = inputs
+    ctx.x_dtype = x.dtype
+    ctx.save_for_backward(output)
+
+
+def _softmax_grad(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return torch.ops.flashlite.softmax_backward(y, dy, ctx.dim, ctx.algorithm, ctx.x_dtype), None, None, None
+
+
+_softmax.register_autograd(_softmax_grad, setup_context=_softmax_setup)
+
+
+@torch.library.custom_op("flashlite::logsumexp", mutates_args=(), schema="(Tensor x, int dim) -> Tensor")
+def _logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if x.numel() == 0 or not runs_kernels(x):
+        return torch.logsumexp(x.float(), dim).to(x.dtype).contiguous()
+    x2d = as_rows(x, dim)
+    _, lse = softmax_forward(x2d, x.dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device),
+                             write_y=False, write_lse=True)
+    return lse.to(x.dtype).view(_reduced_shape(x, dim))
+
+
+def _reduced_shape(x: torch.Tensor, dim: int) -> tuple:
+    return tuple(x.shape[:dim] + x.shape[dim + 1:]) if x.dim() > 0 else ()
+
+
+@_logsumexp.register_fake
+def _(x, dim):
+    return x.new_empty(_reduced_shape(x, dim))
+
+
+def _logsumexp_setup(ctx, inputs, output) -> None:
+    x, ctx.dim = inputs
+    ctx.save_for_backward(x)
+
+
+def _logsumexp_grad(ctx, g):
+    (x,) = ctx.saved_tensors
+    y = torch.ops.flashlite.softmax(x, ctx.dim, "auto", torch.float32)  # d lse / dx = softmax(x)
+    return (y * (g.unsqueeze(ctx.dim) if x.dim() > 0 else g)).to(x.dtype), None
+
+
+_logsumexp.register_autograd(_logsumexp_grad, setup_context=_logsumexp_setup)
+
+
+# ----------------------------------------------------------------------------- masked softmax
+
+
+@torch.library.custom_op(
+    "flashlite::masked_softmax", mutates_args=(),
+    schema="(Tensor x, Tensor? mask, float scale, bool causal, int dim, str algorithm) -> Tensor",
+)
+def _masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool, dim: int,
+                    algorithm: str) -> torch.Tensor:
+    if x.numel() == 0 or not runs_kernels(x):
+        out = _empty_rows_layout(x, dim, x.dtype)
+        return out if x.numel() == 0 else out.copy_(_masked_softmax_torch(x, mask, scale, causal, dim))
+    mask_view = None if mask is None else broadcast_mask(mask, x.shape)[0]
+    return _forward_moved(x, mask_view, scale, causal, dim, algorithm).movedim(-1, dim)
+
+
+@_masked_softmax.register_fake
+def _(x, mask, scale, causal, dim, algorithm):
+    return _empty_rows_layout(x, dim, x.dtype)
+
+
+@torch.library.custom_op(
+    "flashlite::masked_softmax_backward", mutates_args=(),
+    schema="(Tensor y, Tensor dy, float scale, bool causal, int dim, str algorithm, ScalarType dx_dtype) -> Tensor",
+)
+def _masked_softmax_bwd(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool, dim: int, algorithm: str,
+                        dx_dtype: torch.dtype) -> torch.Tensor:
+    if y.numel() == 0 or not runs_kernels(y):
+        return _empty_rows_layout(y, dim, dx_dtype).copy_(_softmax_grad_torch(y, dy, dim, scale))
+    y_keys_last = y.movedim(dim, -1).contiguous()  # (..., Lq, Lk), as the forward wrote it
+    seqlen_q = y_keys_last.shape[-2] if y.dim() > 1 else 1
+    dy2d = as_rows(dy, dim)  # (rows, Lk)
+    dx2d = masked_softmax_backward(y_keys_last.view(dy2d.shape), dy2d, seqlen_q, scale, causal, dx_dtype, algorithm)
+    return from_rows(dx2d, y, dim)
+
+
+@_masked_softmax_bwd.register_fake
+def _(y, dy, scale, causal, dim, algorithm, dx_dtype):
+    return _empty_rows_layout(y, dim, dx_dtype)
+
+
+def _masked_softmax_setup(ctx, inputs, output) -> None:
+    _, mask, ctx.scale, ctx.causal, ctx.dim, ctx.algorithm = inputs
+    ctx.mask_shape, ctx.mask_dtype = (None, None) if mask is None else (mask.shape, mask.dtype)
+    ctx.save_for_backward(output)
+
+
+def _masked_softmax_grad(ctx, dy):
+    (y,) = ctx.saved_tensors
+    backward = torch.ops.flashlite.masked_softmax_backward
+    dx = dmask = None
+    if ctx.needs_input_grad[1]:
+        # d/d(bias) is the unscaled softmax gradient: one pass in fp32 with scale 1, then scaled for x.
+        g = backward(y, dy, 1.0, ctx.causal, ctx.dim, ctx.algorithm, torch.float32)
+        dmask = g.sum_to_size(ctx.mask_shape).to(ctx.mask_dtype)
+        if ctx.needs_input_grad[0]:
+            dx = (g * ctx.scale).to(y.dtype)
+    elif ctx.needs_input_grad[0]:
+        dx = backward(y, dy, ctx.scale, ctx.causal, ctx.dim, ctx.algorithm, y.dtype)
+    return dx, dmask, None, None, None, None
+
+
+_masked_softmax.register_autograd(_masked_softmax_grad, setup_context=_masked_softmax_setup)
+
+
+# ----------------------------------------------------------------------------- flash attention
+
+
+def _attention_mask(
+    attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+) -> tuple[torch.Tensor | None, bool]:
+    """``attn_mask`` viewed as the kernels read it: broadcast to (B, H, Lq, Lk), bool as uint8."""
+    if attn_mask is None:
+        return None, False
+    return broadcast_mask(attn_mask, (*q.shape[:3], k.shape[2]), "attn_mask")
+
+
+@torch.library.custom_op(
+    "flashlite::flash_attention", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? attn_mask, int? num_splits, "
+           "Tensor? cache_seqlens) -> (Tensor, Tensor)",
+)
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                     attn_mask: torch.Tensor | None, num_splits: int | None,
+                     cache_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
+    batch, n_heads, seqlen_q, _ = q.shape
+    if not runs_kernels(q) or batch * n_heads * seqlen_q == 0 or k.shape[2] == 0:
+        o, lse = _attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens)
+        return torch.empty_like(q).copy_(o), lse.contiguous()
+    mask, mask_is_bool = _attention_mask(attn_mask, q, k)
+    if num_splits is None:
+        from .split_kv import auto_num_splits  # split_kv builds on attention: imported on use, as there
+
+        num_splits = auto_num_splits(q, k, mask)
+    if num_splits == 1 and cache_seqlens is None:
+        return attention_forward(q, k, v, causal, scale, mask, mask_is_bool, True)
+    from .split_kv import split_kv_forward
+
+    return split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, True, num_splits, cache_seqlens)
+
+
+@_flash_attention.register_fake
+def _(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens):
+    o = torch.empty_like(_unit_stride_head_dim(q))  # q's memory order, as attention_forward allocates it
+    return o, q.new_empty(q.shape[:3], dtype=torch.float32)  # lse (B, H, Lq)
+
+
+@torch.library.custom_op(
+    "flashlite::flash_attention_backward", mutates_args=(),
+    schema="(Tensor do, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
+           "Tensor? attn_mask, bool mask_needs_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _flash_attention_bwd(
+    do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, attn_mask: torch.Tensor | None,
+    mask_needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dmask)``; dmask is the fp32 gradient of ``attn_mask`` in its shape, or empty when not asked."""
+    do, q, k, v, o = (_unit_stride_head_dim(t) for t in (do, q, k, v, o))
+    batch, n_heads, seqlen_q, _ = q.shape
+    if not runs_kernels(q) or batch * n_heads * seqlen_q == 0 or k.shape[2] == 0:
+        return _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad)
+    from .attention_backward import attention_backward  # builds on attention's tile helpers: imported on use
+
+    mask, mask_is_bool = _attention_mask(attn_mask, q, k)
+    dq, dk, dv, ds = attention_backward(do, q, k, v, o, lse, dlse, causal, scale, mask, mask_is_bool,
+                                        mask_needs_grad=mask_needs_grad)
+    return dq, dk, dv, _mask_grad(ds, attn_mask, q.device)
+
+
+def _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad):
+    """The gradients of the PyTorch path by ``torch.func.vjp`` (plain autograd does not record below the
+    dispatcher's autograd layer, where op implementations run)."""
+    def attend(q, k, v, bias):
+        return _attention_torch(q, k, v, causal, scale, bias if mask_needs_grad else attn_mask)
+
+    bias = attn_mask if mask_needs_grad else q.new_empty((0,))
+    (o, lse), vjp = torch.func.vjp(attend, q, k, v, bias)
+    dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
+    dq, dk, dv, dbias = vjp((do.to(o.dtype), dlse))
+    grads = [torch.empty_like(t).copy_(g) for t, g in ((q, dq), (k, dk), (v, dv))]
+    return (*grads, _mask_grad(dbias if mask_needs_grad else None, attn_mask, q.device))
+
+
+def _mask_grad(dmask: torch.Tensor | None, attn_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The fp32 gradient of ``attn_mask`` summed to its shape (contiguous), or an empty tensor when none is asked."""
+    if dmask is None:
+        return torch.empty((0,), dtype=torch.float32, device=device)
+    return dmask.sum_to_size(attn_mask.shape).float().contiguous()
+
+
+@_flash_attention_bwd.register_fake
+def _(do, dlse, q, k, v, o, lse, causal, scale, attn_mask, mask_needs_grad):
+    dq, dk, dv = (torch.empty_like(_unit_stride_head_dim(t)) for t in (q, k, v))
+    return dq, dk, dv, q.new_empty(attn_mask.shape if mask_needs_grad else (0,), dtype=torch.float32)
+
+
+def _flash_attention_setup(ctx, inputs, output) -> None:
+    q, k, v, ctx.causal, ctx.scale, attn_mask, num_splits, cache_seqlens = inputs
+    ctx.split = num_splits not in (None, 1) or cache_seqlens is not None
+    ctx.save_for_backward(q, k, v, *output, attn_mask)
+
+
+def _flash_attention_grad(ctx, do, dlse):
+    if ctx.split:
+        raise NotImplementedError(SPLIT_HAS_NO_BACKWARD)
+    q, k, v, o, lse, attn_mask = ctx.saved_tensors
+    mask_needs_grad = ctx.needs_input_grad[5]
+    dq, dk, dv, ds = torch.ops.flashlite.flash_attention_backward(
+        do, dlse, q, k, v, o, lse, ctx.causal, ctx.scale, attn_mask, mask_needs_grad)
+    dmask = ds.to(attn_mask.dtype) if mask_needs_grad else None
+    return dq, dk, dv, None, None, dmask, None, None
+
+
+_flash_attention.register_autograd(_flash_attention_grad, setup_context=_flash_attention_setup)
