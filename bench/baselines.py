@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashlite.cli import naive_softmax  # noqa: F401  the five-op PyTorch softmax (seed 002), the demo's first stage
+
 
 @triton.jit
 def _row_fused_kernel(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK_N: tl.constexpr):
@@ -49,12 +51,3 @@ def textbook_online_softmax(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x)
     _row_online_kernel[(n_rows,)](x, y, n_cols, x.stride(0), y.stride(0), BLOCK_N=1024, num_warps=4)
     return y
-
-
-def naive_softmax(x: torch.Tensor) -> torch.Tensor:
-    """The five-op PyTorch softmax (seed 002): max, subtract, exp, sum, divide."""
-    x_max = x.max(dim=1)[0]
-    z = x - x_max[:, None]
-    numerator = torch.exp(z)
-    denominator = numerator.sum(dim=1)
-    return numerator / denominator[:, None]

@@ -75,7 +75,7 @@ except ImportError:  # pragma: no cover - older Triton: K/V through pointers onl
     TensorDescriptor = None
 
 from ._runtime import check_float_dtype, check_scale, device_info, is_compiling, launch_persistent, runs_kernels
-from .masking import apply_masks, broadcast_mask, causal_key_end
+from .masking import apply_masks, broadcast_mask, key_ranges
 from .online_softmax import BASE2_UNITS, LOG2E, empty_state, normalize, online_update, state_logsumexp
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -251,15 +251,9 @@ def _attention_fwd_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
         # [0, full_end): tiles every row of this query tile sees whole; [full_end, key_end): masked tiles.
-        if IS_CAUSAL:
-            key_end = causal_key_end(tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k)
-            full_end = causal_key_end(m_start, seqlen_q, seqlen_k) // BLOCK_N * BLOCK_N
-        else:
-            key_end = seqlen_k
-            full_end = seqlen_k // BLOCK_N * BLOCK_N
-        if HAS_MASK:
-            full_end = 0  # the user's mask is read on every tile
-        else:
+        full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
+                                       BLOCK_N, IS_CAUSAL, HAS_MASK)
+        if not HAS_MASK:
             acc, m, d = _attend_kv_tiles(
                 acc, m, d, q, q_idx, k_src, v_src, stride_kn, stride_vn,
                 0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,

@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from .attention import KV_LOOP_FLAGS, AttentionConfig, _attention_torch, _dot, _load_tile, _store_tile, head_dim_padded
-from .masking import apply_masks, causal_key_end, causal_offset
+from .masking import apply_masks, causal_offset, key_ranges
 from .online_softmax import LOG2E, safe_max
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -329,15 +329,9 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
     # Key ranges as the forward's: [0, full_end) full tiles, [full_end, key_end) masked ones.
-    if IS_CAUSAL:
-        key_end = causal_key_end(tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k)
-        full_end = causal_key_end(m_start, seqlen_q, seqlen_k) // BLOCK_N * BLOCK_N
-    else:
-        key_end = seqlen_k
-        full_end = seqlen_k // BLOCK_N * BLOCK_N
-    if HAS_MASK:
-        full_end = 0
-    else:
+    full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
+                                   BLOCK_N, IS_CAUSAL, HAS_MASK)
+    if not HAS_MASK:
         dq = _dq_over_key_tiles(
             dq, q, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, seqlen_k,
             0, full_end, seqlen_q, seqlen_k, head_dim, qk_scale, mask_bh, stride_mask_q, stride_mask_k,

@@ -50,6 +50,24 @@ def causal_key_end(q_last, seqlen_q, seqlen_k):
 
 
 @triton.jit
+def key_ranges(q_first, q_last, seqlen_q, seqlen_k,
+               BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+    """``(full_end, key_end)`` for a tile of queries ``q_first..q_last``: keys ``[0, full_end)`` (whole
+    ``BLOCK_N`` tiles) count for every row, so need no mask arithmetic; ``[full_end, key_end)`` count for
+    some rows; keys from ``key_end`` on for none. With a user mask (``HAS_MASK``) every tile is masked.
+    """
+    if IS_CAUSAL:
+        key_end = causal_key_end(q_last, seqlen_q, seqlen_k)
+        full_end = causal_key_end(q_first, seqlen_q, seqlen_k) // BLOCK_N * BLOCK_N
+    else:
+        key_end = seqlen_k
+        full_end = seqlen_k // BLOCK_N * BLOCK_N
+    if HAS_MASK:
+        full_end = 0  # the user's mask is read on every tile
+    return full_end, key_end
+
+
+@triton.jit
 def apply_masks(
     s, q_idx, k_idx, seqlen_q, seqlen_k,
     mask_ptr, stride_mask_q, stride_mask_k,

@@ -58,7 +58,7 @@ import triton.language as tl
 
 from ._runtime import device_info
 from .attention import KV_LOOP_FLAGS, AttentionConfig, _attend_kv_tiles, default_config, head_dim_padded
-from .masking import causal_key_end
+from .masking import key_ranges
 from .online_softmax import BASE2_UNITS, LOG2E, empty_state, merge_states, normalize, rescale_factor, state_logsumexp
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -124,13 +124,9 @@ def _split_kv_kernel(
     if HAS_MASK:  # packed rows share head_base's mask: the host packs only masks with stride 0 over heads
         mask_bh = mask_ptr + b64 * stride_mask_b + tl.cast(head_base, tl.int64) * stride_mask_h
 
-    # The tile's keys: [0, full_end) seen whole by every row, up to key_end seen by some.
-    if IS_CAUSAL:
-        key_end = causal_key_end(tl.max(tl.where(valid, q_idx, 0), axis=0), seqlen_q, seqlen_k)
-        full_end = causal_key_end(tl.min(q_idx, axis=0), seqlen_q, seqlen_k) // BLOCK_N * BLOCK_N
-    else:
-        key_end = seqlen_k
-        full_end = seqlen_k // BLOCK_N * BLOCK_N
+    # The tile's keys: [0, full_end) seen whole by every row (none under a user mask), up to key_end seen by some.
+    full_end, key_end = key_ranges(tl.min(q_idx, axis=0), tl.max(tl.where(valid, q_idx, 0), axis=0),
+                                   seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK)
     # This split's share (module docstring): [key_start, key_stop), its full tiles up to key_mid.
     tiles_per_split = tl.cdiv(tl.cdiv(key_end, BLOCK_N), n_splits)
     key_start = split * tiles_per_split * BLOCK_N
@@ -139,9 +135,7 @@ def _split_kv_kernel(
 
     m, d = empty_state(BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
-    if HAS_MASK:
-        key_mid = key_start  # the user's mask is read on every tile
-    else:
+    if not HAS_MASK:  # (with it, full_end = 0 makes key_mid = key_start: every tile masked)
         acc, m, d = _attend_kv_tiles(
             acc, m, d, q, q_idx, k_src, v_src, stride_kn, stride_vn,
             key_start, key_mid, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
