@@ -244,7 +244,7 @@ def print_summary(rows: list[dict]) -> None:
 BACKWARD_PEERS = ("flash", "cudnn")
 
 
-def measure_backward(length: int, head_dim: int, causal: bool) -> dict:
+def measure_backward(length: int, head_dim: int, causal: bool, ceiling: float) -> dict:
     """bwd and fwd+bwd TFLOP/s of flashlite and each peer; bwd alone re-runs autograd on one retained graph."""
     batch = batch_for(length)
     q, k, v = (t.requires_grad_() for t in make_qkv(batch, length, head_dim))
@@ -265,6 +265,7 @@ def measure_backward(length: int, head_dim: int, causal: bool) -> dict:
         row[f"{name}_fwdbwd"] = tflops(fwd + bwd, measure_ms(fwd_bwd))
         del out
     mine = row["flashlite_bwd"]
+    row["frac_matmul_bwd"] = mine / ceiling if mine else None
     for peer in BACKWARD_PEERS:
         row[f"x_{peer}_bwd"] = mine / row[f"{peer}_bwd"] if mine and row[f"{peer}_bwd"] else None
     del q, k, v, do
@@ -275,19 +276,21 @@ def measure_backward(length: int, head_dim: int, causal: bool) -> dict:
 def run_backward(args) -> None:
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
     names = ("flashlite",) + BACKWARD_PEERS
+    ceiling = matmul_tflops()
+    print(f"bf16 matmul: {ceiling:.0f} TFLOP/s", flush=True)
     rows = []
     for head_dim in args.head_dims:
         for causal in (False, True):
             for length in lengths:
-                row = measure_backward(length, head_dim, causal)
+                row = measure_backward(length, head_dim, causal, ceiling)
                 rows.append(row)
                 print(f"D={head_dim} causal={causal!s:5} L={length:6} bwd: " + "  ".join(
                     f"{n} {row[f'{n}_bwd']:.0f}" if row[f"{n}_bwd"] else f"{n} —" for n in names), flush=True)
     out = results_dir(args.out)
-    meta = environment() | {"heads": HEADS, "tokens_per_batch": TOKENS, "dtype": "bfloat16",
+    meta = environment() | {"matmul_tflops_bf16": ceiling, "heads": HEADS, "tokens_per_batch": TOKENS, "dtype": "bfloat16",
                             "flops": "bwd 2.5x fwd (4·B·H·L²·D, halved for causal); fwd+bwd 3.5x"}
     cols = ["D", "causal", "L", "B", *(f"{n}_bwd" for n in names), *(f"{n}_fwdbwd" for n in names),
-            *(f"x_{p}_bwd" for p in BACKWARD_PEERS)]
+            "frac_matmul_bwd", *(f"x_{p}_bwd" for p in BACKWARD_PEERS)]
     write_results("attention_backward", out, meta, rows, cols, "Attention backward, TFLOP/s (bf16, H = 16)")
     panels = []
     for head_dim in args.head_dims:

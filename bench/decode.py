@@ -122,7 +122,7 @@ def providers(q, k, v, splits: list[int]) -> dict:
         try:
             provs[name] = sdpa_provider(backend, q, k, v)
         except (torch.OutOfMemoryError, RuntimeError):
-            provs[name] = lambda: None  # cannot even repeat K/V: a missing value
+            provs[name] = None  # cannot even repeat K/V: a missing value (timing a no-op would give nonsense)
     provs["naive"] = lambda: naive_decode(q, k, v)
     return provs
 
@@ -138,7 +138,7 @@ def measure(batch: int, kv_heads: int, seqlen_k: int, copy_gbs: float, splits: l
     n_bytes = kv_bytes(batch, kv_heads, seqlen_k)
     row = {"B": batch, "H_kv": kv_heads, "Lk": seqlen_k, "auto_splits": sk.auto_num_splits(q, k, None)}
     for name, fn in providers(q, k, v, splits).items():
-        ms = measure_ms(fn)
+        ms = measure_ms(fn) if fn is not None else None
         row[f"{name}_us"] = None if ms is None else ms * 1e3
         row[name] = gbs(n_bytes, ms)
     mine = row["flashlite"]
@@ -162,9 +162,15 @@ def run_bench(args) -> None:
         print(f"B={batch} H_kv={kv_heads:2} Lk={seqlen_k:7} splits={row['auto_splits']:3}: " + "  ".join(
             f"{n} {row[n]:.0f}" if row[n] else f"{n} —" for n in names) + f" GB/s  ({time.time() - t0:.0f}s)", flush=True)
 
-    out = results_dir(args.out)
     meta = environment() | {"copy_GBs": copy_gbs, "heads": HEADS, "head_dim": HEAD_DIM, "seqlen_q": 1,
-                            "dtype": "bfloat16", "bytes": "K and V read: 2·B·H_kv·Lk·D·2"}
+                            "dtype": "bfloat16", "bytes": "K and V read: 2·B·H_kv·Lk·D·2", "forced_splits": args.splits}
+    report(results_dir(args.out), meta, rows)
+
+
+def report(out: str, meta: dict, rows: list[dict]) -> None:
+    """decode.json, decode.md and decode.png in ``out``, and the targets' summary."""
+    copy_gbs = meta["copy_GBs"]
+    names = ["flashlite", "flashlite_cache", *(f"flashlite_s{n}" for n in meta["forced_splits"]), *PEERS]
     cols = ["B", "H_kv", "Lk", "auto_splits", "flashlite_us", *names, "frac_copy", *(f"x_{p}" for p in PEERS)]
     write_results("decode", out, meta, rows, cols, "Decoding (Lq = 1), achieved K/V bandwidth in GB/s (bf16, H = 32, D = 128)")
     panels = []
@@ -264,7 +270,9 @@ def run_tune(args) -> None:
         for n in TUNE_SPLITS:  # through cache_seqlens: the split kernel, even at one split
             runs[f"split {n}"] = lambda n=n: fa.flash_attention(q, k, v, cache_seqlens=full, num_splits=n)
         results = sorted(((measure_ms(fn) or math.inf, name) for name, fn in runs.items()))
+        automatic, sk.SPLIT_AUTOMATIC = sk.SPLIT_AUTOMATIC, True  # what the rule picks, even while it is off
         auto = sk.auto_num_splits(q, k, None)
+        sk.SPLIT_AUTOMATIC = automatic
         print(f"B={batch} H={HEADS}/{kv_heads} Lk={seqlen_k}: best {results[0][1]} ({results[0][0] * 1e3:.0f} us); "
               f"automatic rule: {auto}; " + "  ".join(f"{name} {ms * 1e3:.0f}" for ms, name in results) + " us",
               flush=True)

@@ -298,21 +298,23 @@ class AttentionConfig:
     warp_specialize: bool = False  # Triton's automatic warp specialisation of the full-tile loop
 
 
-# fp16/bf16 configs by padded head dim. Starting points from the FlashAttention-2 /
-# Triton recipe for Hopper (BLOCK_M 128, 8 warps, 2-3 stages), checked offline by
-# compiling for sm_90 with Triton 3.6 (ptxas resource usage): through TMA, Q stays
-# in registers for the whole K/V loop and a D = 128 tile needs 208 registers a
-# thread and 96 KB of shared memory; through pointers, 255 registers (the cp.async
-# addresses), Q re-read from shared memory every step, and spills in some shapes.
-# D = 256 takes BLOCK_N 32: at 64 its accumulator and scores spill. Re-time with
-# `python bench/attention.py --tune` and copy the winners here.
+# fp16/bf16 configs by padded head dim, from `python bench/attention.py --tune` on an
+# H100 (2026-11-23, bf16, B = 4, H = 16, L = 4096; log in
+# bench/results/h100/attention_tune.log). BLOCK_M 64 on 4 warps, 3 stages, through
+# TMA won at both head dims, over the FlashAttention-2 recipe (BLOCK_M 128, 8 warps)
+# used before: a program of one warpgroup is small enough for two to share a
+# multiprocessor, and one's softmax overlaps the other's matmuls. D = 128: 64 x 64,
+# 495 / 463 TFLOP/s non-causal / causal (was 444 / 400); D = 64: 64 x 128, 434 / 369
+# (was 337 / 297; 64 x 64 gives 406 / 377). TMA beat pointers in every shape;
+# persistent grids gave nothing. Head dims 16 and 32 take D = 64's tiles, D = 256
+# BLOCK_N 32 (at 64 its accumulator and scores spill): neither timed.
 # Warp specialisation stays off: Triton 3.6 does not partition this loop on sm_90
 # (8 warps: identical code; 4 warps: the pass fails).
 _CONFIGS = {
-    16: AttentionConfig(128, 128, 8, 3, use_tma=True),
-    32: AttentionConfig(128, 128, 8, 3, use_tma=True),
-    64: AttentionConfig(128, 128, 8, 3, use_tma=True),
-    128: AttentionConfig(128, 64, 8, 3, use_tma=True),
+    16: AttentionConfig(64, 128, 4, 3, use_tma=True),
+    32: AttentionConfig(64, 128, 4, 3, use_tma=True),
+    64: AttentionConfig(64, 128, 4, 3, use_tma=True),
+    128: AttentionConfig(64, 64, 4, 3, use_tma=True),
     256: AttentionConfig(128, 32, 8, 2, use_tma=True),
 }
 # fp32 runs IEEE dots on the FMA units: small tiles, no pipelining; the largest
@@ -627,13 +629,15 @@ def flash_attention(
         return_lse: also return the log-sum-exp of each row's scaled, masked scores.
         num_splits: split-K/V decoding (``flashlite.split_kv``, FlashDecoding): each
             query tile's keys are cut into this many parts, run by separate programs
-            and merged. None (default) chooses (``split_kv.auto_num_splits``): for
-            now never, until the split kernel has been checked on a GPU
-            (``split_kv.SPLIT_AUTOMATIC``); then only on CUDA when the grid of
-            query tiles x B x H would leave the GPU mostly idle and Lk is long.
-            1 never splits; n > 1 forces n splits (not yet verified on a GPU),
-            clamped to the number of key tiles (and to 65535, CUDA's grid limit). The result
-            means the same either way.
+            and merged. None (default) chooses (``split_kv.auto_num_splits``, a rule
+            measured on an H100): on CUDA, with Lk >= 4096, decoding shapes (at
+            most 16 query rows per K/V head, GQA heads packed) take the split
+            kernel with about half a program per multiprocessor (at least 2
+            splits); longer query blocks split only when the forward's grid would
+            leave multiprocessors idle. Training (inputs that require grad) never
+            splits. 1 never splits; n > 1 forces n splits, clamped to the number of
+            key tiles (and to 65535, CUDA's grid limit). The result means the same
+            either way.
         cache_seqlens: None, or (B,) int32/int64 on q's device: batch element ``b``
             attends keys ``[0, cache_seqlens[b])`` of k and v only (a KV cache filled
             up to there, read in place without a copy). Values must lie in [0, Lk]

@@ -11,12 +11,15 @@ LSE adds ``P ⊙ dLSE`` to dS, i.e. subtracts ``dLSE`` from δ: supported.)
 
 Three kernels, FlashAttention-2 style:
 
-1. ``_attention_bwd_delta_kernel``: δ per query row, in fp32.
+1. ``_attention_bwd_preprocess_kernel``: δ per query row, in fp32, and a copy
+   of Q scaled (and rounded) as the forward kernel scaled it, for kernel 2.
 2. ``_attention_bwd_dkdv_kernel``: one program per (batch, K/V head, key tile)
    keeps its K and V tile and fp32 dK/dV accumulators on chip and streams the
    Q, dO, LSE and δ tiles of every query head of its GQA group. dK/dV of a
    shared K/V head are therefore summed over the group in registers: no
    repeated K/V in memory, no atomics.
+   It works on transposed tiles (``Sᵀ = K Qᵀ``, keys on rows), so that P and dS
+   enter its ``Pᵀ dO`` and ``dSᵀ Q`` dots without a transpose in registers.
 3. ``_attention_bwd_dq_kernel``: one program per (batch, head, query tile)
    keeps Q, dO and an fp32 dQ accumulator and streams K/V tiles. It recomputes
    P and dS a second time (FlashAttention-2 trades these FLOPs for having no
@@ -54,11 +57,9 @@ Precision: fp32 accumulators; P and dS are rounded to the input dtype for the
 dots with dO, Q and K (as FlashAttention); fp32 inputs use IEEE fp32 dots.
 Offsets that grow with batch, heads and rows are 64-bit.
 
-Limits: on CUDA the kernels are switched off (``TRITON_BACKWARD_ON_GPU``): their
-first GPU check found dK wrong, and a PyTorch computation stands in. No TMA or
-persistent-grid variants yet; the GPU tile table is
-provisional (compiled for sm_90, not timed). The split-K/V forward
-(``num_splits > 1``, ``cache_seqlens``) has no backward.
+Limits: no TMA or persistent-grid variants yet; the tile table is timed for
+D = 64 and 128 only. The split-K/V forward (``num_splits > 1``,
+``cache_seqlens``) has no backward.
 """
 
 from __future__ import annotations
@@ -77,30 +78,49 @@ from .online_softmax import LOG2E, safe_max
 
 
 @triton.jit
+def _scaled_queries(q, qk_scale):
+    """A query tile times ``qk_scale``, rounded to its dtype exactly as the forward kernel did.
+
+    The saved LSE belongs to the scores of this rounded tile: scaling the fp32
+    product instead drifts from it as scores grow (bf16 dV errors of 7x
+    PyTorch's at |s| ~ 16).
+    """
+    return (q.to(tl.float32) * qk_scale).to(q.dtype)
+
+
+@triton.jit
 def _probs_and_score_grads(
-    q, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
+    q_scaled, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k,
     mask_ptr, stride_mask_q, stride_mask_k,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, KEYS_ON_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
-    """``P`` and ``dS`` ``[BLOCK_M, BLOCK_N]`` (fp32) of one (query tile, key tile) pair.
+    """``P`` and ``dS`` (fp32) of one (query tile, key tile) pair.
 
-    ``lse2`` is the rows' LSE in base-2 units, ``qk_scale = scale · log2(e)``.
-    With ``MASKED``, positions that do not count (bounds, causal, the user's
-    mask) get ``P = 0``; without it every pair must count.
+    ``[BLOCK_M, BLOCK_N]`` (queries on rows, as the dQ kernel's dot ``dS K``
+    wants them), or with ``KEYS_ON_ROWS`` ``[BLOCK_N, BLOCK_M]`` (as the dK/dV
+    kernel's ``P dO`` and ``dS Q`` want them): each kernel gets its operand
+    untransposed, computed directly in that orientation (``S^T = K Q^T``).
+    ``q_scaled`` is the query tile from ``_scaled_queries``, ``lse2`` the rows'
+    LSE in base-2 units. With ``MASKED``, positions that do not count (bounds,
+    causal, the user's mask) get ``P = 0``; without it every pair must count.
     """
-    # q scaled and rounded to its dtype exactly as the forward did: the saved LSE belongs to those scores
-    # (scaling the product instead drifts from it as scores grow: bf16 dV errors of 7x PyTorch's at |s| ~ 16).
-    q_scaled = (q.to(tl.float32) * qk_scale).to(q.dtype)
-    s = _dot(q_scaled, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
+    row_max = safe_max(lse2)  # the final state (m, d) = (lse2, 1): P = 2^(s - m), no division
+    if KEYS_ON_ROWS:
+        s = _dot(k, tl.trans(q_scaled), None, DOT_PRECISION, UPCAST_DOTS)
+        dp = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST_DOTS)
+        query_max, query_delta = row_max[None, :], delta[None, :]
+    else:
+        s = _dot(q_scaled, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
+        dp = _dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST_DOTS)
+        query_max, query_delta = row_max[:, None], delta[:, None]
     if MASKED:
         s = apply_masks(
             s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
-            IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, LOG2E, MASK_PER_KEY,
+            IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, LOG2E, MASK_PER_KEY, KEYS_ON_ROWS,
         )
-    p = tl.exp2(s - safe_max(lse2)[:, None])  # the final state (m, d) = (lse2, 1): no division
-    dp = _dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST_DOTS)
-    ds = p * (dp - delta[:, None])
+    p = tl.exp2(s - query_max)
+    ds = p * (dp - query_delta)
     return p, ds
 
 
@@ -112,8 +132,8 @@ def _load_rows(ptr, q_idx, seqlen_q):
 
 @triton.jit
 def _dkdv_over_query_tiles(
-    dk, dv, k, v, k_idx, q_src, do_src, lse_src, delta_src, stride_qm, stride_dom,
-    query_start, query_end, seqlen_q, seqlen_k, head_dim, qk_scale,
+    dk, dv, k, v, k_idx, q_src, q_scaled_src, do_src, lse_src, delta_src, stride_qm, stride_qsm, stride_dom,
+    query_start, query_end, seqlen_q, seqlen_k, head_dim,
     mask_ptr, stride_mask_q, stride_mask_k,
     BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
@@ -128,23 +148,28 @@ def _dkdv_over_query_tiles(
         start = tl.multiple_of(start, BLOCK_M)
         q_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_M)
         q = _load_tile(q_src, start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+        q_scaled = _load_tile(q_scaled_src, start, seqlen_q, stride_qsm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True,
+                              EVEN_D, False)
         do = _load_tile(do_src, start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
         lse2 = _load_rows(lse_src, q_idx, seqlen_q) * LOG2E
         delta = _load_rows(delta_src, q_idx, seqlen_q)
+        # q and its scaled copy are both loaded (the preprocessing kernel scaled it): scaling the loaded q here,
+        # which also feeds the dK dot, miscompiled on Triton 3.6 / H100 with 2 pipeline stages (dK errors 30-300x
+        # PyTorch's, dQ and dV right), and dK from the rounded copy loses accuracy.
         p, ds = _probs_and_score_grads(
-            q, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
+            q_scaled, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k,
             mask_ptr, stride_mask_q, stride_mask_k,
-            MASKED, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, DOT_PRECISION, UPCAST_DOTS,
+            MASKED, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, True, DOT_PRECISION, UPCAST_DOTS,
         )
-        dv = _dot(tl.trans(p.to(do.dtype)), do, dv, DOT_PRECISION, UPCAST_DOTS)
-        dk = _dot(tl.trans(ds.to(q.dtype)), q, dk, DOT_PRECISION, UPCAST_DOTS)
+        dv = _dot(p.to(do.dtype), do, dv, DOT_PRECISION, UPCAST_DOTS)
+        dk = _dot(ds.to(q.dtype), q, dk, DOT_PRECISION, UPCAST_DOTS)
     return dk, dv
 
 
 @triton.jit
 def _dq_over_key_tiles(
-    dq, q, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, stride_dsm,
-    key_start, key_end, seqlen_q, seqlen_k, head_dim, qk_scale,
+    dq, q_scaled, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, stride_dsm,
+    key_start, key_end, seqlen_q, seqlen_k, head_dim,
     mask_ptr, stride_mask_q, stride_mask_k,
     BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
@@ -163,9 +188,9 @@ def _dq_over_key_tiles(
         k = _load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
         v = _load_tile(v_src, start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
         p, ds = _probs_and_score_grads(
-            q, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale,
+            q_scaled, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k,
             mask_ptr, stride_mask_q, stride_mask_k,
-            MASKED, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, DOT_PRECISION, UPCAST_DOTS,
+            MASKED, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, False, DOT_PRECISION, UPCAST_DOTS,
         )
         if STORE_DS:
             ok = (q_idx < seqlen_q)[:, None] & (k_idx < seqlen_k)[None, :]
@@ -182,13 +207,15 @@ def _dq_over_key_tiles(
     "HAS_DLSE": lambda args: args["dlse_ptr"] is not None,
 })
 @triton.jit
-def _attention_bwd_delta_kernel(
-    o_ptr, do_ptr, dlse_ptr, delta_ptr,
+def _attention_bwd_preprocess_kernel(
+    o_ptr, do_ptr, dlse_ptr, delta_ptr, q_ptr, q_scaled_ptr,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-    n_heads, seqlen_q, head_dim,
+    stride_qb, stride_qh, stride_qm, stride_qsb, stride_qsh, stride_qsm,
+    n_heads, seqlen_q, head_dim, qk_scale,
     BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    # δ = rowsum(dO ⊙ O) - dLSE for one tile of BLOCK_M rows of one (batch, head); dLSE is (B, H, Lq) contiguous.
+    # For one tile of BLOCK_M rows of one (batch, head): δ = rowsum(dO ⊙ O) - dLSE (dLSE is (B, H, Lq)
+    # contiguous), and the query rows scaled as the forward did, for the dK/dV kernel.
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     bh = tl.program_id(0) // n_query_tiles
     m_start = (tl.program_id(0) % n_query_tiles) * BLOCK_M
@@ -204,13 +231,18 @@ def _attention_bwd_delta_kernel(
     if HAS_DLSE:
         delta -= tl.load(dlse_ptr + rows, mask=ok, other=0.0)
     tl.store(delta_ptr + rows, delta, mask=ok)
+    q = _load_tile(q_ptr + b64 * stride_qb + h64 * stride_qh, m_start, seqlen_q, stride_qm, head_dim,
+                   BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    _store_tile(q_scaled_ptr + b64 * stride_qsb + h64 * stride_qsh, _scaled_queries(q, qk_scale), m_start,
+                seqlen_q, stride_qsm, head_dim, BLOCK_M, HEAD_DIM_PADDED, EVEN_D)
 
 
 @triton.heuristics(KV_LOOP_FLAGS)
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr,
+    q_ptr, q_scaled_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr,
     stride_qb, stride_qh, stride_qm,
+    stride_qsb, stride_qsh, stride_qsm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
@@ -257,6 +289,7 @@ def _attention_bwd_dkdv_kernel(
         h64 = h_kv64 * kv_group + g
         bh64 = b64 * n_heads + h64
         q_src = q_ptr + b64 * stride_qb + h64 * stride_qh
+        q_scaled_src = q_scaled_ptr + b64 * stride_qsb + h64 * stride_qsh
         do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
         lse_src = lse_ptr + bh64 * seqlen_q
         delta_src = delta_ptr + bh64 * seqlen_q
@@ -264,15 +297,15 @@ def _attention_bwd_dkdv_kernel(
         if HAS_MASK:
             mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
         dk, dv = _dkdv_over_query_tiles(
-            dk, dv, k, v, k_idx, q_src, do_src, lse_src, delta_src, stride_qm, stride_dom,
-            query_begin, full_begin, seqlen_q, seqlen_k, head_dim, qk_scale, mask_bh, stride_mask_q, stride_mask_k,
+            dk, dv, k, v, k_idx, q_src, q_scaled_src, do_src, lse_src, delta_src, stride_qm, stride_qsm, stride_dom,
+            query_begin, full_begin, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_M, HEAD_DIM_PADDED, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
             EVEN_D, DOT_PRECISION, UPCAST_DOTS,
         )
         if not HAS_MASK:
             dk, dv = _dkdv_over_query_tiles(
-                dk, dv, k, v, k_idx, q_src, do_src, lse_src, delta_src, stride_qm, stride_dom,
-                full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim, qk_scale, mask_bh, stride_mask_q, stride_mask_k,
+                dk, dv, k, v, k_idx, q_src, q_scaled_src, do_src, lse_src, delta_src, stride_qm, stride_qsm,
+                stride_dom, full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
                 BLOCK_M, HEAD_DIM_PADDED, False, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
                 EVEN_D, DOT_PRECISION, UPCAST_DOTS,
             )
@@ -322,6 +355,7 @@ def _attention_bwd_dq_kernel(
         ds_dst = ds_ptr + bh64 * seqlen_q * seqlen_k
 
     q = _load_tile(q_src, m_start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    q_scaled = _scaled_queries(q, qk_scale)
     do = _load_tile(do_src, m_start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
     q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
     lse2 = _load_rows(lse_ptr + bh64 * seqlen_q, q_idx, seqlen_q) * LOG2E
@@ -333,14 +367,14 @@ def _attention_bwd_dq_kernel(
                                    BLOCK_N, IS_CAUSAL, HAS_MASK)
     if not HAS_MASK:
         dq = _dq_over_key_tiles(
-            dq, q, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, seqlen_k,
-            0, full_end, seqlen_q, seqlen_k, head_dim, qk_scale, mask_bh, stride_mask_q, stride_mask_k,
+            dq, q_scaled, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, seqlen_k,
+            0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_N, HEAD_DIM_PADDED, False, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
             EVEN_D, False, DOT_PRECISION, UPCAST_DOTS,
         )
     dq = _dq_over_key_tiles(
-        dq, q, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, seqlen_k,
-        full_end, key_end, seqlen_q, seqlen_k, head_dim, qk_scale, mask_bh, stride_mask_q, stride_mask_k,
+        dq, q_scaled, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, seqlen_k,
+        full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
         BLOCK_N, HEAD_DIM_PADDED, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
         EVEN_D, STORE_DS, DOT_PRECISION, UPCAST_DOTS,
     )
@@ -362,22 +396,23 @@ class BackwardConfig:
 # Rows of one δ program: O and dO tiles of 64 x 256 fp16 are 64 KB, within every head dim's budget.
 DELTA_BLOCK_M = 64
 
-# PROVISIONAL, NOT TIMED: starting points by padded head dim. dK/dV keeps two fp32
-# (BLOCK_N, D) accumulators plus K and V on chip, so its streamed query tile is
-# small; dQ mirrors the forward. Checked offline only: compiled for sm_90 with
-# Triton 3.9 (bf16, causal; cuobjdump resource usage), the per-thread stack frame
-# (spills) of each choice: D <= 64 dkdv 248 regs / 0 B, dq 216 regs / 0 B;
-# D = 128 dkdv 255 / 64 B, dq 255 / 8 B; D = 256 dkdv 255 / 40 B, dq 255 / 224 B
-# (bigger tiles spilled 200-2000 B). Re-time on the GPU with
-# `python bench/attention.py --backward` and replace.
+# Timed on an H100 (2026-11-23, bf16, B = 4, H = 16, L = 4096, causal and not; each
+# kernel's candidates timed with the other kernel fixed, every candidate checked against
+# float64 first): the fastest of 8 dK/dV and 7 dQ tile shapes per head dim. D = 128:
+# dK/dV 32 x 64, 4 warps (249 / 229 TFLOP/s non-causal / causal, against 183 / 184 for
+# the untimed 16 x 128 it replaces), dQ 128 x 64, 8 warps, 3 stages (218 / 228). D = 64:
+# dK/dV 64 x 64, 4 warps (250 / 217), dQ 64 x 64, 4 warps, 3 stages (239 / 220).
+# Head dims 16 and 32 take D = 64's tiles (not timed); D = 256 is still the untimed
+# guess, chosen so that it compiles without large spills (sm_90, Triton 3.9).
 _CONFIGS = {
-    16: BackwardConfig(AttentionConfig(32, 128, 8, 2), AttentionConfig(128, 64, 8, 2)),
-    32: BackwardConfig(AttentionConfig(32, 128, 8, 2), AttentionConfig(128, 64, 8, 2)),
-    64: BackwardConfig(AttentionConfig(32, 128, 8, 2), AttentionConfig(128, 64, 8, 2)),
-    128: BackwardConfig(AttentionConfig(16, 128, 8, 2), AttentionConfig(128, 32, 8, 2)),
+    16: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
+    32: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
+    64: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
+    128: BackwardConfig(AttentionConfig(32, 64, 4, 2), AttentionConfig(128, 64, 8, 3)),
     256: BackwardConfig(AttentionConfig(32, 32, 8, 1), AttentionConfig(32, 32, 4, 1)),
 }
-# fp32: IEEE dots on the FMA units, small tiles (as the forward's fp32 table). Also provisional.
+# fp32: IEEE dots on the FMA units, small tiles (as the forward's fp32 table). Untimed, and only run
+# through the interpreter: CUDA fp32 takes the PyTorch stand-in (`triton_backward_enabled`).
 _FP32_CONFIGS = {
     hd: BackwardConfig(AttentionConfig(32, 32, 4, 1), AttentionConfig(32, 32, 4, 1)) if hd <= 64
     else BackwardConfig(AttentionConfig(16, 32, 4, 1), AttentionConfig(32, 16, 4, 1))
@@ -395,16 +430,17 @@ def default_backward_config(head_dim: int, dtype: torch.dtype, device: torch.dev
     return table[head_dim_padded(head_dim)]
 
 
-# The Triton backward on CUDA. Checked once on an H100 (Triton 3.6, bf16, D = 64/128, GQA, causal):
-# dq and dv within FlashAttention's bound, dk NOT (errors 4-100x PyTorch's own, worst at D = 128),
-# while every interpreter test passes. Until that is found and `bench/attention.py --backward` checks
-# it, CUDA tensors take `_attention_backward_torch`: correct, but it materialises the (Lq, Lk) scores.
-TRITON_BACKWARD_ON_GPU = False
+# The Triton backward on CUDA. `bench/check_backward.py` checks it on a GPU (fp16/bf16, D = 64/128,
+# GQA, causal, Lq != Lk): the first run found dK wrong (a Triton 3.6 miscompile, see
+# `_dkdv_over_query_tiles`); since the fix every gradient is within FlashAttention's bound. fp32 has
+# not been checked on a GPU, so CUDA fp32 keeps `_attention_backward_torch` (correct, but it
+# materialises the (Lq, Lk) scores), as every dtype does with this flag set to False.
+TRITON_BACKWARD_ON_GPU = True
 
 
 def triton_backward_enabled(q: torch.Tensor) -> bool:
-    """True when ``attention_backward`` runs the Triton kernels for ``q``'s device (always off CUDA)."""
-    return not q.is_cuda or TRITON_BACKWARD_ON_GPU
+    """True when ``attention_backward`` runs the Triton kernels for ``q`` (always off CUDA; on CUDA fp16/bf16)."""
+    return not q.is_cuda or (TRITON_BACKWARD_ON_GPU and q.dtype != torch.float32)
 
 
 def _attention_backward_torch(
@@ -465,8 +501,11 @@ def attention_backward(
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    _attention_bwd_delta_kernel[(triton.cdiv(seqlen_q, DELTA_BLOCK_M) * bh,)](
-        o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim,
+    q_scaled = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _attention_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, DELTA_BLOCK_M) * bh,)](
+        o, do, dlse, delta, q, q_scaled,
+        *_bhl_strides(o), *_bhl_strides(do), *_bhl_strides(q), *_bhl_strides(q_scaled),
+        n_heads, seqlen_q, head_dim, scale * LOG2E,
         BLOCK_M=DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
     )
 
@@ -482,8 +521,8 @@ def attention_backward(
     )
     c = config.dkdv
     _attention_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],)](
-        q, k, v, do, lse, delta, dk, dv, mask,
-        *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dk), *_bhl_strides(dv),
+        q, q_scaled, k, v, do, lse, delta, dk, dv, mask,
+        *_bhl_strides(q), *_bhl_strides(q_scaled), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dk), *_bhl_strides(dv),
         *mask_strides, *common,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
     )

@@ -33,12 +33,6 @@ def causal_offset(seqlen_q, seqlen_k):
 
 
 @triton.jit
-def causal_visible(q_idx, k_idx, seqlen_q, seqlen_k):
-    """``[M, N]`` True where key ``k_idx[n]`` is visible to query ``q_idx[m]`` under bottom-right causal alignment."""
-    return k_idx[None, :] <= q_idx[:, None] + causal_offset(seqlen_q, seqlen_k)
-
-
-@triton.jit
 def causal_key_end(q_last, seqlen_q, seqlen_k):
     """One past the last key that query ``q_last`` (the last row of a tile) can see; clamped to ``[0, seqlen_k]``.
 
@@ -72,28 +66,37 @@ def apply_masks(
     s, q_idx, k_idx, seqlen_q, seqlen_k,
     mask_ptr, stride_mask_q, stride_mask_k,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    BIAS_TO_UNITS: tl.constexpr, MASK_PER_KEY: tl.constexpr = False,
+    BIAS_TO_UNITS: tl.constexpr, MASK_PER_KEY: tl.constexpr = False, KEYS_ON_ROWS: tl.constexpr = False,
 ):
-    """Logits ``s`` ``[M, N]`` with every position that does not count set to ``-inf`` and the bias added.
+    """Logits ``s`` with every position that does not count set to ``-inf`` and the bias added.
 
+    ``s`` is ``[M, N]`` (queries ``q_idx`` on rows, keys ``k_idx`` across), or
+    with ``KEYS_ON_ROWS`` its transpose ``[N, M]`` (the attention backward's
+    dK/dV kernel works in that orientation).
     ``mask_ptr`` points at the mask of this (batch, head), already offset by the
     caller; ``stride_mask_q``/``stride_mask_k`` are 0 on broadcast dims.
     With ``MASK_PER_KEY`` (``stride_mask_q == 0``: a key-padding mask such as
-    ``(B, 1, 1, Lk)``) every query row reads the same mask row, so it is loaded
-    once as ``[1, N]`` and broadcast instead of gathered ``M`` times.
+    ``(B, 1, 1, Lk)``) every query reads the same mask row, so it is loaded
+    once along the key axis and broadcast instead of gathered ``M`` times.
     """
-    k_ok = k_idx < seqlen_k
-    keep = k_ok[None, :] & (q_idx < seqlen_q)[:, None]
+    if KEYS_ON_ROWS:
+        q_grid = q_idx[None, :]
+        k_grid = k_idx[:, None]
+    else:
+        q_grid = q_idx[:, None]
+        k_grid = k_idx[None, :]
+    k_ok = k_grid < seqlen_k
+    keep = k_ok & (q_grid < seqlen_q)
     if IS_CAUSAL:
-        keep = keep & causal_visible(q_idx, k_idx, seqlen_q, seqlen_k)
+        keep = keep & (k_grid <= q_grid + causal_offset(seqlen_q, seqlen_k))
     if HAS_MASK:
         # 64-bit: a mask stored keys-outermost (e.g. an (Lk, Lq) tensor transposed) has key strides near 2^31.
-        key_offsets = k_idx.to(tl.int64) * stride_mask_k
+        key_offsets = k_grid.to(tl.int64) * stride_mask_k
         if MASK_PER_KEY:
-            mask_ptrs = mask_ptr + key_offsets[None, :]
-            load_ok = k_ok[None, :]
+            mask_ptrs = mask_ptr + key_offsets
+            load_ok = k_ok
         else:
-            mask_ptrs = mask_ptr + q_idx[:, None] * stride_mask_q + key_offsets[None, :]
+            mask_ptrs = mask_ptr + q_grid * stride_mask_q + key_offsets
             load_ok = keep
         if MASK_IS_BOOL:
             keep = keep & (tl.load(mask_ptrs, mask=load_ok, other=0) != 0)

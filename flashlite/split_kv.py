@@ -52,6 +52,8 @@ with the batch, heads or the cache length are 64-bit.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -205,23 +207,31 @@ PACK_MAX_SEQLEN_Q = 64
 # The smallest M of a tensor-core dot, and the row tile past it.
 SPLIT_BLOCK_M_SMALL, SPLIT_BLOCK_M_LARGE = 16, 64
 
-# The automatic rule. PROVISIONAL: not measured (no GPU time in the session that
-# wrote it); `python bench/decode.py --tune` on the GPU times num_splits per
-# shape and prints the best, to set these numbers. Reasoning behind the guesses:
-# split only when the forward grid is under SPLIT_BELOW_PROGRAMS_PER_SM
-# programs a multiprocessor (some multiprocessors would sit idle for the whole
-# call) and the cache is at least SPLIT_MIN_SEQLEN_K keys (below it a forward
-# call takes a few microseconds and the merge pass would cost what it saves);
-# then aim for SPLIT_TARGET_PROGRAMS_PER_SM programs a multiprocessor (a second
-# resident program hides memory latency), each split at least SPLIT_MIN_KEYS
-# keys (else prologue and epilogue dominate), at most SPLIT_MAX splits.
-# Off until `bench/decode.py --check` has passed on a GPU: the split kernel has only
-# run through the interpreter so far, and an unverified kernel is not a default.
-# num_splits > 1 and cache_seqlens use it when asked.
-SPLIT_AUTOMATIC = False
+# The automatic rule, from `python bench/decode.py --tune` on an H100 (2026-11-23,
+# Lq = 1, H = 32, D = 128, bf16; device time of each num_splits, log kept in
+# bench/results/h100/decode_tune.log):
+# * the best grid is about half a program per multiprocessor in total
+#   (SPLIT_TARGET_PROGRAMS_PER_SM): B = 1 with 32 K/V heads was fastest at 2-4
+#   splits, with 8 K/V heads (4 query heads packed per program) at 8-16; more
+#   splits only add partials to write and merge (64 splits: +10-40%);
+# * for decoding tiles (at most SPLIT_BLOCK_M_SMALL packed rows) the split
+#   kernel wins even when the forward's grid is full: the forward kernel packs
+#   no GQA group, so at B = 8, H_kv = 8 it reads each K/V head 4 times and took
+#   3.1x the split kernel's time (2214 vs 709 us at Lk = 64K); 1 or 2 splits were
+#   within 1% there, so decoding always takes at least 2 (the forward kernel is
+#   num_splits = 1);
+# * longer query blocks keep the forward kernel unless its grid leaves
+#   multiprocessors idle (SPLIT_BELOW_PROGRAMS_PER_SM; not timed: Lq > 1 was only
+#   checked for correctness);
+# * below SPLIT_MIN_SEQLEN_K keys (the shortest cache timed; splitting already
+#   paid there: 41 vs 80 us at B = 1) the forward kernel stays; each split keeps at
+#   least SPLIT_MIN_KEYS keys and there are at most SPLIT_MAX.
+# `python bench/decode.py` compares the automatic choice with forced splits and the peers.
+SPLIT_AUTOMATIC = True
 SPLIT_BELOW_PROGRAMS_PER_SM = 1.0
-SPLIT_MIN_SEQLEN_K = 8192
-SPLIT_TARGET_PROGRAMS_PER_SM = 2
+SPLIT_MIN_SEQLEN_K = 4096
+SPLIT_TARGET_PROGRAMS_PER_SM = 0.5
+SPLIT_MIN_DECODE_SPLITS = 2
 SPLIT_MIN_KEYS = 512
 SPLIT_MAX = 128
 # Splits are grid axis 1, which CUDA caps at 65535 programs: forced num_splits is clamped to it.
@@ -231,7 +241,7 @@ MAX_GRID_SPLITS = 65535
 def split_config(n_rows: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> AttentionConfig:
     """Tiles of the split kernel for row tiles of ``n_rows`` packed rows (the interpreter: the forward's config).
 
-    PROVISIONAL on the GPU (not timed yet): a 16-row tile when the rows fit (decoding),
+    Not tuned on the GPU (only the split count was timed): a 16-row tile when the rows fit (decoding),
     BLOCK_N 128 up to D = 128 (a 128 x 128 bf16 K or V tile is 32 KB; 3 stages of both
     fit Hopper's shared memory), 64 above.
     """
@@ -274,14 +284,21 @@ def auto_num_splits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None)
         return 1
     batch, n_heads, seqlen_q, head_dim = q.shape
     forward_programs = triton.cdiv(seqlen_q, default_config(head_dim, q.dtype, q.device).block_m) * batch * n_heads
-    return splits_for(forward_programs, _plan(q, k, mask)[2], k.shape[2], device_info(q.device).num_sms)
+    pack, config, split_programs = _plan(q, k, mask)
+    decoding = pack * seqlen_q <= SPLIT_BLOCK_M_SMALL
+    return splits_for(forward_programs, split_programs, decoding, k.shape[2], device_info(q.device).num_sms)
 
 
-def splits_for(forward_programs: int, split_programs: int, seqlen_k: int, n_sms: int) -> int:
-    """The automatic rule on numbers: the forward's grid, the split kernel's programs per split, Lk, multiprocessors."""
-    if seqlen_k < SPLIT_MIN_SEQLEN_K or forward_programs >= SPLIT_BELOW_PROGRAMS_PER_SM * n_sms:
+def splits_for(forward_programs: int, split_programs: int, decoding: bool, seqlen_k: int, n_sms: int) -> int:
+    """The automatic rule on numbers: the forward's grid, the split kernel's programs per split, whether its
+    row tile is a decoding one (at most ``SPLIT_BLOCK_M_SMALL`` packed rows), Lk, multiprocessors."""
+    if seqlen_k < SPLIT_MIN_SEQLEN_K:
         return 1
-    splits = triton.cdiv(SPLIT_TARGET_PROGRAMS_PER_SM * n_sms, split_programs)
+    if not decoding and forward_programs >= SPLIT_BELOW_PROGRAMS_PER_SM * n_sms:
+        return 1
+    splits = math.ceil(SPLIT_TARGET_PROGRAMS_PER_SM * n_sms / split_programs)
+    if decoding:
+        splits = max(splits, SPLIT_MIN_DECODE_SPLITS)
     return max(1, min(splits, triton.cdiv(seqlen_k, SPLIT_MIN_KEYS), SPLIT_MAX))
 
 
