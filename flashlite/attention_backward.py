@@ -57,7 +57,10 @@ Precision: fp32 accumulators; P and dS are rounded to the input dtype for the
 dots with dO, Q and K (as FlashAttention); fp32 inputs use IEEE fp32 dots.
 Offsets that grow with batch, heads and rows are 64-bit.
 
-Limits: no TMA or persistent-grid variants yet; the tile table is timed for
+Limits: a row whose every score carries a huge finite bias (about -1e9) has
+an LSE in which ``log d`` is lost to fp32 rounding, so its recomputed P is too
+large by the row's key count (saving ``m`` and ``d`` apart would fix it); -inf
+or a boolean mask is exact. No TMA or persistent-grid variants yet; the tile table is timed for
 D = 64 and 128 only. The split-K/V forward (``num_splits > 1``,
 ``cache_seqlens``) has no backward.
 """
