@@ -213,7 +213,7 @@ SPLIT_BLOCK_M_SMALL, SPLIT_BLOCK_M_LARGE = 16, 64
 # * the best grid is about half a program per multiprocessor in total
 #   (SPLIT_TARGET_PROGRAMS_PER_SM): B = 1 with 32 K/V heads was fastest at 2-4
 #   splits, with 8 K/V heads (4 query heads packed per program) at 8-16; more
-#   splits only add partials to write and merge (64 splits: +10-40%);
+#   splits only add partials to write and merge (64 splits: 1-50% slower);
 # * for decoding tiles (at most SPLIT_BLOCK_M_SMALL packed rows) the split
 #   kernel wins even when the forward's grid is full: the forward kernel packs
 #   no GQA group, so at B = 8, H_kv = 8 it reads each K/V head 4 times and took
@@ -284,7 +284,7 @@ def auto_num_splits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None)
         return 1
     batch, n_heads, seqlen_q, head_dim = q.shape
     forward_programs = triton.cdiv(seqlen_q, default_config(head_dim, q.dtype, q.device).block_m) * batch * n_heads
-    pack, config, split_programs = _plan(q, k, mask)
+    pack, _, split_programs = _plan(q, k, mask)
     decoding = pack * seqlen_q <= SPLIT_BLOCK_M_SMALL
     return splits_for(forward_programs, split_programs, decoding, k.shape[2], device_info(q.device).num_sms)
 
