@@ -173,11 +173,7 @@ def _masked_softmax_fwd_kernel(
     # A work item is (tile of BLOCK_M rows, chunk of columns); chunks exist only when rows are split (BLOCK_M = 1).
     n_items = tl.cdiv(n_rows, BLOCK_M) * n_splits
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-        if PASS == FINAL_PASS:
-            # Walk the work backwards: what the first launch read last is still in L2.
-            tile, col_start, col_end = _work_item(n_items - 1 - item, n_splits, cols_per_split, seqlen_k)
-        else:
-            tile, col_start, col_end = _work_item(item, n_splits, cols_per_split, seqlen_k)
+        tile, col_start, col_end = _work_item(item, n_items, n_splits, cols_per_split, seqlen_k, PASS)
         rows = _tile_rows(tile, BLOCK_M)
         row_ok = rows < n_rows
         b0, b1, q = _row_coords(rows, seqlen_q, n_inner)
@@ -253,10 +249,7 @@ def _masked_softmax_bwd_kernel(
     # y and dx are contiguous (n_rows, seqlen_k); y is 0 wherever the forward masked, so no mask is needed here.
     n_items = tl.cdiv(n_rows, BLOCK_M) * n_splits
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-        if PASS == FINAL_PASS:
-            tile, col_start, col_end = _work_item(n_items - 1 - item, n_splits, cols_per_split, seqlen_k)
-        else:
-            tile, col_start, col_end = _work_item(item, n_splits, cols_per_split, seqlen_k)
+        tile, col_start, col_end = _work_item(item, n_items, n_splits, cols_per_split, seqlen_k, PASS)
         rows = _tile_rows(tile, BLOCK_M)
         row_ok = rows < n_rows
         key_end = _visible_end(rows % seqlen_q, row_ok, seqlen_q, seqlen_k, IS_CAUSAL)

@@ -54,20 +54,26 @@ def _tile_rows(tile, BLOCK_M: tl.constexpr):
     return tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
 
 
+# Pass numbers of the online kernels.
+BOTH_PASSES = tl.constexpr(0)  # one program owns a whole row: statistics, then normalise
+PARTIAL_PASS = tl.constexpr(1)  # split rows, first launch: each program publishes the partial of its chunk
+FINAL_PASS = tl.constexpr(2)  # split rows, second launch: merge the row's partials, then normalise the chunk
+
+
 @triton.jit
-def _work_item(item, n_splits, cols_per_split, n_cols):
-    """Row and column range ``[col_start, col_end)`` of work item ``item`` = row * n_splits + split."""
+def _work_item(item, n_items, n_splits, cols_per_split, n_cols, PASS: tl.constexpr):
+    """Row and column range ``[col_start, col_end)`` of work item ``item`` = row * n_splits + split.
+
+    The ``FINAL_PASS`` launch walks the items backwards: what the first launch
+    read last is still in L2.
+    """
+    if PASS == FINAL_PASS:
+        item = n_items - 1 - item
     item = tl.cast(item, tl.int64)
     row = item // n_splits
     col_start = (item % n_splits) * cols_per_split
     col_end = tl.minimum(col_start + cols_per_split, n_cols)
     return row, col_start, col_end
-
-
-# Pass numbers of the online kernels.
-BOTH_PASSES = tl.constexpr(0)  # one program owns a whole row: statistics, then normalise
-PARTIAL_PASS = tl.constexpr(1)  # split rows, first launch: each program publishes the partial of its chunk
-FINAL_PASS = tl.constexpr(2)  # split rows, second launch: merge the row's partials, then normalise the chunk
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -108,11 +114,7 @@ def _softmax_online_kernel(
 ):
     n_items = n_rows * n_splits
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-        if PASS == FINAL_PASS:
-            # Walk the work backwards: what the first launch read last is still in L2.
-            row, col_start, col_end = _work_item(n_items - 1 - item, n_splits, cols_per_split, n_cols)
-        else:
-            row, col_start, col_end = _work_item(item, n_splits, cols_per_split, n_cols)
+        row, col_start, col_end = _work_item(item, n_items, n_splits, cols_per_split, n_cols, PASS)
         x_row = x_ptr + row * stride_xm
 
         if PASS == FINAL_PASS:
@@ -178,10 +180,7 @@ def _softmax_bwd_online_kernel(
 ):
     n_items = n_rows * n_splits
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-        if PASS == FINAL_PASS:
-            row, col_start, col_end = _work_item(n_items - 1 - item, n_splits, cols_per_split, n_cols)
-        else:
-            row, col_start, col_end = _work_item(item, n_splits, cols_per_split, n_cols)
+        row, col_start, col_end = _work_item(item, n_items, n_splits, cols_per_split, n_cols, PASS)
         y_row = y_ptr + row * stride_ym
         dy_row = dy_ptr + row * stride_dym
 
