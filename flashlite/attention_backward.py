@@ -252,7 +252,7 @@ def _attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
-    n_heads, kv_group, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
+    n_heads, kv_group, seqlen_q, seqlen_k, head_dim, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
@@ -504,11 +504,12 @@ def attention_backward(
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     if dlse is not None:
         dlse = dlse.float().contiguous()
+    qk_scale = scale * LOG2E  # the forward's: log2(e) folded into the scale
     q_scaled = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _attention_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, DELTA_BLOCK_M) * bh,)](
         o, do, dlse, delta, q, q_scaled,
         *_bhl_strides(o), *_bhl_strides(do), *_bhl_strides(q), *_bhl_strides(q_scaled),
-        n_heads, seqlen_q, head_dim, scale * LOG2E,
+        n_heads, seqlen_q, head_dim, qk_scale,
         BLOCK_M=DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
     )
 
@@ -516,7 +517,7 @@ def attention_backward(
     ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device) if mask_needs_grad else None
     lse = lse.contiguous()
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
-    common = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, head_dim, scale * LOG2E, scale)
+    common = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, head_dim)
     meta = dict(
         HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -526,14 +527,14 @@ def attention_backward(
     _attention_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],)](
         q, q_scaled, k, v, do, lse, delta, dk, dv, mask,
         *_bhl_strides(q), *_bhl_strides(q_scaled), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dk), *_bhl_strides(dv),
-        *mask_strides, *common,
+        *mask_strides, *common, scale,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
     )
     c = config.dq
     _attention_bwd_dq_kernel[(triton.cdiv(seqlen_q, c.block_m) * bh,)](
         q, k, v, do, lse, delta, dq, ds, mask,
         *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dq),
-        *mask_strides, *common,
+        *mask_strides, *common, qk_scale, scale,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
     )
     return dq, dk, dv, ds
