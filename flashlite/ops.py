@@ -34,7 +34,7 @@ from ._runtime import runs_kernels
 from .attention import SPLIT_HAS_NO_BACKWARD, _attention_torch, _unit_stride_head_dim, attention_forward
 from .masked_softmax import _forward_moved, _masked_softmax_torch, masked_softmax_backward
 from .masking import broadcast_mask
-from .softmax import as_rows, from_rows, plan_softmax, softmax_backward, softmax_forward
+from .softmax import as_rows, from_rows, plan_softmax, softmax_backward, softmax_forward, softmax_rows
 
 
 def _empty_rows_layout(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -59,9 +59,7 @@ def _softmax_grad_torch(y: torch.Tensor, dy: torch.Tensor, dim: int, scale: floa
 def _softmax(x: torch.Tensor, dim: int, algorithm: str, dtype: torch.dtype) -> torch.Tensor:
     if x.numel() == 0 or not runs_kernels(x):
         return _empty_rows_layout(x, dim, dtype).copy_(torch.softmax(x.float(), dim))
-    x2d = as_rows(x, dim)
-    y2d, _ = softmax_forward(x2d, dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm))
-    return from_rows(y2d, x, dim)
+    return softmax_rows(x, dim, dtype, algorithm)
 
 
 @_softmax.register_fake

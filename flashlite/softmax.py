@@ -233,6 +233,10 @@ SPLIT_BLOCK_N, SPLIT_NUM_WARPS = 2048, 4
 ONLINE_NUM_STAGES = 3
 # Rows are split across programs until there are this many work items per multiprocessor.
 ONLINE_ITEMS_PER_SM = 4
+# ... but only while there are fewer rows than this many per multiprocessor. H100, fp32, CUDA-graph
+# times (bench/results/h100/softmax_split_tune.log): 128 x 128K ran at 1.76 TB/s as whole rows and
+# at 1.69 / 1.31 in 2 / 5 parts; 16 x 1M gained from splitting (1.04 TB/s in 5 parts, 1.38 in 32).
+ONLINE_SPLIT_BELOW_ROWS_PER_SM = 0.5
 # ... but never into chunks shorter than this many blocks.
 ONLINE_MIN_BLOCKS_PER_SPLIT = 4
 
@@ -273,7 +277,8 @@ def plan_softmax(
         return SoftmaxPlan("fused", bm, bn, warps)
 
     if n_splits is None:
-        wanted = math.ceil(ONLINE_ITEMS_PER_SM * device_info(device).num_sms / n_rows)
+        n_sms = device_info(device).num_sms
+        wanted = math.ceil(ONLINE_ITEMS_PER_SM * n_sms / n_rows) if n_rows < ONLINE_SPLIT_BELOW_ROWS_PER_SM * n_sms else 1
         n_splits = max(1, min(wanted, n_cols // (ONLINE_MIN_BLOCKS_PER_SPLIT * (block_n or SPLIT_BLOCK_N))))
     bn, warps = (ONLINE_BLOCK_N, ONLINE_NUM_WARPS) if n_splits == 1 else (SPLIT_BLOCK_N, SPLIT_NUM_WARPS)
     bn = block_n or min(bn, triton.next_power_of_2(n_cols))
@@ -301,7 +306,7 @@ def softmax_forward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Softmax (and/or log-sum-exp) of each row of ``x2d`` (n_rows, n_cols), column stride 1 or not."""
     n_rows, n_cols = x2d.shape
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2d.device) if write_y else None
+    y = torch.empty_like(x2d, dtype=out_dtype, memory_format=torch.contiguous_format) if write_y else None
     lse = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device) if write_lse else None
     y_arg = y if y is not None else x2d  # a pointer the kernel never writes through
     lse_arg = lse if lse is not None else x2d
@@ -314,9 +319,9 @@ def softmax_forward(
             plan.num_warps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, WRITE_Y=write_y, WRITE_LSE=write_lse,
         )
     else:
-        n_parts = n_rows * plan.n_splits if plan.n_splits > 1 else 1
-        part_m = torch.empty(n_parts, dtype=torch.float32, device=x2d.device)
-        part_d = torch.empty(n_parts, dtype=torch.float32, device=x2d.device)
+        split = plan.n_splits > 1  # partial states only between the two launches of split rows
+        part_m = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x2d.device) if split else None
+        part_d = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x2d.device) if split else None
         args = (x2d, y_arg, lse_arg, part_m, part_d, n_rows, n_cols, plan.n_splits, plan.cols_per_split,
                 x2d.stride(0), x2d.stride(1), n_cols)
         _launch_online(_softmax_online_kernel, plan, n_rows, x2d.device, args,
@@ -337,7 +342,7 @@ def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtyp
             (y2d, dy2d, dx, n_rows, n_cols, *strides), plan.num_warps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         )
     else:
-        partials = torch.empty(max(1, n_rows * plan.n_splits), dtype=torch.float32, device=y2d.device)
+        partials = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=y2d.device) if plan.n_splits > 1 else None
         args = (y2d, dy2d, dx, partials, n_rows, n_cols, plan.n_splits, plan.cols_per_split, *strides)
         _launch_online(_softmax_bwd_online_kernel, plan, n_rows, y2d.device, args)
     return dx
@@ -361,8 +366,14 @@ def _check_args(x: torch.Tensor, dim: int, algorithm: str) -> int:
 
 def as_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     """View ``x`` as (rows, n) with the softmax dim last; copies only if that dim's stride is not 1
-    or the other dims cannot be flattened into one row stride."""
-    moved = x.movedim(dim, -1) if x.dim() > 0 else x.reshape(1)
+    or the other dims cannot be flattened into one row stride. A 2-D ``x`` over its last dim is
+    returned as is (the common case: no tensor op on the host path)."""
+    last = x.dim() - 1
+    if dim == last and x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1):
+        return x
+    moved = x if dim == last else x.movedim(dim, -1)
+    if x.dim() == 0:
+        moved = x.reshape(1)
     n = moved.shape[-1]
     if moved.stride(-1) != 1 and n > 1:
         moved = moved.contiguous()
@@ -376,7 +387,16 @@ def from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
     """Undo ``as_rows`` for an output of the same shape as ``like``."""
     if like.dim() == 0:
         return rows.reshape(())
+    if dim == like.dim() - 1:
+        return rows if like.dim() == 2 else rows.view(like.shape)
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
+
+
+def softmax_rows(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm: str = "auto") -> torch.Tensor:
+    """Softmax of checked, non-empty ``x`` along ``dim`` (made non-negative) on the kernels, without autograd."""
+    x2d = as_rows(x, dim)
+    y2d, _ = softmax_forward(x2d, out_dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm))
+    return from_rows(y2d, x, dim)
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -454,9 +474,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
         return torch.softmax(x.float(), dim).to(out_dtype)
     if torch.is_grad_enabled() and x.requires_grad:
         return _Softmax.apply(x, dim, algorithm, out_dtype)
-    x2d = as_rows(x, dim)
-    y2d, _ = softmax_forward(x2d, out_dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm))
-    return from_rows(y2d, x, dim)
+    return softmax_rows(x, dim, out_dtype, algorithm)
 
 
 def logsumexp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -49,10 +49,16 @@ def test_split_rows_chosen_when_rows_are_few():
     # One long row on the 4-"SM" interpreter device: the planner must split it across programs.
     plan = plan_softmax(1, 1 << 16, CPU, "online")
     assert plan.n_splits > 1
-    x = randn(2, 300)
-    plan = plan_softmax(2, 300, CPU, "online", block_n=32)
-    assert plan.n_splits > 1  # 2 rows < 4 work items per SM x 4 SMs
+    x = randn(1, 300)
+    plan = plan_softmax(1, 300, CPU, "online", block_n=32)
+    assert plan.n_splits > 1  # 1 row < 4 work items per SM x 4 SMs
     assert_close(softmax_forward(x, torch.float32, plan)[0], softmax_ref(x))
+
+
+def test_rows_not_split_when_rows_fill_the_device():
+    # 2 rows are half a row per "SM" on the 4-SM interpreter device: whole rows, one program each.
+    assert plan_softmax(2, 1 << 16, CPU, "online").n_splits == 1
+    assert plan_softmax(1, 1 << 16, CPU, "online").n_splits > 1
 
 
 def test_max_raised_by_a_later_block():
