@@ -186,7 +186,10 @@ def _attend_kv_tiles(
 # ----------------------------------------------------------------------------- kernels
 
 
-# Flags derived from the arguments, shared by every kernel built on _attend_kv_tiles (flashlite.split_kv too).
+# Flags derived from the arguments, shared by the kernels built on _attend_kv_tiles (split-K/V, backward).
+# The forward kernel takes the same flags from its launcher (``kv_loop_flags``): triton.heuristics
+# rebuilds a dict of all ~40 arguments per flag, the largest Python part (cProfile) of the 100 us
+# of host time that one forward launch took on the H100 machine.
 KV_LOOP_FLAGS = {
     "HAS_MASK": lambda args: args["mask_ptr"] is not None,
     # A key-padding mask (B, 1, 1, Lk): one mask row per key tile instead of BLOCK_M copies of it.
@@ -195,7 +198,12 @@ KV_LOOP_FLAGS = {
 }
 
 
-@triton.heuristics({**KV_LOOP_FLAGS, "USE_TMA": lambda args: args["k_desc"] is not None})
+def kv_loop_flags(mask: torch.Tensor | None, head_dim: int, head_dim_pad: int, k_desc) -> dict:
+    """``KV_LOOP_FLAGS`` and ``USE_TMA`` of a forward launch, computed on the host."""
+    return dict(HAS_MASK=mask is not None, MASK_PER_KEY=mask is None or mask.stride(2) == 0,
+                EVEN_D=head_dim == head_dim_pad, USE_TMA=k_desc is not None)
+
+
 @triton.jit(do_not_specialize=["tune_bucket", "tune_mask_layout"])
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
@@ -469,6 +477,7 @@ def attention_forward(
         HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, WRITE_LSE=write_lse,
         WARP_SPECIALIZE=config.warp_specialize, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see _dot)
+        **kv_loop_flags(mask, head_dim, hd_pad, k_desc),
     )
     if tuned:
         _autotuned_kernel()[lambda cfg: (triton.cdiv(seqlen_q, cfg["BLOCK_M"]) * bh,)](*args, **meta)
@@ -562,6 +571,18 @@ SPLIT_HAS_NO_BACKWARD = (
 )
 
 
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None,
+    mask_is_bool: bool, write_lse: bool, num_splits: int, cache_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(o, lse)`` from the forward kernel, or from split-K/V (``num_splits`` > 1 or a cache with lengths)."""
+    if num_splits == 1 and cache_seqlens is None:
+        return attention_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse)
+    from .split_kv import split_kv_forward  # split_kv builds on this module's K/V loop: imported on use
+
+    return split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse, num_splits, cache_seqlens)
+
+
 class _FlashAttention(torch.autograd.Function):
     """``(o, lse)`` of ``flash_attention``; differentiable in q, k, v, an additive mask and through lse
     (backward: ``flashlite.attention_backward``, not for the split-K/V path)."""
@@ -570,12 +591,8 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, mask, mask_is_bool, write_lse, num_splits, cache_seqlens):
         split = num_splits != 1 or cache_seqlens is not None
         trains = any(ctx.needs_input_grad[:3]) or ctx.needs_input_grad[5]
-        if not split:
-            o, lse = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse or trains)
-        else:  # split-K/V decoding, also the path of a cache with per-element lengths (flashlite.split_kv)
-            from .split_kv import split_kv_forward  # split_kv builds on this module's K/V loop: imported on use
-
-            o, lse = split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse, num_splits, cache_seqlens)
+        o, lse = _forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse or (trains and not split),
+                          num_splits, cache_seqlens)
         ctx.split = split
         if trains and not split:
             ctx.save_for_backward(q, k, v, o, lse, mask)
@@ -684,8 +701,11 @@ def flash_attention(
         lse = torch.full((batch, n_heads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mask) if t is not None)
         if num_splits is None:  # training keeps the forward kernel: the split path has no backward
-            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mask) if t is not None)
             num_splits = 1 if needs_grad else auto_num_splits(q, k, mask)
-        o, lse = _FlashAttention.apply(q, k, v, causal, scale, mask, mask_is_bool, return_lse, num_splits, cache_seqlens)
+        if needs_grad:
+            o, lse = _FlashAttention.apply(q, k, v, causal, scale, mask, mask_is_bool, return_lse, num_splits, cache_seqlens)
+        else:  # inference: no autograd node to build (its host cost shows on short calls)
+            o, lse = _forward(q, k, v, causal, scale, mask, mask_is_bool, return_lse, num_splits, cache_seqlens)
     return (o, lse) if return_lse else o

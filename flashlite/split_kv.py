@@ -280,7 +280,7 @@ def auto_num_splits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None)
     while ``SPLIT_AUTOMATIC`` is off.
     With ``cache_seqlens`` the rule sees L_max: the lengths are not read on the host.
     """
-    if not q.is_cuda or not SPLIT_AUTOMATIC:
+    if not q.is_cuda or not SPLIT_AUTOMATIC or k.shape[2] < SPLIT_MIN_SEQLEN_K:  # the rule's first test, before any work
         return 1
     batch, n_heads, seqlen_q, head_dim = q.shape
     forward_programs = triton.cdiv(seqlen_q, default_config(head_dim, q.dtype, q.device).block_m) * batch * n_heads
