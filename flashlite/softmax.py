@@ -371,9 +371,10 @@ def as_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     last = x.dim() - 1
     if dim == last and x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1):
         return x
-    moved = x if dim == last else x.movedim(dim, -1)
     if x.dim() == 0:
         moved = x.reshape(1)
+    else:
+        moved = x if dim == last else x.movedim(dim, -1)
     n = moved.shape[-1]
     if moved.stride(-1) != 1 and n > 1:
         moved = moved.contiguous()
