@@ -36,7 +36,7 @@ def grads_ref(q, k, v, do, causal, dtype):
 
 
 def main() -> int:
-    fb.triton_backward_enabled = lambda q: True  # fp32 too, were it in the cases
+    fb.triton_backward_enabled = lambda q, mask=None: True  # fp32 and masks too, were they in the cases
     torch.manual_seed(0)
     failures = 0
     for dtype in (torch.bfloat16, torch.float16):
