@@ -186,22 +186,24 @@ def _attend_kv_tiles(
 # ----------------------------------------------------------------------------- kernels
 
 
-# Flags derived from the arguments, shared by the kernels built on _attend_kv_tiles (split-K/V, backward).
-# The forward kernel takes the same flags from its launcher (``kv_loop_flags``): triton.heuristics
-# rebuilds a dict of all ~40 arguments per flag, the largest Python part (cProfile) of the 100 us
-# of host time that one forward launch took on the H100 machine.
+def kv_loop_flags(mask_ptr, stride_mask_q: int, head_dim: int, head_dim_pad: int) -> dict:
+    """The constexpr flags of every kernel built on ``_attend_kv_tiles``, from its arguments."""
+    return dict(
+        HAS_MASK=mask_ptr is not None,
+        # A key-padding mask (B, 1, 1, Lk): one mask row per key tile instead of BLOCK_M copies of it.
+        MASK_PER_KEY=stride_mask_q == 0,
+        EVEN_D=head_dim == head_dim_pad,
+    )
+
+
+# The same flags as triton.heuristics, for the split-K/V and backward kernels. The forward's launcher
+# calls ``kv_loop_flags`` itself: triton.heuristics rebuilds a dict of all ~40 arguments per flag, the
+# largest Python part (cProfile) of the 100 us of host time one forward launch took on the H100 machine.
 KV_LOOP_FLAGS = {
-    "HAS_MASK": lambda args: args["mask_ptr"] is not None,
-    # A key-padding mask (B, 1, 1, Lk): one mask row per key tile instead of BLOCK_M copies of it.
-    "MASK_PER_KEY": lambda args: args["stride_mask_q"] == 0,
-    "EVEN_D": lambda args: args["head_dim"] == args["HEAD_DIM_PADDED"],
+    name: (lambda args, name=name: kv_loop_flags(
+        args["mask_ptr"], args["stride_mask_q"], args["head_dim"], args["HEAD_DIM_PADDED"])[name])
+    for name in ("HAS_MASK", "MASK_PER_KEY", "EVEN_D")
 }
-
-
-def kv_loop_flags(mask: torch.Tensor | None, head_dim: int, head_dim_pad: int, k_desc) -> dict:
-    """``KV_LOOP_FLAGS`` and ``USE_TMA`` of a forward launch, computed on the host."""
-    return dict(HAS_MASK=mask is not None, MASK_PER_KEY=mask is None or mask.stride(2) == 0,
-                EVEN_D=head_dim == head_dim_pad, USE_TMA=k_desc is not None)
 
 
 @triton.jit(do_not_specialize=["tune_bucket", "tune_mask_layout"])
@@ -463,13 +465,14 @@ def attention_forward(
         k_desc, v_desc = (_descriptor(t, config.block_n, hd_pad) for t in (k, v))
 
     bh = batch * n_heads
+    mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
     args = (
         q, k, v, o, lse if lse is not None else o, mask, q_desc, k_desc, v_desc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+        *mask_strides,
         n_heads, n_heads // k.shape[1], bh,
         seqlen_q, seqlen_k, head_dim, scale * LOG2E, triton.next_power_of_2(seqlen_k), _mask_layout(mask),
     )
@@ -477,7 +480,8 @@ def attention_forward(
         HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, WRITE_LSE=write_lse,
         WARP_SPECIALIZE=config.warp_specialize, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see _dot)
-        **kv_loop_flags(mask, head_dim, hd_pad, k_desc),
+        USE_TMA=k_desc is not None,
+        **kv_loop_flags(mask, mask_strides[2], head_dim, hd_pad),
     )
     if tuned:
         _autotuned_kernel()[lambda cfg: (triton.cdiv(seqlen_q, cfg["BLOCK_M"]) * bh,)](*args, **meta)
