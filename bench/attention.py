@@ -374,17 +374,19 @@ def run_check(args) -> None:
         ref, ref_lse = attention_ref(q, k, v, return_lse=True, **kw)
         torch_err = (attention_ref(q, k, v, dtype=dtype, **kw).double() - ref).abs().max().item()
         tol = 2 * torch_err + ATTN_ATOL[dtype]
-        base = fa.default_config(d, dtype, q.device)
+        mask_view, is_bool = fa._check_inputs(q, k, v, mask)
+        base = fa.default_config(d, dtype, q.device, causal, lk, mask is not None)  # the call's own tiles
         runs = dict(variants)
         if d in (64, 80, 128) and dtype != torch.float32:  # the other load path and the persistent grid too
             runs["pointers" if base.use_tma else "tma"] = dataclasses.replace(base, use_tma=not base.use_tma)
             runs["persistent"] = dataclasses.replace(base, persistent=True)
+        if d == 64 and dtype != torch.float32 and mask is not None:  # square TMA boxes: tma_safe's fallback
+            runs["square"] = fa._SHORT_WORK_CONFIGS[64]
         for variant, config in runs.items():
             poison_allocator()
             if config is None:
                 out, lse = fa.flash_attention(q, k, v, return_lse=True, **kw)
             else:
-                mask_view, is_bool = fa._check_inputs(q, k, v, mask)
                 out, lse = fa.attention_forward(q, k, v, causal, 1 / math.sqrt(d), mask_view, is_bool, True, config)
             err = (out.double() - ref).abs().max().item()
             finite = torch.isfinite(ref_lse)
@@ -454,7 +456,7 @@ def run_tune(args) -> None:
                     peers[name] = tflops(flops, measure_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
             print(f"\nD={head_dim} causal={causal} L={length} B={batch} H={HEADS}: SDPA "
                   + "  ".join(f"{n} {p:.0f}" for n, p in peers.items() if p) + " TFLOP/s", flush=True)
-            default = fa.default_config(head_dim, q.dtype, q.device)
+            default = fa.default_config(head_dim, q.dtype, q.device, causal, length)
             results = []
             for config in tune_configs(head_dim):
                 def run(c=config):

@@ -153,8 +153,7 @@ def _attend_kv_tiles(
     mask_ptr, stride_mask_q, stride_mask_k,
     BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
     """Fold keys ``[key_start, key_end)`` into the running ``(acc, m, d)`` of the query tile ``q``.
 
@@ -167,7 +166,7 @@ def _attend_kv_tiles(
     ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``_load_tile``).
     Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
     """
-    for start in tl.range(key_start, key_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start in tl.range(key_start, key_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         k = _load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, USE_TMA)
         s = _dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
@@ -222,7 +221,7 @@ def _attention_fwd_kernel(
     tune_bucket, tune_mask_layout,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    EVEN_D: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
     # Tiles are numbered head-major, query tile fastest, so that programs running
@@ -263,18 +262,18 @@ def _attention_fwd_kernel(
         # [0, full_end): tiles every row of this query tile sees whole; [full_end, key_end): masked tiles.
         full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
                                        BLOCK_N, IS_CAUSAL, HAS_MASK)
-        if not HAS_MASK:
+        if not HAS_MASK:  # with a user mask every tile is masked (full_end = 0)
             acc, m, d = _attend_kv_tiles(
                 acc, m, d, q, q_idx, k_src, v_src, stride_kn, stride_vn,
                 0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
                 BLOCK_N, HEAD_DIM_PADDED, False, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-                EVEN_D, USE_TMA, WARP_SPECIALIZE, DOT_PRECISION, UPCAST_DOTS,
+                EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS,
             )
         acc, m, d = _attend_kv_tiles(
             acc, m, d, q, q_idx, k_src, v_src, stride_kn, stride_vn,
             full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_N, HEAD_DIM_PADDED, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, USE_TMA, False, DOT_PRECISION, UPCAST_DOTS,
+            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS,
         )
 
         if WRITE_LSE:
@@ -305,7 +304,6 @@ class AttentionConfig:
     num_stages: int
     use_tma: bool = False  # Q/K/V through host-side tensor descriptors (TMA on Hopper) when aligned
     persistent: bool = False  # a resident grid looping over tiles, instead of one program per tile
-    warp_specialize: bool = False  # Triton's automatic warp specialisation of the full-tile loop
 
 
 # fp16/bf16 configs by padded head dim, from `python bench/attention.py --tune` on an
@@ -327,6 +325,12 @@ _CONFIGS = {
     128: AttentionConfig(64, 64, 4, 3, use_tma=True),
     256: AttentionConfig(128, 32, 8, 2, use_tma=True),
 }
+# D <= 64 without a mask, where each query tile has little work: 64 x 64 tiles, twice the
+# programs. Bench runs on the H100 (2026-11-23), 64 x 128 -> 64 x 64, TFLOP/s: causal
+# L = 1024 229 -> 269, 2048 310 -> 334, 4096 361 -> 375, but 8192 395 -> 382 and 16384
+# 414 -> 387; non-causal L = 1024 347 -> 364 (the --tune sweep: 350 -> 370), 4096 a tie.
+_SHORT_WORK_CONFIGS = {hd: AttentionConfig(64, 64, 4, 3, use_tma=True) for hd in (16, 32, 64)}
+SHORT_SEQLEN_K, SHORT_SEQLEN_K_CAUSAL = 1024, 4096
 # fp32 runs IEEE dots on the FMA units: small tiles, no pipelining; the largest
 # that compile for sm_90 without spilling.
 _FP32_CONFIGS = {
@@ -352,8 +356,11 @@ _TUNE_CANDIDATES = {
 
 
 def _prune_tune_space(configs, named_args, **kwargs):
-    keep = _TUNE_CANDIDATES[max(64, kwargs["HEAD_DIM_PADDED"])]
-    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in keep]
+    hd_pad = kwargs["HEAD_DIM_PADDED"]
+    keep = _TUNE_CANDIDATES[max(64, hd_pad)]
+    has_mask = named_args.get("tune_mask_layout", MASK_LAYOUT_NONE) != MASK_LAYOUT_NONE
+    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in keep
+            and tma_safe(has_mask, c.kwargs["BLOCK_N"], hd_pad)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -387,6 +394,19 @@ def _mask_layout(mask: torch.Tensor | None) -> int:
     return MASK_LAYOUT_PER_KEY if mask.stride(2) == 0 else MASK_LAYOUT_FULL
 
 
+def tma_safe(has_mask: bool, block_n: int, head_dim_pad: int) -> bool:
+    """False for the combination that Triton 3.6 miscompiles on the H100: a user mask with K/V
+    tiles by TMA in square boxes (``BLOCK_N == HEAD_DIM_PADDED``).
+
+    Found by bench/results/h100/attention_probe_tma_mask.log (full masks: errors 1.2-2.7 against
+    tolerances ~0.03 at D = 32, 64 and 128 whenever the box was square and the loop ran more than
+    one K tile, at 1, 2 and 3 stages; pointer loads, non-square boxes and unmasked calls right) and
+    by the GPU check of key-padding masks on 64 x 64 tiles at D = 64 (errors ~2). Such launches
+    take pointer loads, and such configs leave the autotune list.
+    """
+    return not (has_mask and block_n == head_dim_pad)
+
+
 def autotune_enabled() -> bool:
     """True when ``FLASHLITE_AUTOTUNE=1``: on first use of a shape bucket, time up to six tile configs."""
     return os.environ.get("FLASHLITE_AUTOTUNE", "0") not in ("", "0")
@@ -397,12 +417,24 @@ def head_dim_padded(head_dim: int) -> int:
     return max(MIN_HEAD_DIM, triton.next_power_of_2(head_dim))
 
 
-def default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> AttentionConfig:
-    """The fixed tile config of a call: the interpreter's, or the fp32 or fp16/bf16 table's."""
+def default_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device,
+    causal: bool = False, seqlen_k: int | None = None, has_mask: bool = False,
+) -> AttentionConfig:
+    """The fixed tile config of a call: the interpreter's, or the fp32 or fp16/bf16 table's.
+
+    Unmasked fp16/bf16 calls at D <= 64 take ``_SHORT_WORK_CONFIGS`` while ``seqlen_k`` is
+    at most ``SHORT_SEQLEN_K`` (``SHORT_SEQLEN_K_CAUSAL`` under causal).
+    """
     if device.type != "cuda":
         return INTERPRETER_CONFIG
-    table = _FP32_CONFIGS if dtype == torch.float32 else _CONFIGS
-    return table[head_dim_padded(head_dim)]
+    hd_pad = head_dim_padded(head_dim)
+    if dtype == torch.float32:
+        return _FP32_CONFIGS[hd_pad]
+    short_limit = SHORT_SEQLEN_K_CAUSAL if causal else SHORT_SEQLEN_K
+    if hd_pad in _SHORT_WORK_CONFIGS and not has_mask and seqlen_k is not None and seqlen_k <= short_limit:
+        return _SHORT_WORK_CONFIGS[hd_pad]
+    return _CONFIGS[hd_pad]
 
 
 def _descriptor_strides(t: torch.Tensor) -> list[int]:
@@ -458,9 +490,9 @@ def attention_forward(
     lse = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
     tuned = config is None and autotune_enabled() and q.is_cuda and q.dtype != torch.float32
     if config is None:
-        config = default_config(head_dim, q.dtype, q.device)
+        config = default_config(head_dim, q.dtype, q.device, causal, seqlen_k, mask is not None)
     q_desc = k_desc = v_desc = None
-    if config.use_tma and _tma_usable(q, k, v):
+    if config.use_tma and tma_safe(mask is not None, config.block_n, hd_pad) and _tma_usable(q, k, v):
         q_desc = _descriptor(q, config.block_m, hd_pad)
         k_desc, v_desc = (_descriptor(t, config.block_n, hd_pad) for t in (k, v))
 
@@ -478,7 +510,7 @@ def attention_forward(
     )
     meta = dict(
         HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, WRITE_LSE=write_lse,
-        WARP_SPECIALIZE=config.warp_specialize, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see _dot)
         USE_TMA=k_desc is not None,
         **kv_loop_flags(mask, mask_strides[2], head_dim, hd_pad),

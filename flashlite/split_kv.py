@@ -142,13 +142,13 @@ def _split_kv_kernel(
             acc, m, d, q, q_idx, k_src, v_src, stride_kn, stride_vn,
             key_start, key_mid, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_N, HEAD_DIM_PADDED, False, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, False, False, DOT_PRECISION, UPCAST_DOTS,
+            EVEN_D, False, DOT_PRECISION, UPCAST_DOTS,
         )
     acc, m, d = _attend_kv_tiles(
         acc, m, d, q, q_idx, k_src, v_src, stride_kn, stride_vn,
         key_mid, key_stop, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
         BLOCK_N, HEAD_DIM_PADDED, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-        EVEN_D, False, False, DOT_PRECISION, UPCAST_DOTS,
+        EVEN_D, False, DOT_PRECISION, UPCAST_DOTS,
     )
 
     # Partials are (n_splits, B, H, Lq) rows; acc rows are HEAD_DIM_PADDED wide (no column mask needed).

@@ -152,7 +152,7 @@ def _attention_trace_kernel(
         acc, m, d = _attend_kv_tiles(
             acc, m, d, q, q_idx, k_ptr, v_ptr, head_dim, head_dim,
             t * BLOCK_N, (t + 1) * BLOCK_N, seqlen_q, seqlen_k, head_dim, q_ptr, 0, 0,
-            BLOCK_N, HEAD_DIM, True, IS_CAUSAL, False, False, False, EVEN_D, False, False, "ieee", False,
+            BLOCK_N, HEAD_DIM, True, IS_CAUSAL, False, False, False, EVEN_D, False, "ieee", False,
         )
         alpha = rescale_factor(m_old, m, BASE2_UNITS)  # the factor the loop applied to d and acc
         here = t * BLOCK_M + tl.arange(0, BLOCK_M)

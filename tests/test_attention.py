@@ -240,6 +240,43 @@ def test_launch_variants(monkeypatch, config, causal):
     check(*qkv(2, 2, 33, 50, 32), attn_mask=mask, causal=causal)
 
 
+def test_default_tiles():
+    # The fixed table's rules (read on CUDA only; the interpreter has its own tiles).
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    short = fa._SHORT_WORK_CONFIGS[64]
+    assert fa.default_config(64, bf16, cuda, causal=True, seqlen_k=fa.SHORT_SEQLEN_K_CAUSAL) == short
+    assert fa.default_config(64, bf16, cuda, causal=True, seqlen_k=8192) == fa._CONFIGS[64]
+    assert fa.default_config(40, bf16, cuda, causal=False, seqlen_k=fa.SHORT_SEQLEN_K) == short
+    assert fa.default_config(64, bf16, cuda, causal=False, seqlen_k=2048) == fa._CONFIGS[64]
+    assert fa.default_config(64, bf16, cuda, True, 512, has_mask=True) == fa._CONFIGS[64]  # masks: 64 x 128
+    assert fa.default_config(128, bf16, cuda, True, 512) == fa._CONFIGS[128]
+    assert fa.default_config(64, torch.float32, cuda, True, 512) == fa._FP32_CONFIGS[64]
+    for hd in (16, 32, 64, 128, 256):  # no default config is ruled out for masks
+        assert fa.tma_safe(True, fa.default_config(hd, bf16, cuda, True, 512, has_mask=True).block_n, hd)
+
+
+def test_tma_safe():
+    assert not fa.tma_safe(True, 64, 64)
+    assert fa.tma_safe(True, 128, 64) and fa.tma_safe(False, 64, 64)
+
+
+@pytest.mark.parametrize("mask_kind", ["full", "per_key"])
+def test_square_tma_boxes_with_a_mask_take_pointers(monkeypatch, mask_kind):
+    # TILES_16_TMA at D = 16 has square K/V boxes (BLOCK_N = HEAD_DIM_PADDED = 16): with a mask the
+    # launcher must not build descriptors (tma_safe); without one it does.
+    use_tiles(monkeypatch, TILES_16_TMA)
+    built = []
+    real = fa._descriptor
+    monkeypatch.setattr(fa, "_descriptor", lambda *a: built.append(a) or real(*a))
+    q, k, v = qkv(1, 2, 40, 40, 16)
+    check(q, k, v)
+    assert built
+    built.clear()
+    mask = torch.rand(1, 2, 40, 40) > 0.3 if mask_kind == "full" else torch.rand(1, 1, 1, 40) > 0.3
+    check(q, k, v, attn_mask=mask)
+    assert not built
+
+
 def test_tma_needs_aligned_rows(monkeypatch):
     # D = 20 in fp16: 40-byte rows are not 16-byte aligned, so the launcher falls back to pointers.
     use_tiles(monkeypatch, TILES_16_TMA)
@@ -255,7 +292,7 @@ def _key_range(q, q_idx, k_ptr, v_ptr, lo, hi, seqlen_q, seqlen_k,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     return fa._attend_kv_tiles(
         acc, m, d, q, q_idx, k_ptr, v_ptr, D, D, lo, hi, seqlen_q, seqlen_k, D, None, 0, 0,
-        BLOCK_N, D, True, True, False, False, False, True, False, False, "ieee", False,
+        BLOCK_N, D, True, True, False, False, False, True, False, "ieee", False,
     )
 
 
@@ -286,10 +323,16 @@ def test_kv_loop_on_sub_ranges(split):
 
 
 def test_autotune_candidates():
-    # FLASHLITE_AUTOTUNE=1 compiles at most six configs per head dim on first use.
+    # FLASHLITE_AUTOTUNE=1 compiles at most six configs per head dim on first use, and none that
+    # tma_safe rules out for the call's mask layout.
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in fa._TUNE_SPACE]
     for hd in (16, 32, 64, 128, 256):
         assert 1 <= len(fa._prune_tune_space(configs, {}, HEAD_DIM_PADDED=hd)) <= 6
+        for layout in (fa.MASK_LAYOUT_PER_KEY, fa.MASK_LAYOUT_FULL):
+            masked = fa._prune_tune_space(configs, {"tune_mask_layout": layout}, HEAD_DIM_PADDED=hd)
+            assert masked and all(c.kwargs["BLOCK_N"] != hd for c in masked)
+    unmasked = fa._prune_tune_space(configs, {"tune_mask_layout": fa.MASK_LAYOUT_NONE}, HEAD_DIM_PADDED=64)
+    assert any(c.kwargs["BLOCK_N"] == 64 for c in unmasked)  # only masked calls lose them
 
 
 # ----------------------------------------------------------------------------- the link to masked_softmax
