@@ -434,20 +434,17 @@ def default_backward_config(head_dim: int, dtype: torch.dtype, device: torch.dev
 
 
 # The Triton backward on CUDA. `bench/check_backward.py` checks it on a GPU (fp16/bf16, D = 64/128,
-# GQA, causal, Lq != Lk): the first run found dK wrong (a Triton 3.6 miscompile, see
-# `_dkdv_over_query_tiles`); since the fix every gradient is within FlashAttention's bound. fp32 has
-# not been checked on a GPU, so CUDA fp32 keeps `_attention_backward_torch` (correct, but it
+# GQA, causal, Lq != Lk, key-padding / boolean / additive masks with the additive mask's gradient):
+# the first run found dK wrong (a Triton 3.6 miscompile, see `_dkdv_over_query_tiles`); since the fix
+# every gradient is within FlashAttention's bound (bench/results/h100/check_backward.log, 128 of 128).
+# fp32 has not been checked on a GPU, so CUDA fp32 keeps `_attention_backward_torch` (correct, but it
 # materialises the (Lq, Lk) scores), as every dtype does with this flag set to False.
-# Calls with a mask take the stand-in too: the GPU check has no masked case yet, and the forward
-# kernel on the 64 x 64 tiles these kernels use at D <= 64 failed every masked GPU check
-# (bench/results/h100/attention_check_d64_64x64_tiles.log; unmasked it passed).
 TRITON_BACKWARD_ON_GPU = True
 
 
-def triton_backward_enabled(q: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
-    """True when ``attention_backward`` runs the Triton kernels for ``q`` and ``mask`` (always off CUDA;
-    on CUDA fp16/bf16 without a mask)."""
-    return not q.is_cuda or (TRITON_BACKWARD_ON_GPU and q.dtype != torch.float32 and mask is None)
+def triton_backward_enabled(q: torch.Tensor) -> bool:
+    """True when ``attention_backward`` runs the Triton kernels for ``q`` (always off CUDA; on CUDA fp16/bf16)."""
+    return not q.is_cuda or (TRITON_BACKWARD_ON_GPU and q.dtype != torch.float32)
 
 
 def _attention_backward_torch(
@@ -497,7 +494,7 @@ def attention_backward(
         ``(dq, dk, dv, dmask)``: dq like q, dk/dv like k/v (summed over each GQA
         group), ``dmask`` (B, H, Lq, Lk) fp32 or None.
     """
-    if not triton_backward_enabled(q, mask):
+    if not triton_backward_enabled(q):
         return _attention_backward_torch(do, q, k, v, dlse, causal, scale, mask, mask_is_bool, mask_needs_grad)
     batch, n_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]

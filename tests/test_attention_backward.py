@@ -225,17 +225,14 @@ def test_split_kv_backward_raises():
 
 
 def test_which_backward_runs(monkeypatch):
-    # The kernels run off CUDA (the interpreter) and for unmasked CUDA fp16/bf16; CUDA fp32 and masked calls
-    # (not checked on a GPU) and every CUDA dtype with the switch off take the PyTorch stand-in. Stand-ins for CUDA tensors: no GPU here.
+    # The kernels run off CUDA (the interpreter) and for CUDA fp16/bf16, masked or not; CUDA fp32 (not checked
+    # on a GPU) and every CUDA dtype with the switch off take the PyTorch stand-in. Stand-ins for CUDA tensors: no GPU here.
     def cuda_like(dtype):
         return types.SimpleNamespace(is_cuda=True, dtype=dtype)
 
     assert fb.triton_backward_enabled(torch.zeros(1))
     assert fb.triton_backward_enabled(cuda_like(torch.bfloat16)) and fb.triton_backward_enabled(cuda_like(torch.float16))
     assert not fb.triton_backward_enabled(cuda_like(torch.float32))
-    mask = torch.ones(1, 1, 1, 8, dtype=torch.bool)
-    assert not fb.triton_backward_enabled(cuda_like(torch.bfloat16), mask)  # masked: not GPU-checked yet
-    assert fb.triton_backward_enabled(torch.zeros(1), mask)
     monkeypatch.setattr(fb, "TRITON_BACKWARD_ON_GPU", False)
     assert not fb.triton_backward_enabled(cuda_like(torch.bfloat16))
     assert fb.triton_backward_enabled(torch.zeros(1))
@@ -245,7 +242,7 @@ def test_which_backward_runs(monkeypatch):
 def test_pytorch_stand_in(monkeypatch, causal):
     # CUDA fp32's backward (and every dtype's with TRITON_BACKWARD_ON_GPU off): the same gradients (GQA, an
     # additive mask with its gradient, a gradient through lse), checked here by switching the kernels off on CPU.
-    monkeypatch.setattr(fb, "triton_backward_enabled", lambda q, mask=None: False)
+    monkeypatch.setattr(fb, "triton_backward_enabled", lambda q: False)
     q, k, v = qkv(2, 4, 17, 40, 32, h_kv=2)
     bias = randn(2, 1, 1, 40, requires_grad=True)
     check_grads(q, k, v, attn_mask=bias, causal=causal)
