@@ -326,9 +326,9 @@ _CONFIGS = {
     256: AttentionConfig(128, 32, 8, 2, use_tma=True),
 }
 # D <= 64 without a mask, where each query tile has little work: 64 x 64 tiles, twice the
-# programs. Bench runs on the H100 (2026-11-23), 64 x 128 -> 64 x 64, TFLOP/s: causal
-# L = 1024 229 -> 269, 2048 310 -> 334, 4096 361 -> 375, but 8192 395 -> 382 and 16384
-# 414 -> 387; non-causal L = 1024 347 -> 364 (the --tune sweep: 350 -> 370), 4096 a tie.
+# programs (bench/results/h100/attention_d64_short_tiles.log, 64 x 128 -> 64 x 64, TFLOP/s):
+# causal L = 1024 230 -> 266, 2048 305 -> 330, 4096 361 -> 375, but 8192 395 -> 382 and
+# 16384 414 -> 387; non-causal L = 1024 344 -> 366, 2048 a tie.
 _SHORT_WORK_CONFIGS = {hd: AttentionConfig(64, 64, 4, 3, use_tma=True) for hd in (16, 32, 64)}
 SHORT_SEQLEN_K, SHORT_SEQLEN_K_CAUSAL = 1024, 4096
 # fp32 runs IEEE dots on the FMA units: small tiles, no pipelining; the largest
