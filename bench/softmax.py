@@ -51,10 +51,15 @@ def _compiled_softmax():
     return torch.compile(lambda x: torch.softmax(x, dim=-1), dynamic=False)
 
 
+def _fused_plan(x: torch.Tensor):
+    """The plan flashlite makes for ``x`` under algorithm="auto": fused (one program or shared rows), or online."""
+    return fs.plan_softmax(x.shape[0], x.shape[1], x.device, shared_rows=x.dtype)
+
+
 def providers(compiled) -> dict:
     return {
         "flashlite": lambda x: flashlite.softmax(x),
-        "fused": lambda x: flashlite.softmax(x, algorithm="fused") if x.shape[1] <= fs.FUSED_MAX_COLS else None,
+        "fused": lambda x: flashlite.softmax(x, algorithm="fused") if _fused_plan(x).algorithm == "fused" else None,
         "online": lambda x: flashlite.softmax(x, algorithm="online"),
         "torch": lambda x: torch.softmax(x, dim=-1),
         "compile": compiled,
@@ -72,6 +77,9 @@ def measure(shape, dtype, provs) -> dict:
             row[name] = None
             continue
         row[name] = gbs(softmax_bytes(x), try_time_ms(lambda: fn(x)))
+    # The same call replayed from a CUDA graph: device time alone. Where it is well above the column
+    # "flashlite", the call was host-bound (a launch costs ~50 us of host time; do_bench hides less).
+    row["flashlite_graph"] = gbs(softmax_bytes(x), graph_time_ms(lambda: provs["flashlite"](x)))
     del x
     torch.cuda.empty_cache()
     return row
@@ -99,7 +107,7 @@ def run_bench(args) -> None:
                   f"x{row['x_best_peer']:.2f} best peer  [{time.time() - t0:.1f}s]", flush=True)
     meta = environment() | {"copy_gbs": copy, "flashlite_fused_max_cols": fs.FUSED_MAX_COLS}
     out = results_dir(args.out)
-    cols = ["dtype", "M", "N", "flashlite", "fused", "online", "torch", "compile", "naive", "textbook_fused",
+    cols = ["dtype", "M", "N", "flashlite", "flashlite_graph", "fused", "online", "torch", "compile", "naive", "textbook_fused",
             "textbook_online", "frac_copy", "x_best_peer"]
     write_results("softmax", out, meta, rows, cols, "Softmax forward, GB/s (read + write)")
     panels = []
@@ -141,8 +149,8 @@ def run_check(args) -> None:
     shapes = [(1, 1), (37, 100), (4096, 257), (3, 16384), (5, 16385), (7, 100_003), (2, 3_000_000), (1, 1 << 24)]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for shape in shapes:
-            for algo in ("auto", "online") + (("fused",) if shape[1] <= fs.FUSED_MAX_COLS else ()):
-                x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
+            x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
+            for algo in ("auto", "online") + (("fused",) if _fused_plan(x).algorithm == "fused" else ()):
                 poison_allocator()
                 y = flashlite.softmax(x, algorithm=algo)
                 ref = torch.softmax(x.double(), -1)
@@ -162,11 +170,33 @@ def run_check(args) -> None:
         x = torch.randn(6, 70_000, device="cuda", dtype=dtype) * 10
         ref = torch.logsumexp(x.double(), -1)  # about 60: a bf16 ulp there is 0.25, so the bound is relative
         report(f"logsumexp {dtype} (relative)", ((flashlite.logsumexp(x).double() - ref) / ref).abs().max().item(), 2e-6 if dtype == torch.float32 else 8e-3)
+        # Rows shared by resident programs (on an H100): special rows, a row stride that is not the
+        # row length, and the same long rows again and again (each run must give the same bits).
+        x = torch.randn(5, 200_000, device="cuda", dtype=dtype) * 3
+        x[0, :100_000] = float("-inf")  # the first parts hold nothing
+        x[1] = float("-inf")  # NaN, as torch
+        x[2, 150_000] = float("nan")  # NaN in one part: the whole row NaN
+        x[3] = torch.linspace(-30, 30, 200_000, device="cuda")  # the maximum in the last part
+        poison_allocator()
+        y, ref = flashlite.softmax(x).double(), torch.softmax(x.double(), -1)
+        same_nan = bool((y.isnan() == ref.isnan()).all())
+        err = (y - ref).nan_to_num(0.0).abs().max().item() if same_nan else float("nan")
+        report(f"shared rows, special rows {dtype} ({_fused_plan(x).n_splits} parts)", err, tol[dtype])
+        wide = torch.randn(3, 150_000, device="cuda", dtype=dtype) * 3
+        x = wide[:, :100_003]  # row stride 150000
+        report(f"shared rows, strided view {dtype}",
+               (flashlite.softmax(x).double() - torch.softmax(x.double(), -1)).abs().max().item(), tol[dtype])
+        x = torch.randn(16, 1 << 20, device="cuda", dtype=dtype)
+        first = flashlite.softmax(x)
+        repeats_differ = sum(not torch.equal(flashlite.softmax(x), first) for _ in range(20))
+        report(f"shared rows, 20 repeats bit-identical {dtype} ({repeats_differ} differ)", float(repeats_differ), 0)
+        del x, y, ref, wide, first
+        torch.cuda.empty_cache()
     x = torch.randn(8, 9, 300, device="cuda")
     for dim in range(3):
         report(f"dim {dim}", (flashlite.softmax(x, dim=dim) - torch.softmax(x, dim)).abs().max().item(), 2e-6)
-    # More than 2^31 elements: 64-bit offsets, checked on the last rows (fused, then online).
-    for shape in ((2**31 // 8192 + 1, 8192), (2**31 // 32768 + 1, 32768)):
+    # More than 2^31 elements: 64-bit offsets, checked on the last rows (one program a row, then shared rows).
+    for shape in ((2**31 // 8192 + 1, 8192), (2**31 // 32768 + 1, 32768), (2**31 // 65536 + 1, 65536)):
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
         y = flashlite.softmax(x)
         tail = torch.softmax(x[-3:].double(), -1)
@@ -181,6 +211,7 @@ def run_check(args) -> None:
 
 def run_tune(args) -> None:
     """Time candidates for the constants in flashlite/softmax.py; print the table they were chosen from."""
+    compiled = _compiled_softmax()
     fs.FUSED_MAX_COLS = 65536
     print("fused: tile elems x elems/thread -> GB/s")
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "fused") else ():
@@ -213,6 +244,43 @@ def run_tune(args) -> None:
             print(f"  {str(dtype)[6:]:9} {str(shape):16} best: " + "  ".join(f"{c}:{v:.0f}" for v, c in line[:6])
                   + f"   worst: {line[-1][1]}:{line[-1][0]:.0f}", flush=True)
             del x
+    print("fused grid: persistent (P) or one program a tile (G) -> GB/s do_bench / CUDA graph")
+    saved_max = fs.FUSED_PERSISTENT_MAX_COLS
+    for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "grid") else ():
+        for n in (1024, 2048, 4096, 8192, 16384, 32768):
+            x = torch.randn(4096, n, device="cuda", dtype=dtype)
+            nbytes = softmax_bytes(x)
+            line = [f"compile:{gbs(nbytes, time_ms(lambda: compiled(x))):.0f}",
+                    f"textbook:{gbs(nbytes, time_ms(lambda: textbook_fused_softmax(x))):.0f}"]
+            for name, max_cols in (("P", 1 << 30), ("G", 0)):
+                fs.FUSED_PERSISTENT_MAX_COLS = max_cols
+                fn = lambda: flashlite.softmax(x)  # noqa: E731
+                fn()
+                line.append(f"{name}:{gbs(nbytes, time_ms(fn)):.0f}/{gbs(nbytes, graph_time_ms(fn)):.0f}")
+            print(f"  {str(dtype)[6:]:9} 4096 x {n:<6} " + "  ".join(line), flush=True)
+            del x
+    fs.FUSED_PERSISTENT_MAX_COLS = saved_max
+    print("shared rows: columns a program/warps/prefetch -> GB/s (fallback: the row did not fit resident programs)")
+    saved = dict(fs.SHARED_TILES)
+    for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "shared") else ():
+        for shape in ((4096, 65536), (128, 1 << 17), (16, 1 << 20), (8, 1 << 21), (4, 1 << 22)):
+            x = torch.randn(*shape, device="cuda", dtype=dtype)
+            nbytes = softmax_bytes(x)
+            line = [f"online:{gbs(nbytes, time_ms(lambda: flashlite.softmax(x, algorithm='online'))):.0f}"]
+            for cols, warps in ((8192, 4), (16384, 4), (16384, 8), (32768, 16)):
+                for prefetch in (False, True):
+                    fs.SHARED_TILES[x.element_size()] = (cols, warps, prefetch)
+                    fs.plan_softmax.cache_clear()
+                    plan = _fused_plan(x)
+                    flashlite.softmax(x)
+                    resident = max((n for k, n in fs._RESIDENT_PROGRAMS.items() if k[0] == plan), default=0)
+                    fits = plan.algorithm == "fused" and plan.n_splits <= resident
+                    speed = f"{gbs(nbytes, time_ms(lambda: flashlite.softmax(x))):.0f}" if fits else "fallback"
+                    line.append(f"{cols}/{warps}{'/prefetch' if prefetch else ''}:{speed}")
+            print(f"  {str(dtype)[6:]:9} {str(shape):16} " + "  ".join(line), flush=True)
+            del x
+    fs.SHARED_TILES.update(saved)
+    fs.plan_softmax.cache_clear()
     print("host cost per call (us), 4096 x 256 fp32:")
     x = torch.randn(4096, 256, device="cuda")
     for name, fn in (("flashlite", lambda: flashlite.softmax(x)), ("torch", lambda: torch.softmax(x, -1))):
@@ -231,7 +299,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--quick", action="store_true", help="three shapes only")
     parser.add_argument("--check", action="store_true", help="GPU correctness checks instead of timing")
-    parser.add_argument("--tune", choices=["all", "fused", "online"], help="time heuristic candidates instead of the sweep")
+    parser.add_argument("--tune", choices=["all", "fused", "online", "grid", "shared"], help="time heuristic candidates instead of the sweep")
     args = parser.parse_args(argv)
     if args.check:
         run_check(args)

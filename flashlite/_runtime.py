@@ -64,6 +64,16 @@ def device_info(device: torch.device) -> DeviceInfo:
     return _cuda_device_info(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+def cooperative_launch_supported() -> bool:
+    """True if this Triton launches CUDA grids cooperatively (``launch_cooperative_grid``: all programs resident)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:  # no CUDA backend in this Triton
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -86,9 +96,11 @@ def check_scale(scale, default: float) -> float:
 _PROGRAMS_PER_SM: dict = {}
 
 
-def _occupancy(compiled, num_warps: int, info: DeviceInfo) -> int | None:
+def occupancy(compiled, num_warps: int, info: DeviceInfo) -> int | None:
     """Programs of ``compiled`` that fit on one multiprocessor, or None if Triton does not say."""
     try:
+        if hasattr(compiled, "_init_handles"):
+            compiled._init_handles()  # a kernel compiled by warmup() reads its registers only once loaded
         n_regs = int(compiled.n_regs)
         shared = int(compiled.metadata.shared)
     except Exception:  # interpreter, or an API this Triton does not have
@@ -115,6 +127,6 @@ def launch_persistent(kernel, n_tiles: int, device: torch.device, key: tuple, ar
     grid = (max(1, min(n_tiles, info.num_sms * per_sm)),)
     compiled = kernel[grid](*args, num_warps=num_warps, **constexprs)
     if key not in _PROGRAMS_PER_SM:
-        measured = _occupancy(compiled, num_warps, info)
+        measured = occupancy(compiled, num_warps, info)
         _PROGRAMS_PER_SM[key] = measured if measured is not None else per_sm
     return compiled

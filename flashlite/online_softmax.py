@@ -10,6 +10,8 @@ The factor ``e^(m_old - m_new)`` ("alpha") rescales what was summed under an
 older, smaller maximum. Softmax uses the final state to normalise; attention
 uses the same alpha to rescale its output accumulator; split-row softmax and
 split-K/V decoding merge per-program partial states with ``merge_states``.
+Programs that hold one row between them on chip, all resident at once, trade
+their partial states through memory with ``share_partial_states``.
 
 Units. The exponentials are ``exp2``. A caller states how many base-2 units one
 unit of its logits is, as the constexpr ``LOG2_PER_UNIT``:
@@ -155,3 +157,55 @@ def final_weights(x, m, d, LOG2_PER_UNIT: tl.constexpr, ZERO_IF_EMPTY: tl.conste
     """Softmax weights of logits ``x`` ``[ROWS, COLS]`` under a row's final state ``(m, d)``."""
     p = tl.exp2((x - safe_max(m)[:, None]) * LOG2_PER_UNIT)
     return normalize(p, d, ZERO_IF_EMPTY)
+
+
+# ----------------------------------------------------------------------------- states shared between programs
+
+
+@triton.jit
+def pack_state(m, d):
+    """``(m, d)`` as one int64 (m's bits high, d's low), so a state is published by one store.
+
+    A packed state is never 0: that would be ``m = +0.0`` with ``d = +0.0``, but
+    a state with a finite maximum has ``d >= 1`` (its largest value counts
+    ``e^0``), and an empty one has ``m = -inf``. So 0 marks "not published yet".
+    """
+    m_bits = m.to(tl.uint32, bitcast=True).to(tl.uint64)
+    d_bits = d.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return ((m_bits << 32) | d_bits).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def unpack_state(packed):
+    """The ``(m, d)`` of states packed by ``pack_state``."""
+    bits = packed.to(tl.uint64, bitcast=True)
+    m = (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    d = bits.to(tl.uint32).to(tl.float32, bitcast=True)
+    return m, d
+
+
+@triton.jit
+def share_partial_states(slot_ptr, part, n_parts, m, d, PARTS_POW2: tl.constexpr, LOG2_PER_UNIT: tl.constexpr):
+    """Publish this program's partial states, wait for the other parts of each row, return the merged states.
+
+    ``slot_ptr`` ``[ROWS]`` points at each row's ``n_parts`` int64 slots, zeroed
+    before the launch; this program owns part ``part``. It stores its packed
+    state ``(m, d)`` (one store: value and "ready" flag at once), then re-reads
+    the row's slots until none is 0, and merges them.
+
+    Every program of a row waits for the others, so all of them must be resident
+    on the device at once (a cooperative launch); Triton's interpreter runs
+    programs one after another, so there a row has one part unless the others
+    were published beforehand.
+    """
+    tl.store(slot_ptr + part, pack_state(m, d))
+    parts = tl.arange(0, PARTS_POW2)[None, :]
+    slots = slot_ptr[:, None] + parts
+    in_row = parts < n_parts  # [1, PARTS_POW2]: slots past n_parts are padding
+    packed = tl.load(slots, mask=in_row, other=1, volatile=True)
+    while tl.min(tl.min(tl.where(packed == 0, 0, 1), axis=1), axis=0) == 0:
+        packed = tl.load(slots, mask=in_row, other=1, volatile=True)
+    part_m, part_d = unpack_state(packed)
+    part_m = tl.where(in_row, part_m, float("-inf"))  # padding slots: the empty state, neutral in the merge
+    part_d = tl.where(in_row, part_d, 0.0)
+    return merge_partial_states(part_m, part_d, LOG2_PER_UNIT)

@@ -74,7 +74,8 @@ def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, algorithm: str, dx
         return _empty_rows_layout(y, dim, dx_dtype).copy_(_softmax_grad_torch(y, dy, dim, 1.0))
     y2d = as_rows(y, dim).contiguous()  # (rows, n): the kernel reads y with row stride n
     dy2d = as_rows(dy, dim)
-    dx2d = softmax_backward(y2d, dy2d, dx_dtype, plan_softmax(y2d.shape[0], y2d.shape[1], y.device, algorithm))
+    dx2d = softmax_backward(y2d, dy2d, dx_dtype, plan_softmax(y2d.shape[0], y2d.shape[1], y.device, algorithm,
+                                                                   shared_rows=y.dtype))
     return from_rows(dx2d, y, dim)
 
 
@@ -102,7 +103,7 @@ def _logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.numel() == 0 or not runs_kernels(x):
         return torch.logsumexp(x.float(), dim).to(x.dtype).contiguous()
     x2d = as_rows(x, dim)
-    _, lse = softmax_forward(x2d, x.dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device),
+    _, lse = softmax_forward(x2d, x.dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device, shared_rows=x.dtype),
                              write_y=False, write_lse=True)
     return lse.to(x.dtype).view(_reduced_shape(x, dim))
 

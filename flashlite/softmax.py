@@ -1,10 +1,16 @@
 """Softmax and log-sum-exp over one dimension, in two regimes.
 
 * **fused**: a whole row (several rows when rows are short) is one tile held on
-  chip: one read of ``x``, one write of ``y``. The grid is persistent (as many
-  programs as the device holds at once, each looping over tiles), so short rows
-  are not launch-bound. Limited to rows of ``FUSED_MAX_COLS`` elements, past
-  which the tile no longer fits in registers.
+  chip: one read of ``x``, one write of ``y``. For short rows the grid is
+  persistent (as many programs as the device holds at once, each looping over
+  tiles), so they are not launch-bound; wider tiles get a program each. One program holds rows of up to ``FUSED_MAX_COLS``
+  elements, past which the tile no longer fits in its registers. On a GPU,
+  longer rows (up to a few million elements) are held by several programs at
+  once, each with a part of the row: every program publishes the partial
+  ``(m, d)`` of its part, waits until the row's other parts have published
+  theirs (``online_softmax.share_partial_states``), merges them, and normalises
+  the part it still holds. Waiting needs all of a row's programs resident, so
+  the launch is cooperative and sized from the compiled kernel.
 * **online**: a row is streamed in blocks of ``BLOCK_N``. Pass 1 folds the
   blocks into running states ``(m, d)``, one per lane, with the core's
   ``online_update_lanes`` (no reduction inside the loop), then merges the lanes;
@@ -15,7 +21,8 @@
   ``merge_partial_states`` and normalises its chunk.
 
 Both regimes accumulate in fp32 and write the input dtype (or ``dtype``). The
-backward pass ``dx = y * (dy - sum(dy * y))`` follows the same two regimes.
+backward pass ``dx = y * (dy - sum(dy * y))`` follows the same two regimes
+(rows shared across programs stream through the online backward).
 CPU tensors run these kernels through Triton's interpreter when
 ``TRITON_INTERPRET=1``; otherwise they use ``torch.softmax`` in fp32.
 """
@@ -30,7 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_float_dtype, device_info, is_compiling, launch_persistent, runs_kernels
+from ._runtime import (
+    check_float_dtype, cooperative_launch_supported, device_info, is_compiling, launch_persistent, occupancy,
+    runs_kernels,
+)
 from .online_softmax import (
     LOG2E,
     empty_state,
@@ -39,6 +49,8 @@ from .online_softmax import (
     normalize,
     online_update,
     online_update_lanes,
+    rescale_factor,
+    share_partial_states,
     state_logsumexp,
 )
 
@@ -52,6 +64,14 @@ ALGORITHMS = ("auto", "fused", "online")
 def _tile_rows(tile, BLOCK_M: tl.constexpr):
     """The (64-bit) row indices of tile number ``tile``: rows times strides can pass 2^31."""
     return tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+
+
+@triton.jit
+def _load_tile(x_ptr, tile, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M: tl.constexpr):
+    """The ``[BLOCK_M, len(cols)]`` block of ``x`` in row tile ``tile``; ``-inf`` outside the tensor."""
+    rows = _tile_rows(tile, BLOCK_M)
+    ok = (rows < n_rows)[:, None] & col_ok[None, :]
+    return tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=ok, other=float("-inf"))
 
 
 # Pass numbers of the online kernels.
@@ -81,24 +101,46 @@ def _work_item(item, n_items, n_splits, cols_per_split, n_cols, PASS: tl.constex
 
 @triton.jit
 def _softmax_fused_kernel(
-    x_ptr, y_ptr, lse_ptr,
-    n_rows, n_cols,
+    x_ptr, y_ptr, lse_ptr, state_ptr,
+    n_rows, n_cols, n_splits,
     stride_xm, stride_xn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, SHARED_ROWS: tl.constexpr,
+    PREFETCH: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    cols = tl.arange(0, BLOCK_N)
+    if SHARED_ROWS:
+        # n_splits resident programs hold a row between them, BLOCK_N columns each; programs
+        # pid = k * n_splits + split take the rows k, k + rows_at_once, ... (the grid is a multiple of n_splits).
+        split = tl.program_id(0) % n_splits
+        first_tile = tl.program_id(0) // n_splits
+        tile_step = tl.num_programs(0) // n_splits
+    else:
+        split = 0
+        first_tile = tl.program_id(0)
+        tile_step = tl.num_programs(0)
+    cols = split * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
-    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+    if PREFETCH:  # the next tile's load is in flight while this one waits for the other parts
+        x_next = _load_tile(x_ptr, first_tile, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M)
+    for tile in tl.range(first_tile, n_tiles, tile_step):
         rows = _tile_rows(tile, BLOCK_M)
         row_ok = rows < n_rows
         ok = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=ok, other=float("-inf"))
+        if PREFETCH:
+            x = x_next
+            x_next = _load_tile(x_ptr, tile + tile_step, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M)
+        else:
+            x = _load_tile(x_ptr, tile, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M)
         m, d = empty_state(BLOCK_M)
         m, d, p, _ = online_update(m, d, x.to(tl.float32), LOG2E)
+        if SHARED_ROWS:
+            # p = e^(x - m_part) stays on chip while the parts meet; it then needs e^(m_part - m_row).
+            m_row, d = share_partial_states(state_ptr + rows * n_splits, split, n_splits, m, d, SPLITS_POW2, LOG2E)
+            p = p * rescale_factor(m, m_row, LOG2E)[:, None]
+            m = m_row
         if WRITE_LSE:
-            tl.store(lse_ptr + rows, state_logsumexp(m, d, LOG2E), mask=row_ok)
+            if split == 0:
+                tl.store(lse_ptr + rows, state_logsumexp(m, d, LOG2E), mask=row_ok)
         if WRITE_Y:
             y = normalize(p, d, False)
             tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
@@ -223,6 +265,11 @@ FUSED_MAX_COLS = 32768
 FUSED_TILE_ELEMS = 4096
 # Elements a thread of the fused kernel holds; sets num_warps from the tile size.
 FUSED_ELEMS_PER_THREAD = 32
+# Tiles wider than this get one program each instead of a persistent grid. H100, M = 4096, GB/s
+# persistent -> one program a tile (bench/results/h100/softmax_grid_tune.log, `--tune grid`):
+# fp32 at 4096 / 8192 / 16384 / 32768 columns 2851 / 2742 / 2805 / 2812 -> 2899 / 2854 / 2903 / 2929,
+# bf16 2720 / 2718 / 2717 / 2700 -> 2703 / 2802 / 2829 / 2801; at 1024 columns the persistent grid wins.
+FUSED_PERSISTENT_MAX_COLS = 2048
 # Online kernels, measured on an H100 (`bench/softmax.py --tune online`, CUDA-graph times):
 # whole rows (many rows): blocks of 4096 over 16 warps, 2.07 TB/s fp32 at 4096 x 65536
 # (capping the grid so re-read rows stay in L2 only lost speed);
@@ -241,6 +288,22 @@ ONLINE_SPLIT_BELOW_ROWS_PER_SM = 0.5
 ONLINE_MIN_BLOCKS_PER_SPLIT = 4
 
 
+# Rows longer than FUSED_MAX_COLS can still be held on chip, by several programs at once that
+# trade partial states through memory and wait for each other (online_softmax.share_partial_states):
+# one read and one write, where the online path reads twice. All programs of a row must be
+# resident, so the launch is cooperative and a row has at most SHARED_PROGRAMS_PER_SM parts per
+# multiprocessor (the launcher checks the compiled kernel, and streams the rows if it holds fewer).
+# Tiles by input element size: (columns a program holds, warps, load the next row before waiting).
+# H100, GB/s at 4096 x 65536 / 128 x 128K / 16 x 1M / 8 x 2M / 4 x 4M, two runs (bench/results/h100/softmax_shared_tune.log):
+#   fp32  16384, 4 warps             run B 2659 / 2162 / 2055 / 1840 / 1802, run A 2657 / 2142 / 2044 / 1830 / 1786
+#                                    online path 2092 / 1776 / 1376 / 1365 / 1708 (B)
+#   bf16  32768, 16 warps, prefetch  run B 2399 / 1164 /  980 / 1152 /  963, run A 2390 / 1562 / 1583 / 1395 / 1411
+#                                    online path 1752 / 1364 /  824 /  905 /  724 (B)
+# fp32 prefetch cost occupancy and speed; no 16-bit tile was steady from run to run on long rows.
+SHARED_TILES = {4: (16384, 4, False), 2: (32768, 16, True)}
+SHARED_PROGRAMS_PER_SM = 2  # resident on an H100: 2 of the fp32 tile, 1 of the 16-bit one (the launcher's check binds)
+
+
 @dataclass(frozen=True)
 class SoftmaxPlan:
     """How one softmax call runs: the regime and its tile sizes."""
@@ -249,27 +312,46 @@ class SoftmaxPlan:
     block_m: int
     block_n: int
     num_warps: int
-    n_splits: int = 1  # online only: programs sharing one row
+    n_splits: int = 1  # programs sharing one row: online chunks, or (fused) parts held on chip at once
     cols_per_split: int = 0
+    prefetch: bool = False  # fused with shared rows: load the next row before waiting for the other parts
+
+
+def shares_rows_on_chip(device: torch.device) -> bool:
+    """True if rows longer than one program's tile can be spread over resident programs on ``device``.
+
+    Needs a GPU (the interpreter runs programs one at a time, so they cannot wait
+    for each other) and a Triton with cooperative launches.
+    """
+    return device.type == "cuda" and cooperative_launch_supported()
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_softmax(
     n_rows: int, n_cols: int, device: torch.device, algorithm: str = "auto",
-    block_n: int | None = None, n_splits: int | None = None,
+    block_n: int | None = None, n_splits: int | None = None, shared_rows: torch.dtype | None = None,
 ) -> SoftmaxPlan:
     """Choose the regime and tile sizes for a (n_rows, n_cols) softmax; ``block_n``/``n_splits`` force them (tests).
 
-    Cached: the host cost of a call matters for small tensors (bench/results: a
-    4096 x 256 softmax is 9 us on an H100).
+    With ``shared_rows``, the input dtype (softmax only: masked softmax has no
+    shared-row kernel), rows past ``FUSED_MAX_COLS`` stay fused, spread over
+    programs that hold ``SHARED_TILES`` columns each, while
+    ``shares_rows_on_chip(device)`` and the parts fit the device. Cached: the host cost of a call matters for small tensors
+    (bench/results: a 4096 x 256 softmax is 9 us on an H100).
     """
+    if n_cols > FUSED_MAX_COLS and algorithm in ("auto", "fused") and shared_rows is not None and shares_rows_on_chip(device):
+        tile_cols, warps, prefetch = SHARED_TILES[min(shared_rows.itemsize, 4)]
+        parts = triton.cdiv(n_cols, tile_cols)
+        if parts <= SHARED_PROGRAMS_PER_SM * device_info(device).num_sms:
+            bn = triton.next_power_of_2(triton.cdiv(n_cols, parts))  # no wider than tile_cols
+            return SoftmaxPlan("fused", 1, bn, warps, triton.cdiv(n_cols, bn), bn, prefetch)
     if algorithm == "auto":
         algorithm = "fused" if n_cols <= FUSED_MAX_COLS else "online"
     if algorithm == "fused":
         if n_cols > FUSED_MAX_COLS:
             raise ValueError(
-                f"algorithm='fused' holds rows of at most {FUSED_MAX_COLS} elements on chip, got {n_cols}; "
-                "use algorithm='online' or 'auto'"
+                f"algorithm='fused' holds rows of at most {FUSED_MAX_COLS} elements on chip here "
+                f"(longer ones only on a GPU, across programs), got {n_cols}; use algorithm='online' or 'auto'"
             )
         bn = triton.next_power_of_2(n_cols)
         bm = max(1, min(FUSED_TILE_ELEMS // bn, triton.next_power_of_2(n_rows)))
@@ -301,6 +383,41 @@ def _launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device, args, **flags
         kernel[grid](*args, PASS=pass_.value, **meta, **flags)
 
 
+# Programs of the shared-row kernel resident at once on a device, per compiled configuration.
+_RESIDENT_PROGRAMS: dict = {}
+
+
+def _launch_shared_rows(
+    x2d: torch.Tensor, y_arg: torch.Tensor, lse_arg: torch.Tensor, out_dtype: torch.dtype, plan: SoftmaxPlan,
+    write_y: bool, write_lse: bool,
+) -> bool:
+    """Run the fused kernel with each row spread over ``plan.n_splits`` programs, cooperatively.
+
+    The grid holds as many whole rows at once as the device keeps programs
+    resident (read off the compiled kernel), and never more: a program waiting
+    for a part that cannot start would wait forever. Returns False, launching
+    nothing, when the compiled kernel cannot keep a whole row resident.
+    """
+    n_rows, n_cols = x2d.shape
+    device = x2d.device
+    if not shares_rows_on_chip(device):  # the interpreter would run a row's programs one by one, each waiting
+        return False
+    slots = torch.zeros(n_rows * plan.n_splits, dtype=torch.int64, device=device)  # 0: not published
+    args = (x2d, y_arg, lse_arg, slots, n_rows, n_cols, plan.n_splits, x2d.stride(0), x2d.stride(1), n_cols)
+    meta = dict(BLOCK_M=1, BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits), SHARED_ROWS=True,
+                PREFETCH=plan.prefetch, WRITE_Y=write_y, WRITE_LSE=write_lse, num_warps=plan.num_warps)
+    key = (plan, x2d.dtype, out_dtype, write_y, write_lse, device)
+    if key not in _RESIDENT_PROGRAMS:
+        info = device_info(device)
+        compiled = _softmax_fused_kernel.warmup(*args, grid=(1,), launch_cooperative_grid=True, **meta)
+        _RESIDENT_PROGRAMS[key] = info.num_sms * (occupancy(compiled, plan.num_warps, info) or 1)
+    if plan.n_splits > _RESIDENT_PROGRAMS[key]:
+        return False
+    rows_at_once = min(n_rows, _RESIDENT_PROGRAMS[key] // plan.n_splits)
+    _softmax_fused_kernel[(rows_at_once * plan.n_splits,)](*args, launch_cooperative_grid=True, **meta)
+    return True
+
+
 def softmax_forward(
     x2d: torch.Tensor, out_dtype: torch.dtype, plan: SoftmaxPlan, write_y: bool = True, write_lse: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -310,14 +427,19 @@ def softmax_forward(
     lse = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device) if write_lse else None
     y_arg = y if y is not None else x2d  # a pointer the kernel never writes through
     lse_arg = lse if lse is not None else x2d
-    if plan.algorithm == "fused":
+    if plan.algorithm == "fused" and plan.n_splits > 1:
+        if not _launch_shared_rows(x2d, y_arg, lse_arg, out_dtype, plan, write_y, write_lse):
+            return softmax_forward(x2d, out_dtype, plan_softmax(n_rows, n_cols, x2d.device, "online"), write_y, write_lse)
+    elif plan.algorithm == "fused":
         n_tiles = triton.cdiv(n_rows, plan.block_m)
-        key = ("softmax_fwd", plan, x2d.dtype, out_dtype, write_y, write_lse, x2d.device)
-        launch_persistent(
-            _softmax_fused_kernel, n_tiles, x2d.device, key,
-            (x2d, y_arg, lse_arg, n_rows, n_cols, x2d.stride(0), x2d.stride(1), n_cols),
-            plan.num_warps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, WRITE_Y=write_y, WRITE_LSE=write_lse,
-        )
+        args = (x2d, y_arg, lse_arg, None, n_rows, n_cols, 1, x2d.stride(0), x2d.stride(1), n_cols)
+        meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, SHARED_ROWS=False, PREFETCH=False,
+                    WRITE_Y=write_y, WRITE_LSE=write_lse)
+        if plan.block_n > FUSED_PERSISTENT_MAX_COLS:  # one program a tile: the hardware schedules them
+            _softmax_fused_kernel[(n_tiles,)](*args, num_warps=plan.num_warps, **meta)
+        else:
+            key = ("softmax_fwd", plan, x2d.dtype, out_dtype, write_y, write_lse, x2d.device)
+            launch_persistent(_softmax_fused_kernel, n_tiles, x2d.device, key, args, plan.num_warps, **meta)
     else:
         split = plan.n_splits > 1  # partial states only between the two launches of split rows
         part_m = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x2d.device) if split else None
@@ -332,6 +454,8 @@ def softmax_forward(
 def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtype, plan: SoftmaxPlan) -> torch.Tensor:
     """``dx = y * (dy - sum(dy * y))`` row by row; ``y2d`` is contiguous, ``dy2d`` any row-strided view."""
     n_rows, n_cols = y2d.shape
+    if plan.algorithm == "fused" and plan.n_splits > 1:  # no shared-row backward kernel: stream the rows
+        plan = plan_softmax(n_rows, n_cols, y2d.device, "online")
     dx = torch.empty((n_rows, n_cols), dtype=dx_dtype, device=y2d.device)
     strides = (n_cols, dy2d.stride(0), dy2d.stride(1), n_cols)
     if plan.algorithm == "fused":
@@ -396,7 +520,7 @@ def from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
 def softmax_rows(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm: str = "auto") -> torch.Tensor:
     """Softmax of checked, non-empty ``x`` along ``dim`` (made non-negative) on the kernels, without autograd."""
     x2d = as_rows(x, dim)
-    y2d, _ = softmax_forward(x2d, out_dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm))
+    y2d, _ = softmax_forward(x2d, out_dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm, shared_rows=x.dtype))
     return from_rows(y2d, x, dim)
 
 
@@ -407,7 +531,7 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, algorithm: str, out_dtype: torch.dtype) -> torch.Tensor:
         x2d = as_rows(x, dim)
-        plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm)
+        plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm, shared_rows=x.dtype)
         y2d, _ = softmax_forward(x2d, out_dtype, plan)
         ctx.save_for_backward(y2d)
         ctx.dim, ctx.plan, ctx.x_dtype, ctx.x_shape = dim, plan, x.dtype, x.shape
@@ -425,7 +549,7 @@ class _LogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
         x2d = as_rows(x, dim)
-        plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device)
+        plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, shared_rows=x.dtype)
         _, lse = softmax_forward(x2d, x.dtype, plan, write_y=False, write_lse=True)
         ctx.save_for_backward(x)
         ctx.dim = dim
@@ -450,7 +574,9 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
         x: float32, float16 or bfloat16 tensor of any shape; strided views are read
             in place when ``dim`` has stride 1.
         dim: the dimension to normalise over.
-        algorithm: ``"fused"`` (row on chip, rows up to ``FUSED_MAX_COLS``),
+        algorithm: ``"fused"`` (row on chip: up to ``FUSED_MAX_COLS`` in one
+            program; on a GPU, longer rows across resident programs while
+            their parts fit the device, else streamed as by ``"online"``),
             ``"online"`` (blocked two-pass, any length, long rows split across
             programs), or ``"auto"`` (fused while the row fits, online after).
         dtype: output dtype (float32/float16/bfloat16); default ``x.dtype``.

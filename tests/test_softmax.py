@@ -223,3 +223,115 @@ def test_bad_inputs():
         flashlite.softmax([1.0, 2.0])
     with pytest.raises(IndexError, match="dim=-3"):
         flashlite.logsumexp(randn(3, 4), dim=-3)
+
+
+# ----------------------------------------------------------------------------- rows shared by resident programs
+
+import importlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from flashlite.online_softmax import pack_state, unpack_state  # noqa: E402
+
+fs = importlib.import_module("flashlite.softmax")  # the module (flashlite.softmax is the function)
+
+
+@triton.jit
+def _pack_round_trip_kernel(m_ptr, d_ptr, packed_ptr, m_out_ptr, d_out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    packed = pack_state(tl.load(m_ptr + offs), tl.load(d_ptr + offs))
+    tl.store(packed_ptr + offs, packed)
+    m, d = unpack_state(packed)
+    tl.store(m_out_ptr + offs, m)
+    tl.store(d_out_ptr + offs, d)
+
+
+def _host_packed(m: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """pack_state on the host: m's float32 bits high, d's low, as int64."""
+    m_bits = m.float().numpy().view(np.uint32).astype(np.uint64)
+    d_bits = d.float().numpy().view(np.uint32).astype(np.uint64)
+    return torch.from_numpy(((m_bits << np.uint64(32)) | d_bits).view(np.int64))
+
+
+def test_packed_states_round_trip_and_are_never_zero():
+    inf, nan = float("inf"), float("nan")
+    m = torch.tensor([0.0, -0.0, -inf, 3.5, -1e4, nan, 88.0, 1e-30])
+    d = torch.tensor([1.0, 2.0, 0.0, 1e6, 1.0, nan, 4096.0, 1.0])
+    packed, m_out, d_out = torch.empty(8, dtype=torch.int64), torch.empty(8), torch.empty(8)
+    _pack_round_trip_kernel[(1,)](m, d, packed, m_out, d_out, N=8)
+    torch.testing.assert_close(m_out, m, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(d_out, d, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(packed, _host_packed(m, d))
+    assert (packed != 0).all()  # 0 is "not published yet": no real state packs to it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_rows_kernel_with_the_other_parts_published(dtype):
+    # The interpreter runs programs one at a time, so the other parts of each row are published
+    # beforehand (from float64 statistics of their chunks); the kernel's program for every part
+    # still publishes its own, waits for the row's slots, merges and normalises its chunk.
+    n_rows, block_n = 4, 16
+    x = randn(n_rows, 50, dtype=dtype, scale=4.0)  # 4 parts of 16, the last one ragged
+    x[1, 16:32] = float("-inf")  # a part with nothing in it: the empty state merges as neutral
+    x[2] = float("-inf")  # a row of -inf: NaN, as torch.softmax
+    x[3, 40] = float("nan")  # NaN in the last part: the whole row NaN
+    n_parts = 4
+    chunks = x.double().split(block_n, dim=1)
+    part_m = torch.stack([c.max(dim=1).values for c in chunks], 1)
+    part_d = torch.stack([torch.exp(c - m.nan_to_num(neginf=0.0)[:, None]).sum(1) for c, m in zip(chunks, part_m.T)], 1)
+    slots = _host_packed(part_m.flatten(), part_d.flatten())
+    slots[0] = 0  # the first program publishes its own slot before waiting
+    y = torch.full_like(x, float("nan"))
+    lse = torch.full((n_rows,), float("nan"))
+    fs._softmax_fused_kernel[(n_parts,)](
+        x, y, lse, slots, n_rows, 50, n_parts, x.stride(0), x.stride(1), 50,
+        BLOCK_M=1, BLOCK_N=block_n, SPLITS_POW2=n_parts, SHARED_ROWS=True, PREFETCH=dtype == torch.bfloat16,
+        WRITE_Y=True, WRITE_LSE=True,
+    )
+    assert_close(y, softmax_ref(x))
+    assert_close(lse, torch.logsumexp(x.double(), -1))
+    assert slots[0] == _host_packed(part_m[0, :1], part_d[0, :1])[0]  # what the first program published
+
+
+def test_shared_rows_plan(monkeypatch):
+    # On a (stand-in) GPU, rows past FUSED_MAX_COLS stay fused across programs, tiles by element size.
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(fs, "shares_rows_on_chip", lambda device: device.type == "cuda")
+    monkeypatch.setattr(fs, "device_info", lambda device: _runtime.DeviceInfo(132, 65536, 232448, 64))
+    plan_softmax.cache_clear()
+    try:
+        fp32 = plan_softmax(4096, 65536, gpu, shared_rows=torch.float32)
+        assert (fp32.algorithm, fp32.block_n, fp32.n_splits, fp32.num_warps) == ("fused", 16384, 4, 4)
+        bf16 = plan_softmax(7, 100_003, gpu, "fused", shared_rows=torch.bfloat16)
+        assert (bf16.block_n, bf16.n_splits, bf16.prefetch) == (32768, 4, True)  # ragged last part
+        odd = plan_softmax(3, 40_000, gpu, shared_rows=torch.float32)  # 3 parts of 13334 -> 3 of 16384
+        assert (odd.block_n, odd.n_splits) == (16384, 3)
+        most = fs.SHARED_PROGRAMS_PER_SM * 132 * 16384
+        assert plan_softmax(1, most, gpu, shared_rows=torch.float32).algorithm == "fused"
+        assert plan_softmax(1, most + 1, gpu, shared_rows=torch.float32).algorithm == "online"
+        assert plan_softmax(4, 65536, gpu).algorithm == "online"  # masked softmax: no shared-row kernel
+        assert plan_softmax(4, 65536, gpu, "online", shared_rows=torch.float32).algorithm == "online"
+        assert plan_softmax(4, 65536, CPU, shared_rows=torch.float32).algorithm == "online"  # interpreter
+    finally:
+        plan_softmax.cache_clear()
+
+
+def test_shared_rows_plan_falls_back_to_streaming_where_programs_cannot_wait():
+    # A shared-row plan handed to the interpreter (where a row's programs would wait for each
+    # other forever) runs the online path instead, with the right answer.
+    x = randn(3, 100, scale=3.0)
+    plan = fs.SoftmaxPlan("fused", 1, 32, 4, 4, 32)
+    y, lse = softmax_forward(x, torch.float32, plan, write_lse=True)
+    assert_close(y, softmax_ref(x))
+    assert_close(lse, torch.logsumexp(x.double(), -1))
+
+
+def test_shared_rows_backward_streams_the_rows():
+    # No shared-row backward kernel: a forward plan of shared rows gives an online backward.
+    y = softmax_ref(randn(2, 100)).float()
+    dy = randn(2, 100)
+    dx = softmax_backward(y, dy, torch.float32, fs.SoftmaxPlan("fused", 1, 32, 4, 4, 32))
+    y64 = y.double()
+    assert_close(dx, y64 * (dy.double() - (dy.double() * y64).sum(-1, keepdim=True)))
