@@ -336,10 +336,12 @@ def plan_softmax(
     With ``shared_rows``, the input dtype (softmax only: masked softmax has no
     shared-row kernel), rows past ``FUSED_MAX_COLS`` stay fused, spread over
     programs that hold ``SHARED_TILES`` columns each, while
-    ``shares_rows_on_chip(device)`` and the parts fit the device. Cached: the host cost of a call matters for small tensors
-    (bench/results: a 4096 x 256 softmax is 9 us on an H100).
+    ``shares_rows_on_chip(device)`` and the parts fit the device. Cached: the
+    host cost of a call matters for small tensors (bench/results: a 4096 x 256
+    softmax is 9 us on an H100).
     """
-    if n_cols > FUSED_MAX_COLS and algorithm in ("auto", "fused") and shared_rows is not None and shares_rows_on_chip(device):
+    shared = shared_rows is not None and algorithm in ("auto", "fused") and shares_rows_on_chip(device)
+    if n_cols > FUSED_MAX_COLS and shared:
         tile_cols, warps, prefetch = SHARED_TILES[min(shared_rows.itemsize, 4)]
         parts = triton.cdiv(n_cols, tile_cols)
         if parts <= SHARED_PROGRAMS_PER_SM * device_info(device).num_sms:
@@ -428,9 +430,10 @@ def softmax_forward(
     y_arg = y if y is not None else x2d  # a pointer the kernel never writes through
     lse_arg = lse if lse is not None else x2d
     if plan.algorithm == "fused" and plan.n_splits > 1:
-        if not _launch_shared_rows(x2d, y_arg, lse_arg, out_dtype, plan, write_y, write_lse):
-            return softmax_forward(x2d, out_dtype, plan_softmax(n_rows, n_cols, x2d.device, "online"), write_y, write_lse)
-    elif plan.algorithm == "fused":
+        if _launch_shared_rows(x2d, y_arg, lse_arg, out_dtype, plan, write_y, write_lse):
+            return y, lse
+        plan = plan_softmax(n_rows, n_cols, x2d.device, "online")  # the row's parts cannot all be resident
+    if plan.algorithm == "fused":
         n_tiles = triton.cdiv(n_rows, plan.block_m)
         args = (x2d, y_arg, lse_arg, None, n_rows, n_cols, 1, x2d.stride(0), x2d.stride(1), n_cols)
         meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, SHARED_ROWS=False, PREFETCH=False,
