@@ -34,7 +34,7 @@ from ._runtime import runs_kernels
 from .attention import SPLIT_HAS_NO_BACKWARD, _attention_torch, _unit_stride_head_dim, attention_forward
 from .masked_softmax import _forward_moved, _masked_softmax_torch, masked_softmax_backward
 from .masking import broadcast_mask
-from .softmax import as_rows, from_rows, plan_softmax, softmax_backward, softmax_forward, softmax_rows
+from .softmax import as_rows, from_rows, logsumexp_rows, plan_softmax, reduced_shape, softmax_backward, softmax_rows
 
 
 def _empty_rows_layout(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -102,19 +102,12 @@ _softmax.register_autograd(_softmax_grad, setup_context=_softmax_setup)
 def _logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.numel() == 0 or not runs_kernels(x):
         return torch.logsumexp(x.float(), dim).to(x.dtype).contiguous()
-    x2d = as_rows(x, dim)
-    _, lse = softmax_forward(x2d, x.dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device, shared_rows=x.dtype),
-                             write_y=False, write_lse=True)
-    return lse.to(x.dtype).view(_reduced_shape(x, dim))
-
-
-def _reduced_shape(x: torch.Tensor, dim: int) -> tuple:
-    return tuple(x.shape[:dim] + x.shape[dim + 1:]) if x.dim() > 0 else ()
+    return logsumexp_rows(x, dim)
 
 
 @_logsumexp.register_fake
 def _(x, dim):
-    return x.new_empty(_reduced_shape(x, dim))
+    return x.new_empty(reduced_shape(x, dim))
 
 
 def _logsumexp_setup(ctx, inputs, output) -> None:

@@ -3,8 +3,9 @@
 * **fused**: a whole row (several rows when rows are short) is one tile held on
   chip: one read of ``x``, one write of ``y``. For short rows the grid is
   persistent (as many programs as the device holds at once, each looping over
-  tiles), so they are not launch-bound; wider tiles get a program each. One program holds rows of up to ``FUSED_MAX_COLS``
-  elements, past which the tile no longer fits in its registers. On a GPU,
+  tiles), so they are not launch-bound; wider tiles get a program each. One
+  program holds rows of up to ``FUSED_MAX_COLS`` elements, past which the tile
+  no longer fits in its registers. On a GPU,
   longer rows (up to a few million elements) are held by several programs at
   once, each with a part of the row: every program publishes the partial
   ``(m, d)`` of its part, waits until the row's other parts have published
@@ -527,6 +528,19 @@ def softmax_rows(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm: s
     return from_rows(y2d, x, dim)
 
 
+def reduced_shape(x: torch.Tensor, dim: int) -> tuple:
+    """``x``'s shape without ``dim`` (``()`` for a 0-d ``x``): the shape of a reduction over ``dim``."""
+    return tuple(x.shape[:dim] + x.shape[dim + 1:]) if x.dim() > 0 else ()
+
+
+def logsumexp_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Log-sum-exp of checked, non-empty ``x`` along ``dim`` (made non-negative) on the kernels, in ``x``'s dtype."""
+    x2d = as_rows(x, dim)
+    plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, shared_rows=x.dtype)
+    _, lse = softmax_forward(x2d, x.dtype, plan, write_y=False, write_lse=True)
+    return lse.to(x.dtype).view(reduced_shape(x, dim))
+
+
 # ----------------------------------------------------------------------------- autograd
 
 
@@ -551,13 +565,9 @@ class _Softmax(torch.autograd.Function):
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        x2d = as_rows(x, dim)
-        plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, shared_rows=x.dtype)
-        _, lse = softmax_forward(x2d, x.dtype, plan, write_y=False, write_lse=True)
         ctx.save_for_backward(x)
         ctx.dim = dim
-        out_shape = x.shape[:dim] + x.shape[dim + 1:] if x.dim() > 0 else ()
-        return lse.to(x.dtype).view(out_shape)
+        return logsumexp_rows(x, dim)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
