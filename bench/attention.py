@@ -13,6 +13,7 @@ its inputs, for flashlite, SDPA flash and the naive chain. Modes:
     python bench/attention.py --check    # GPU correctness against float64, poisoned memory, all head dims
     python bench/attention.py --check --quick   # the same on four head dims and two length pairs
     python bench/attention.py --tune     # time tile configs at L = 4096 and print the table
+    python bench/attention.py --tune-wgmma   # time the Hopper (Gluon) kernel's tile configs
     python bench/attention.py --backward # bwd and fwd+bwd TFLOP/s vs SDPA flash/cuDNN -> attention_backward.*
 """
 
@@ -34,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 fa = importlib.import_module("flashlite.attention")  # the module; flash_attention is its public function
+fw = importlib.import_module("flashlite.attention_wgmma")
 from common import (  # noqa: E402
     environment, markdown_table, matmul_tflops, plot_lines, poison_allocator, results_dir, tflops, time_ms,
     write_results,
@@ -111,7 +113,8 @@ def providers(causal: bool) -> dict:
     """name -> fn(q, k, v) for every provider; each SDPA backend pinned with sdpa_kernel."""
     from torch.nn.attention import sdpa_kernel
 
-    provs = {"flashlite": lambda q, k, v: fa.flash_attention(q, k, v, causal=causal)}
+    provs = {"flashlite": lambda q, k, v: fa.flash_attention(q, k, v, causal=causal),
+             "flashlite_tl": lambda q, k, v: tl_kernel_forward(q, k, v, causal)}
     for name, backend in sdpa_backends().items():
         def run(q, k, v, backend=backend):
             with sdpa_kernel(backend):
@@ -119,6 +122,12 @@ def providers(causal: bool) -> dict:
         provs[name] = run
     provs["naive"] = lambda q, k, v: naive_attention(q, k, v, causal)
     return provs
+
+
+def tl_kernel_forward(q, k, v, causal: bool):
+    """flashlite's ``triton.language`` kernel alone, on its own tiles (the calls the Hopper kernel does not take)."""
+    config = fa.default_config(q.shape[3], q.dtype, q.device, causal, k.shape[2])
+    return fa.attention_forward(q, k, v, causal, 1 / math.sqrt(q.shape[3]), None, False, False, config)[0]
 
 
 def make_qkv(batch: int, length: int, head_dim: int, dtype=torch.bfloat16):
@@ -182,7 +191,7 @@ def run_bench(args) -> None:
                 row = measure(length, head_dim, causal, ceiling)
                 rows.append(row)
                 print(f"D={head_dim} causal={causal!s:5} L={length:6}: " + "  ".join(
-                    f"{n} {row[n]:.0f}" if row[n] else f"{n} —" for n in ("flashlite",) + PEERS)
+                    f"{n} {row[n]:.0f}" if row[n] else f"{n} —" for n in ("flashlite", "flashlite_tl") + PEERS)
                     + f"  ({time.time() - t0:.0f}s)", flush=True)
     memory = [measure_memory(length, 128) for length in lengths]
     print(markdown_table(memory, list(memory[0])))
@@ -190,14 +199,14 @@ def run_bench(args) -> None:
     out = results_dir(args.out)
     meta = environment() | {"matmul_tflops_bf16": ceiling, "heads": HEADS, "tokens_per_batch": TOKENS,
                             "dtype": "bfloat16", "flops": "4·B·H·L²·D, halved for causal"}
-    cols = ["D", "causal", "L", "B", "flashlite", *PEERS, "frac_matmul", *(f"x_{p}" for p in PEERS)]
+    cols = ["D", "causal", "L", "B", "flashlite", "flashlite_tl", *PEERS, "frac_matmul", *(f"x_{p}" for p in PEERS)]
     write_results("attention", out, meta, rows, cols, "Attention forward, TFLOP/s (bf16, H = 16)")
     _append_memory(out, memory)
     panels = []
     for head_dim in args.head_dims:
         for causal in (False, True):
             sel = [r for r in rows if r["D"] == head_dim and r["causal"] == causal]
-            series = {n: [r[n] for r in sel] for n in ("flashlite",) + PEERS}
+            series = {n: [r[n] for r in sel] for n in ("flashlite", "flashlite_tl") + PEERS}
             series["matmul (ceiling)"] = [ceiling for _ in sel]
             panels.append((f"attention fwd, D={head_dim}, causal={causal}", [r["L"] for r in sel], series, "TFLOP/s"))
     panels.append(("peak memory beyond inputs, D=128, non-causal", [r["L"] for r in memory],
@@ -479,6 +488,43 @@ def run_tune(args) -> None:
         torch.cuda.empty_cache()
 
 
+WGMMA_TUNE_SHAPES = [(4096, False), (4096, True), (1024, False), (1024, True), (2048, True)]
+WGMMA_TUNE_CONFIGS = {
+    64: [fw.WgmmaConfig(64, 128, 4, 2), fw.WgmmaConfig(64, 128, 4, 3), fw.WgmmaConfig(64, 128, 4, 2, True),
+         fw.WgmmaConfig(64, 64, 4, 2), fw.WgmmaConfig(64, 64, 4, 2, True)],
+    128: [fw.WgmmaConfig(64, 64, 4, 2, True), fw.WgmmaConfig(64, 64, 4, 2), fw.WgmmaConfig(64, 64, 4, 3, True),
+          fw.WgmmaConfig(64, 128, 4, 2), fw.WgmmaConfig(128, 128, 8, 2)],
+}
+
+
+def run_tune_wgmma(args) -> None:
+    """Time the Hopper kernel's tile configs (``flashlite.attention_wgmma``) next to SDPA cuDNN and flashlite's tl kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for head_dim in args.head_dims:
+        for length, causal in WGMMA_TUNE_SHAPES:
+            batch = batch_for(length)
+            q, k, v = make_qkv(batch, length, head_dim)
+            flops = attention_flops(batch, HEADS, length, length, head_dim, causal)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                cudnn = tflops(flops, measure_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+            tl_value = tflops(flops, measure_ms(lambda: tl_kernel_forward(q, k, v, causal)))
+            chosen = fw.wgmma_config(head_dim, causal, length)
+            cells = []
+            for config in WGMMA_TUNE_CONFIGS[head_dim]:
+                def run(c=config):
+                    return fw.attention_forward_wgmma(q, k, v, causal, 1 / math.sqrt(head_dim), False, c)
+                value = tflops(flops, measure_ms(run))
+                mark = "*" if config == chosen else ""
+                cells.append(f"{config.block_m}x{config.block_n}/w{config.num_warps}/s{config.kv_stages}"
+                             f"{'/qreg' if config.q_in_registers else ''}{mark} {value:.0f}" if value else "failed")
+            print(f"D={head_dim} L={length} B={batch} causal={causal!s:5}: cudnn {cudnn:.0f} tl-kernel {tl_value:.0f} | "
+                  + "  ".join(cells), flush=True)
+            del q, k, v
+            torch.cuda.empty_cache()
+    print("(TFLOP/s; * = the config wgmma_config picks; qreg = Q in registers)")
+
+
 def _config_str(c) -> str:
     return (f"BM={c.block_m} BN={c.block_n} warps={c.num_warps} stages={c.num_stages} tma={int(c.use_tma)} "
             f"persistent={int(c.persistent)}")
@@ -493,6 +539,7 @@ def main(argv=None) -> None:
     parser.add_argument("--check", action="store_true", help="GPU correctness checks instead of timing")
     parser.add_argument("--tune", action="store_true", help="time tile configs instead of the sweep")
     parser.add_argument("--tune-length", type=int, default=4096, help="sequence length of --tune (default 4096)")
+    parser.add_argument("--tune-wgmma", action="store_true", help="time the Hopper kernel's tile configs")
     parser.add_argument("--backward", action="store_true", help="time bwd and fwd+bwd instead of the forward")
     args = parser.parse_args(argv)
     if args.backward:
@@ -501,6 +548,8 @@ def main(argv=None) -> None:
         run_check(args)
     elif args.tune:
         run_tune(args)
+    elif args.tune_wgmma:
+        run_tune_wgmma(args)
     else:
         run_bench(args)
 

@@ -35,6 +35,12 @@ tiles arrive by TMA through host-side tensor descriptors over the tensors'
 (B, H, L, D) strides (their bounds give zeros past L and D); without TMA, or
 when a stride or base is not 16-byte aligned, through pointer loads.
 
+On Hopper, fp16/bf16 calls at D = 64/128 without a user mask go to
+``flashlite.attention_wgmma`` instead: the same loop written in Gluon, where the
+softmax of one K tile runs while the previous tile's P V product is still on
+the tensor cores (``attention_forward`` decides; ``FLASHLITE_WGMMA=0`` turns it
+off). This module's kernel serves every other call, and tests run it.
+
 Scheduling: one program per query tile, numbered head-major so that programs
 running together share their head's K/V in L2; under causal, each head's last
 (heaviest) query tiles first. A persistent grid (``AttentionConfig.persistent``)
@@ -479,10 +485,14 @@ def attention_forward(
     """Launch the forward kernel on checked (B, H, L, D) tensors whose head dim has stride 1.
 
     ``mask`` is broadcast to (B, H, Lq, Lk) already (``broadcast_mask``). ``config``
-    forces the tiles (tests use small ones to cover the multi-tile paths); by
-    default the fixed table, or triton.autotune under ``FLASHLITE_AUTOTUNE=1``.
+    forces this module's kernel and its tiles (tests use small ones to cover the
+    multi-tile paths). Without it, calls the Hopper kernel takes (``wgmma_eligible``)
+    go there; the rest run this module's kernel on the fixed table, or
+    triton.autotune under ``FLASHLITE_AUTOTUNE=1``.
     Returns ``(o, lse)``: o like q, lse (B, H, Lq) fp32 natural-log, or None.
     """
+    if config is None and wgmma_eligible(q, k, v, mask is not None):
+        return attention_forward_wgmma(q, k, v, causal, scale, write_lse)
     batch, n_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     hd_pad = head_dim_padded(head_dim)
@@ -745,3 +755,8 @@ def flash_attention(
         else:  # inference: no autograd node to build (its host cost shows on short calls)
             o, lse = _forward(q, k, v, causal, scale, mask, mask_is_bool, return_lse, num_splits, cache_seqlens)
     return (o, lse) if return_lse else o
+
+
+# The Hopper kernel (Gluon, hand-pipelined wgmma) takes the calls it can; imported last, as it builds on
+# this module's TMA helpers.
+from .attention_wgmma import attention_forward_wgmma, wgmma_eligible  # noqa: E402

@@ -1,0 +1,319 @@
+"""Flash attention forward on Hopper: the K/V loop software-pipelined by hand with asynchronous wgmma.
+
+The kernel of ``flashlite.attention`` is written in ``triton.language``, where
+the compiler decides when a matrix product is waited for. On Hopper (Triton
+3.6) it waits for ``S = Q Kᵀ`` as soon as it is issued and for ``O += P V``
+before the next tile's scores, so a program's tensor cores sit idle during its
+softmax. This module writes the same loop in Gluon (``triton.experimental.gluon``),
+Triton's lower-level language, where tiles live in shared memory that the
+kernel allocates, copies are TMA transfers completing on mbarriers, and a
+``warpgroup_mma`` is waited for explicitly. That lets one turn of the loop run
+the softmax of K tile ``j`` while the tensor cores still work on tile ``j - 1``:
+
+    issue  S_j = Q K_jᵀ                 (async)
+    issue  O  += P_{j-1} V_{j-1}         (async)
+    wait until only the second is in flight: S_j is ready
+    (m, d), P_j, alpha = online_update(S_j)     <- overlaps the P V product
+    wait for O; refill the freed K and V slots (TMA); O *= alpha
+
+The online-softmax state is the same ``(m, d)`` and the same ``online_update``
+as every other kernel of flashlite (``flashlite.online_softmax``); masking is
+``flashlite.masking.apply_masks`` on the tiles that need it (the causal
+diagonal, the ragged last K tile). Q is scaled by ``scale · log2(e)`` once,
+so scores are in base-2 units (``BASE2_UNITS``).
+
+Scope: fp16/bf16, head dims 64 and 128, no user mask, causal or not, GQA/MQA,
+any lengths, Q/K/V whose strides TMA accepts (16-byte aligned), on Hopper.
+``flashlite.attention.attention_forward`` sends such calls here and the rest
+to the ``triton.language`` kernel. Gluon has no interpreter, so this kernel
+runs on the GPU only: ``bench/attention.py --check`` tests it there against a
+float64 reference. On CPU, tests/test_attention_wgmma.py checks the dispatch
+rules and builds the kernel for sm_90, asserting that its loop keeps a product
+in flight (``wgmma.wait_group 1``); the jit helpers it shares are tested
+through the other kernels.
+
+Speed against the ``triton.language`` kernel and SDPA: the README's attention
+table (bench/results/h100/attention.md, column ``flashlite_tl``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    # TMA copies: 3.6 names them async_copy_*, 3.9 only async_load / async_store.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # A barrier of the program's threads: thread_barrier in 3.6, barrier in 3.9.
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+except ImportError:  # pragma: no cover - older Triton: the triton.language kernel serves every call
+    gluon = None
+
+from ._runtime import device_info
+from .attention import _descriptor_strides, _tma_usable
+from .masking import apply_masks, key_ranges
+from .online_softmax import BASE2_UNITS, LOG2E, normalize, online_update, state_logsumexp
+
+# wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
+WGMMA_CAPABILITY = (9, 0)
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """Tile sizes of one launch: query rows per program, keys per K/V tile, warps, K/V buffers in shared memory."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    kv_stages: int
+    q_in_registers: bool = False  # Q as the register operand of the S products, else read from shared memory
+
+
+# By head dim, from bench/attention.py --tune-wgmma on an H100 (bench/results/h100/attention_wgmma_tune.log).
+# Two programs of one warpgroup share a multiprocessor (two K/V buffers: 80 KB of shared memory at
+# D = 128), so one's softmax also overlaps the other's products. At D = 128 the S products take Q
+# from registers: each then reads only K from shared memory.
+WGMMA_CONFIGS = {
+    64: WgmmaConfig(64, 128, 4, 2),
+    128: WgmmaConfig(64, 64, 4, 2, q_in_registers=True),
+}
+# D = 64 under causal with few keys: half-width K tiles, twice the programs (each query tile has little work).
+WGMMA_SHORT_CAUSAL_CONFIG = WgmmaConfig(64, 64, 4, 2)
+WGMMA_SHORT_CAUSAL_SEQLEN_K = 2048
+
+
+def wgmma_config(head_dim: int, causal: bool, seqlen_k: int) -> WgmmaConfig:
+    """The tiles of a call: ``WGMMA_CONFIGS`` by head dim, or the short causal one at D = 64."""
+    if head_dim == 64 and causal and seqlen_k <= WGMMA_SHORT_CAUSAL_SEQLEN_K:
+        return WGMMA_SHORT_CAUSAL_CONFIG
+    return WGMMA_CONFIGS[head_dim]
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _issue_kv_load(desc, bars, smem, tile, b, h_kv, n_tiles, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr):
+        """Start the TMA copy of K (or V) tile ``tile`` into its slot, if the tile exists."""
+        slot = tile % KV_STAGES
+        exists = tile < n_tiles
+        bar = bars.index(slot)
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=exists)
+        _tma_load(desc, [b, h_kv, tile * BLOCK_N, 0], bar, smem.index(slot), pred=exists)
+
+    @gluon.jit
+    def _refill_kv_slot(desc, bars, smem, tile, b, h_kv, n_tiles, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+                        NUM_WARPS: gl.constexpr):
+        """``_issue_kv_load`` into a slot the products just finished reading. One thread issues the copy;
+        with two warpgroups it first waits for the other one's product to finish too."""
+        if NUM_WARPS > 4:
+            _barrier()
+        _issue_kv_load(desc, bars, smem, tile, b, h_kv, n_tiles, BLOCK_N, KV_STAGES)
+
+    @gluon.jit
+    def _wait_kv(bars, smem, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr):
+        """Wait for K (or V) tile ``tile`` and return its slot as a [BLOCK_N, HEAD_DIM] view."""
+        slot = tile % KV_STAGES
+        mbarrier.wait(bars.index(slot), (tile // KV_STAGES) & 1)
+        return smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+
+    @gluon.jit
+    def _fold_scores(s, m, d, tile, n_full_tiles, q_idx, seqlen_q, seqlen_k,
+                     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, S_COLS: gl.constexpr, P_LAYOUT: gl.constexpr,
+                     DTYPE: gl.constexpr):
+        """Mask K tile ``tile``'s scores if it is not a full tile, fold them into ``(m, d)``: ``(m, d, P, alpha)``,
+        P rounded to the input dtype in the register-operand layout of the P V product."""
+        if tile >= n_full_tiles:
+            k_idx = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=S_COLS)
+            s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False, LOG2E)
+        m, d, p, alpha = online_update(m, d, s, BASE2_UNITS)
+        return m, d, gl.convert_layout(p.to(DTYPE), P_LAYOUT), alpha
+
+    @gluon.jit
+    def _attention_fwd_wgmma_kernel(
+        q_desc, k_desc, v_desc, o_desc, lse_ptr,
+        n_heads, kv_group, seqlen_q, seqlen_k, qk_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
+        Q_IN_REGISTERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_desc.dtype
+        # Register layouts: the wgmma accumulators of S [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM],
+        # P as the register operand of P V, and the per-row vectors of each.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        # One query tile per program, head-major; under causal the heaviest (last) tiles first.
+        n_query_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+        tile_id = gl.program_id(0)
+        bh = tile_id // n_query_tiles
+        m_tile = tile_id % n_query_tiles
+        if IS_CAUSAL:
+            m_tile = n_query_tiles - 1 - m_tile
+        b = bh // n_heads
+        h = bh % n_heads
+        h_kv = h // kv_group
+        m_start = m_tile * BLOCK_M
+
+        full_end, key_end = key_ranges(m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
+                                       BLOCK_N, IS_CAUSAL, False)
+        n_kv_tiles = gl.cdiv(key_end, BLOCK_N)
+        n_full_tiles = full_end // BLOCK_N
+
+        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(KV_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
+        for i in gl.static_range(KV_STAGES):
+            _issue_kv_load(k_desc, k_bars, k_smem, i, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+            _issue_kv_load(v_desc, v_bars, v_smem, i, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+
+        # Q · scale · log2(e), once: kept in registers as the S products' first operand (Q_IN_REGISTERS:
+        # then only K is read from shared memory by each product), or written back to shared memory.
+        q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+        mbarrier.wait(q_bar, 0)
+        if Q_IN_REGISTERS:
+            q_operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+            q_op = (q_tile.load(q_operand_layout).to(gl.float32) * qk_scale).to(dtype)
+        else:
+            q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+            q_tile.store((q_tile.load(q_load_layout).to(gl.float32) * qk_scale).to(dtype))
+            fence_async_shared()
+            _barrier()  # every warp's part of Q is written before any warp's product reads it
+            q_op = q_tile
+
+        q_idx = m_start + gl.arange(0, BLOCK_M, layout=s_rows)
+        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
+        d = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        if n_kv_tiles > 0:
+            # Tile 0: its S alone (there is no P V to overlap yet).
+            k_tile = _wait_kv(k_bars, k_smem, 0, BLOCK_N, HEAD_DIM, KV_STAGES)
+            s = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False)
+            m, d, p, alpha = _fold_scores(s, m, d, 0, n_full_tiles, q_idx, seqlen_q, seqlen_k,
+                                          BLOCK_N, IS_CAUSAL, s_cols, p_layout, dtype)
+            _refill_kv_slot(k_desc, k_bars, k_smem, KV_STAGES, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES, num_warps)
+            # Turn j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} in flight together.
+            for j in range(1, n_kv_tiles):
+                k_tile = _wait_kv(k_bars, k_smem, j, BLOCK_N, HEAD_DIM, KV_STAGES)
+                s_token = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                v_tile = _wait_kv(v_bars, v_smem, j - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
+                acc_token = warpgroup_mma(p, v_tile, acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_token,))  # S_j is ready; P V may still run
+                m, d, p, alpha = _fold_scores(s, m, d, j, n_full_tiles, q_idx, seqlen_q, seqlen_k,
+                                              BLOCK_N, IS_CAUSAL, s_cols, p_layout, dtype)
+                # K tile j is read: refill its slot.
+                _refill_kv_slot(k_desc, k_bars, k_smem, j + KV_STAGES, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES, num_warps)
+                acc = warpgroup_mma_wait(0, deps=(acc_token,))
+                # V tile j - 1 is read: refill its slot.
+                _refill_kv_slot(v_desc, v_bars, v_smem, j - 1 + KV_STAGES, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES,
+                                num_warps)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            v_tile = _wait_kv(v_bars, v_smem, n_kv_tiles - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
+            acc = warpgroup_mma(p, v_tile, acc)
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(KV_STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        if WRITE_LSE:
+            lse_ptrs = lse_ptr + bh.to(gl.int64) * seqlen_q + q_idx
+            gl.store(lse_ptrs, state_logsumexp(m, d, BASE2_UNITS), mask=q_idx < seqlen_q)
+        o = normalize(acc, gl.convert_layout(d, o_rows), True)  # rows that saw no key give zeros
+        # Q's buffer is free: stage O there; the TMA store drops rows past seqlen_q.
+        q_tile.store(o.to(dtype))
+        fence_async_shared()
+        _barrier()  # every warp's part of O is written before the copy starts
+        _tma_store(o_desc, [b, h, m_start, 0], q_smem)
+        tma.store_wait(0)
+
+
+def wgmma_available() -> bool:
+    """True when this Triton has Gluon's Hopper API (the GPU image's 3.6 and CI's 3.9 do)."""
+    return gluon is not None
+
+
+def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: bool) -> bool:
+    """True when this kernel takes the call: Gluon present, a Hopper GPU, fp16/bf16, head dim 64 or 128,
+    no user mask, non-empty, TMA-aligned. ``FLASHLITE_WGMMA=0`` turns it off (A/B runs)."""
+    return (
+        gluon is not None and not has_mask and q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in WGMMA_CONFIGS
+        and q.shape[2] > 0 and k.shape[2] > 0
+        and device_info(q.device).capability == WGMMA_CAPABILITY
+        and os.environ.get("FLASHLITE_WGMMA", "1") != "0"
+        and _tma_usable(q, k, v)
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _box_layout(box: tuple, dtype: torch.dtype):
+    """The shared-memory layout (swizzled for TMA and wgmma) of one [1, 1, rows, head_dim] box."""
+    return gl.NVMMASharedLayout.get_default_for(list(box), gl.float16 if dtype == torch.float16 else gl.bfloat16)
+
+
+def _gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
+    """A (B, H, L, D) TMA descriptor of ``t`` loading [1, 1, block_rows, head_dim] boxes (zeros past L).
+
+    Built field by field: the dataclass's own checks (alignment, box shape) cost ~10 us a
+    descriptor, four a call, and ``wgmma_eligible`` / the fixed configs already ensure them.
+    """
+    box = (1, 1, block_rows, head_dim)
+    desc = object.__new__(GluonTensorDescriptor)
+    given = dict(base=t, shape=list(t.shape), strides=_descriptor_strides(t), block_shape=list(box),
+                 layout=_box_layout(box, t.dtype), padding="zero")
+    for field in dataclasses.fields(GluonTensorDescriptor):  # the rest at their defaults
+        object.__setattr__(desc, field.name, given.get(field.name, field.default))
+    return desc
+
+
+def attention_forward_wgmma(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, write_lse: bool,
+    config: WgmmaConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the Hopper kernel on checked (B, H, L, D) fp16/bf16 tensors that ``wgmma_eligible`` accepted."""
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    config = config or wgmma_config(head_dim, causal, seqlen_k)
+    o = torch.empty_like(q)
+    lse = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
+    descs = [
+        _gluon_descriptor(t, rows, head_dim)
+        for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n), (o, config.block_m))
+    ]
+    grid = (triton.cdiv(seqlen_q, config.block_m) * batch * n_heads,)
+    _attention_fwd_wgmma_kernel[grid](
+        *descs, lse if lse is not None else o,
+        n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, scale * LOG2E,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
+        Q_IN_REGISTERS=config.q_in_registers, IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps,
+    )
+    return o, lse

@@ -1,0 +1,169 @@
+"""The Hopper forward kernel (flashlite.attention_wgmma): which calls it takes, and that it builds as designed.
+
+Gluon has no interpreter, so the kernel's results are checked on the GPU only
+(``bench/attention.py --check``: every default-variant case with D = 64/128,
+fp16/bf16 and no mask runs it). Here, on CPU:
+
+* the dispatch rules, with tensors that claim to be on a Hopper GPU;
+* the kernel compiled for sm_90 (no GPU needed): its K/V loop must keep one
+  wgmma in flight while the softmax runs (``wgmma.wait_group 1`` in the PTX),
+  which is the point of the module;
+* the descriptors built without the dataclass's checks equal checked ones.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+import flashlite.attention as fa
+import flashlite.attention_wgmma as fw
+from flashlite._runtime import DeviceInfo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.skipif(not fw.wgmma_available(), reason="this Triton has no Gluon Hopper API")
+
+HOPPER = DeviceInfo(num_sms=132, regs_per_sm=65536, smem_per_sm=232448, max_warps_per_sm=64, capability=(9, 0))
+
+
+class _OnHopper(torch.Tensor):
+    """A CPU tensor that says it is on a CUDA device (the rules read ``is_cuda`` and the device's capability)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _on_hopper(t: torch.Tensor) -> torch.Tensor:
+    return torch.Tensor._make_subclass(_OnHopper, t)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    for module in (fa, fw):
+        monkeypatch.setattr(module, "device_info", lambda device: HOPPER)
+    monkeypatch.delenv("FLASHLITE_WGMMA", raising=False)
+
+
+def _qkv(head_dim=128, dtype=torch.bfloat16, seqlen_q=100, seqlen_k=130, kv_heads=2):
+    q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype)
+    k, v = (torch.randn(2, kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
+    return q, k, v
+
+
+def test_eligible_calls(hopper):
+    for head_dim in (64, 128):
+        for dtype in (torch.float16, torch.bfloat16):
+            q, k, v = map(_on_hopper, _qkv(head_dim, dtype))
+            assert fw.wgmma_eligible(q, k, v, has_mask=False)
+    # A (B, L, H, D) tensor viewed as (B, H, L, D): strides TMA accepts, no copy needed.
+    q = _on_hopper(torch.randn(2, 100, 4, 128, dtype=torch.bfloat16).transpose(1, 2))
+    assert fw.wgmma_eligible(q, q, q, has_mask=False)
+
+
+@pytest.mark.parametrize("case", ["cpu", "mask", "fp32", "head_dim_80", "empty_q", "empty_k", "misaligned",
+                                  "not_hopper", "switched_off"])
+def test_calls_left_to_the_tl_kernel(hopper, monkeypatch, case):
+    head_dim = 80 if case == "head_dim_80" else 128
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    q, k, v = _qkv(head_dim, dtype, seqlen_q=0 if case == "empty_q" else 100, seqlen_k=0 if case == "empty_k" else 130)
+    if case == "misaligned":  # a row stride of 129 elements: not 16-byte aligned
+        q = torch.randn(2, 4, 100, 129, dtype=dtype)[..., :128]
+    if case != "cpu":
+        q, k, v = map(_on_hopper, (q, k, v))
+    if case == "not_hopper":  # Blackwell has no wgmma
+        blackwell = dataclasses.replace(HOPPER, capability=(10, 0))
+        for module in (fa, fw):
+            monkeypatch.setattr(module, "device_info", lambda device: blackwell)
+    if case == "switched_off":
+        monkeypatch.setenv("FLASHLITE_WGMMA", "0")
+    assert not fw.wgmma_eligible(q, k, v, has_mask=case == "mask")
+
+
+def test_attention_forward_dispatch(monkeypatch):
+    """Eligible calls without forced tiles go to the Hopper kernel with their own arguments; forced tiles never do."""
+    calls = []
+    monkeypatch.setattr(fa, "wgmma_eligible", lambda q, k, v, has_mask: not has_mask)
+    monkeypatch.setattr(fa, "attention_forward_wgmma", lambda *args: calls.append(args) or ("o", "lse"))
+    q, k, v = _qkv(64, torch.float32, 17, 33, kv_heads=4)
+    assert fa.attention_forward(q, k, v, True, 0.5, None, False, True) == ("o", "lse")
+    assert calls == [(q, k, v, True, 0.5, True)]
+    out, _ = fa.attention_forward(q, k, v, True, 0.5, None, False, False, fa.INTERPRETER_CONFIG)
+    assert len(calls) == 1 and out.shape == q.shape  # forced tiles: the tl kernel
+    mask = torch.ones(2, 4, 17, 33, dtype=torch.uint8)
+    fa.attention_forward(q, k, v, False, 0.5, mask, True, False)
+    assert len(calls) == 1  # a user mask: the tl kernel
+
+
+def test_config_rules():
+    assert fw.wgmma_config(128, False, 4096) == fw.WGMMA_CONFIGS[128]
+    assert fw.wgmma_config(128, True, 1024) == fw.WGMMA_CONFIGS[128]
+    assert fw.wgmma_config(64, False, 1024) == fw.WGMMA_CONFIGS[64]
+    assert fw.wgmma_config(64, True, fw.WGMMA_SHORT_CAUSAL_SEQLEN_K) == fw.WGMMA_SHORT_CAUSAL_CONFIG
+    assert fw.wgmma_config(64, True, fw.WGMMA_SHORT_CAUSAL_SEQLEN_K + 1) == fw.WGMMA_CONFIGS[64]
+
+
+def test_descriptor_matches_a_checked_one():
+    t = torch.randn(2, 100, 4, 136, dtype=torch.float16)[..., :128].transpose(1, 2)  # padded rows, (B, L, H, D)
+    fast = fw._gluon_descriptor(t, 64, 128)
+    box = [1, 1, 64, 128]
+    checked = fw.GluonTensorDescriptor(t, list(t.shape), fa._descriptor_strides(t), box, fw._box_layout(tuple(box), t.dtype))
+    for field in dataclasses.fields(fw.GluonTensorDescriptor):
+        mine, theirs = getattr(fast, field.name), getattr(checked, field.name)
+        assert mine is theirs if field.name == "base" else mine == theirs, field.name
+
+
+def _compile_for_hopper(config: fw.WgmmaConfig, head_dim: int, causal: bool, write_lse: bool) -> str:
+    """PTX of the kernel built for sm_90 from CPU (the types a launch on Hopper would give)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    t = torch.randn(1, 1, 256, head_dim, dtype=torch.bfloat16)
+    descs = {name: fw._gluon_descriptor(t, rows, head_dim)
+             for name, rows in (("q_desc", config.block_m), ("k_desc", config.block_n), ("v_desc", config.block_n),
+                                ("o_desc", config.block_m))}
+    constants = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
+                     Q_IN_REGISTERS=config.q_in_registers, IS_CAUSAL=causal, WRITE_LSE=write_lse,
+                     num_warps=config.num_warps)
+    signature = {}
+    for name in fw._attention_fwd_wgmma_kernel.arg_names:
+        if name in descs:
+            signature[name] = mangle_type(descs[name])
+        elif name in constants:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = {"lse_ptr": "*fp32", "qk_scale": "fp32"}.get(name, "i32")
+    compiled = triton.compile(GluonASTSource(fw._attention_fwd_wgmma_kernel, signature, constants),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
+    return compiled.asm["ptx"]
+
+
+def _build_report(cases: list) -> dict:
+    """For each (head_dim, causal): whether the PTX has wgmma and TMA, and its wgmma wait depths."""
+    report = {}
+    for head_dim, causal in cases:
+        ptx = _compile_for_hopper(fw.wgmma_config(head_dim, causal, 1024), head_dim, causal, write_lse=causal)
+        report[f"{head_dim}-{causal}"] = dict(
+            wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
+            waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}))
+    return report
+
+
+def test_kernel_builds_with_products_in_flight():
+    """Built for sm_90 in a fresh process (the interpreter, on in this one, would stand in for the jit helpers)."""
+    cases = [(64, False), (64, True), (128, False), (128, True)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import json; from tests.test_attention_wgmma import _build_report; print(json.dumps(_build_report({cases})))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, built in report.items():
+        assert built["wgmma"] and built["tma"], case
+        assert 1 in built["waits"], f"{case}: no wgmma left in flight across the softmax (waits {built['waits']})"
