@@ -152,6 +152,18 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
 
 
 @triton.jit
+def query_tile(tile, n_query_tiles, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """``(bh, m_start)`` of query tile number ``tile``: numbered head-major, query tile fastest, so that
+    programs running together share their head's K/V in L2; under causal each head's last (heaviest)
+    tiles come first. Every forward kernel and the backward's dQ kernel number tiles so."""
+    bh = tile // n_query_tiles
+    m_tile = tile % n_query_tiles
+    if IS_CAUSAL:
+        m_tile = n_query_tiles - 1 - m_tile
+    return bh, m_tile * BLOCK_M
+
+
+@triton.jit
 def _attend_kv_tiles(
     acc, m, d, q, q_idx,
     k_src, v_src, stride_kn, stride_vn,
@@ -230,20 +242,15 @@ def _attention_fwd_kernel(
     EVEN_D: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
-    # Tiles are numbered head-major, query tile fastest, so that programs running
-    # at the same time share their head's K/V in L2. Any grid size is correct:
-    # one program per tile, or a persistent grid where each program takes several.
+    # Tiles are numbered as ``query_tile`` says. Any grid size is correct: one
+    # program per tile, or a persistent grid where each program takes several.
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     n_tiles = n_query_tiles * n_bh
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        bh = tile // n_query_tiles
-        m_tile = tile % n_query_tiles
-        if IS_CAUSAL:
-            m_tile = n_query_tiles - 1 - m_tile  # the last query tiles see the most keys: start them first
+        bh, m_start = query_tile(tile, n_query_tiles, BLOCK_M, IS_CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
         h_kv = h // kv_group
-        m_start = m_tile * BLOCK_M
         b64 = tl.cast(b, tl.int64)
 
         o_dst = o_ptr + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh

@@ -73,7 +73,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import KV_LOOP_FLAGS, AttentionConfig, _attention_torch, _dot, _load_tile, _store_tile, head_dim_padded
+from .attention import (
+    KV_LOOP_FLAGS, AttentionConfig, _attention_torch, _dot, _load_tile, _store_tile, head_dim_padded, query_tile,
+)
 from .masking import apply_masks, causal_offset, key_ranges
 from .online_softmax import LOG2E, safe_max
 
@@ -334,13 +336,9 @@ def _attention_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, STORE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
-    # Numbered as the forward: head-major, query tile fastest, the heaviest (last) causal tiles first.
+    # Numbered as the forward (``query_tile``).
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
-    bh = tl.program_id(0) // n_query_tiles
-    m_tile = tl.program_id(0) % n_query_tiles
-    if IS_CAUSAL:
-        m_tile = n_query_tiles - 1 - m_tile
-    m_start = m_tile * BLOCK_M
+    bh, m_start = query_tile(tl.program_id(0), n_query_tiles, BLOCK_M, IS_CAUSAL)
     b64 = tl.cast(bh // n_heads, tl.int64)
     h64 = tl.cast(bh % n_heads, tl.int64)
     h_kv64 = h64 // kv_group

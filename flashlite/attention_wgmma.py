@@ -63,7 +63,7 @@ except ImportError:  # pragma: no cover - older Triton: the triton.language kern
     gluon = None
 
 from ._runtime import device_info
-from .attention import _descriptor_strides, _tma_usable
+from .attention import _descriptor_strides, _tma_usable, query_tile
 from .masking import apply_masks, key_ranges
 from .online_softmax import BASE2_UNITS, LOG2E, normalize, online_update, state_logsumexp
 
@@ -160,17 +160,11 @@ if gluon is not None:
         s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-        # One query tile per program, head-major; under causal the heaviest (last) tiles first.
-        n_query_tiles = gl.cdiv(seqlen_q, BLOCK_M)
-        tile_id = gl.program_id(0)
-        bh = tile_id // n_query_tiles
-        m_tile = tile_id % n_query_tiles
-        if IS_CAUSAL:
-            m_tile = n_query_tiles - 1 - m_tile
+        # One query tile per program, numbered as the other kernels number them.
+        bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, IS_CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
         h_kv = h // kv_group
-        m_start = m_tile * BLOCK_M
 
         full_end, key_end = key_ranges(m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
                                        BLOCK_N, IS_CAUSAL, False)
