@@ -488,13 +488,21 @@ def run_tune(args) -> None:
         torch.cuda.empty_cache()
 
 
-WGMMA_TUNE_SHAPES = [(4096, False), (4096, True), (1024, False), (1024, True), (2048, True)]
-WGMMA_TUNE_CONFIGS = {
-    64: [fw.WgmmaConfig(64, 128, 4, 2), fw.WgmmaConfig(64, 128, 4, 3), fw.WgmmaConfig(64, 128, 4, 2, True),
-         fw.WgmmaConfig(64, 64, 4, 2), fw.WgmmaConfig(64, 64, 4, 2, True)],
-    128: [fw.WgmmaConfig(64, 64, 4, 2, True), fw.WgmmaConfig(64, 64, 4, 2), fw.WgmmaConfig(64, 64, 4, 3, True),
-          fw.WgmmaConfig(64, 128, 4, 2), fw.WgmmaConfig(128, 128, 8, 2)],
+WGMMA_TUNE_SHAPES = {
+    64: [(1024, False), (1024, True), (2048, True), (4096, False), (4096, True)],
+    128: [(length, causal) for length in (512, 1024, 2048, 4096, 16384, 65536) for causal in (False, True)],
 }
+WGMMA_TUNE_CONFIGS = {
+    64: [fw.WgmmaConfig(64, 128, 4, 2), fw.WgmmaConfig(64, 64, 4, 2),
+         fw.WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True)],
+    128: [fw.WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True), fw.WgmmaConfig(64, 64, 4, 4, True, warp_specialized=True),
+          fw.WgmmaConfig(64, 64, 4, 2, True), fw.WgmmaConfig(64, 64, 4, 2)],
+}
+
+
+def _wgmma_config_str(c) -> str:
+    kind = "/ws" if c.warp_specialized else f"/w{c.num_warps}"
+    return f"{c.block_m}x{c.block_n}{kind}/s{c.kv_stages}{'/qreg' if c.q_in_registers and not c.warp_specialized else ''}"
 
 
 def run_tune_wgmma(args) -> None:
@@ -502,7 +510,7 @@ def run_tune_wgmma(args) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     for head_dim in args.head_dims:
-        for length, causal in WGMMA_TUNE_SHAPES:
+        for length, causal in WGMMA_TUNE_SHAPES[head_dim]:
             batch = batch_for(length)
             q, k, v = make_qkv(batch, length, head_dim)
             flops = attention_flops(batch, HEADS, length, length, head_dim, causal)
@@ -516,13 +524,13 @@ def run_tune_wgmma(args) -> None:
                     return fw.attention_forward_wgmma(q, k, v, causal, 1 / math.sqrt(head_dim), False, c)
                 value = tflops(flops, measure_ms(run))
                 mark = "*" if config == chosen else ""
-                cells.append(f"{config.block_m}x{config.block_n}/w{config.num_warps}/s{config.kv_stages}"
-                             f"{'/qreg' if config.q_in_registers else ''}{mark} {value:.0f}" if value else "failed")
+                cells.append(f"{_wgmma_config_str(config)}{mark} {value:.0f}" if value else "failed")
             print(f"D={head_dim} L={length} B={batch} causal={causal!s:5}: cudnn {cudnn:.0f} tl-kernel {tl_value:.0f} | "
                   + "  ".join(cells), flush=True)
             del q, k, v
             torch.cuda.empty_cache()
-    print("(TFLOP/s; * = the config wgmma_config picks; qreg = Q in registers)")
+    print("(TFLOP/s; * = the config wgmma_config picks; ws = a load warp and two softmax warpgroups sharing K/V tiles;"
+          " w4 = one warpgroup loading its own tiles; qreg = Q in registers)")
 
 
 def _config_str(c) -> str:

@@ -14,7 +14,7 @@ the softmax of K tile ``j`` while the tensor cores still work on tile ``j - 1``:
     issue  O  += P_{j-1} V_{j-1}         (async)
     wait until only the second is in flight: S_j is ready
     (m, d), P_j, alpha = online_update(S_j)     <- overlaps the P V product
-    wait for O; refill the freed K and V slots (TMA); O *= alpha
+    wait for O; release the K and V slots read (refill by TMA, or signal the load warp); O *= alpha
 
 The online-softmax state is the same ``(m, d)`` and the same ``online_update``
 as every other kernel of flashlite (``flashlite.online_softmax``); masking is
@@ -22,13 +22,26 @@ as every other kernel of flashlite (``flashlite.online_softmax``); masking is
 diagonal, the ragged last K tile). Q is scaled by ``scale · log2(e)`` once,
 so scores are in base-2 units (``BASE2_UNITS``).
 
+Two kernels run that loop (``_attend_kv_tiles``):
+
+* ``_attention_fwd_wgmma_kernel``: a program is one warpgroup (64 query rows)
+  that loads its own K/V tiles into two buffers and refills a buffer as soon
+  as its product is done; two programs share a multiprocessor, so one's
+  softmax also overlaps the other's products (D = 64; short causal calls).
+* ``_attention_fwd_ws_kernel``, warp-specialized (``gl.warp_specialize``): a
+  load warp streams K/V tiles into a ring of buffers, and two softmax
+  warpgroups of 64 query rows each read every tile, releasing a buffer through
+  an mbarrier that counts both (D = 128). Each K/V tile brought in serves 128
+  rows, and the load warp hands most of its registers to the softmax warpgroups
+  (``setmaxnreg``), which then hold 128-key tiles.
+
 Scope: fp16/bf16, head dims 64 and 128, no user mask, causal or not, GQA/MQA,
 any lengths, Q/K/V whose strides TMA accepts (16-byte aligned), on Hopper.
 ``flashlite.attention.attention_forward`` sends such calls here and the rest
-to the ``triton.language`` kernel. Gluon has no interpreter, so this kernel
-runs on the GPU only: ``bench/attention.py --check`` tests it there against a
+to the ``triton.language`` kernel. Gluon has no interpreter, so these kernels
+run on the GPU only: ``bench/attention.py --check`` tests it there against a
 float64 reference. On CPU, tests/test_attention_wgmma.py checks the dispatch
-rules and builds the kernel for sm_90, asserting that its loop keeps a product
+rules and builds the kernels for sm_90, asserting that their loop keeps a product
 in flight (``wgmma.wait_group 1``); the jit helpers it shares are tested
 through the other kernels.
 
@@ -73,33 +86,57 @@ WGMMA_CAPABILITY = (9, 0)
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """Tile sizes of one launch: query rows per program, keys per K/V tile, warps, K/V buffers in shared memory."""
+    """Tile sizes of one launch: query rows per warpgroup, keys per K/V tile, warps, K/V buffers in shared memory.
+
+    ``warp_specialized``: a program is a load warp and two softmax warpgroups of ``block_m`` rows each
+    that share every K/V tile (``num_warps`` is then one warpgroup's, and Q is in registers).
+    Otherwise a program is ``num_warps`` warps that load their own K/V tiles.
+    """
 
     block_m: int
     block_n: int
     num_warps: int
     kv_stages: int
     q_in_registers: bool = False  # Q as the register operand of the S products, else read from shared memory
+    warp_specialized: bool = False
+
+    @property
+    def rows_per_program(self) -> int:
+        """Query rows one program holds."""
+        return 2 * self.block_m if self.warp_specialized else self.block_m
 
 
 # By head dim, from bench/attention.py --tune-wgmma on an H100 (bench/results/h100/attention_wgmma_tune.log).
-# Two programs of one warpgroup share a multiprocessor (two K/V buffers: 80 KB of shared memory at
-# D = 128), so one's softmax also overlaps the other's products. At D = 128 the S products take Q
-# from registers: each then reads only K from shared memory.
+# D = 128: one program a multiprocessor, warp-specialized: a load warp and two softmax warpgroups
+# that share 128-key K/V tiles (two buffers: 160 KB of shared memory), so each K/V tile brought in
+# serves 128 query rows; the softmax warpgroups get 240 registers each, the load warp 24. Making
+# the two warpgroups take turns issuing their products (FlashAttention-3's ping-pong, through two more
+# mbarriers) measured no faster: 0.92-1.01x this from L = 1024 (attention_wgmma_tune_pingpong.log);
+# four buffers of 64 keys were slower (0.88-0.92x).
+# D = 64: two programs of one warpgroup share a multiprocessor, each loading its own K/V tiles, so
+# one's softmax also overlaps the other's products (the warp-specialized kernel: 0.76-0.98x of this).
 WGMMA_CONFIGS = {
     64: WgmmaConfig(64, 128, 4, 2),
-    128: WgmmaConfig(64, 64, 4, 2, q_in_registers=True),
+    128: WgmmaConfig(64, 128, 4, 2, q_in_registers=True, warp_specialized=True),
 }
-# D = 64 under causal with few keys: half-width K tiles, twice the programs (each query tile has little work).
-WGMMA_SHORT_CAUSAL_CONFIG = WgmmaConfig(64, 64, 4, 2)
-WGMMA_SHORT_CAUSAL_SEQLEN_K = 2048
+# Causal with few keys: each query tile has little work, so smaller programs, more of them
+# (by head dim: up to how many keys, and the tiles).
+WGMMA_SHORT_CAUSAL = {
+    64: (2048, WgmmaConfig(64, 64, 4, 2)),
+    128: (512, WgmmaConfig(64, 64, 4, 2, q_in_registers=True)),
+}
+# Registers a thread of the warp-specialized kernel: its 12 warps share the 64K-register file
+# (the launch cap, 168, is 65536 / 384 rounded down to a multiple of 8); the load warp gives
+# most of its share to the softmax warpgroups.
+WS_LAUNCH_REGISTERS = 168
+WS_SOFTMAX_REGISTERS = 240
+WS_LOAD_REGISTERS = 24
 
 
 def wgmma_config(head_dim: int, causal: bool, seqlen_k: int) -> WgmmaConfig:
-    """The tiles of a call: ``WGMMA_CONFIGS`` by head dim, or the short causal one at D = 64."""
-    if head_dim == 64 and causal and seqlen_k <= WGMMA_SHORT_CAUSAL_SEQLEN_K:
-        return WGMMA_SHORT_CAUSAL_CONFIG
-    return WGMMA_CONFIGS[head_dim]
+    """The tiles of a call: ``WGMMA_CONFIGS`` by head dim, or ``WGMMA_SHORT_CAUSAL``'s under causal with few keys."""
+    max_keys, short = WGMMA_SHORT_CAUSAL[head_dim]
+    return short if causal and seqlen_k <= max_keys else WGMMA_CONFIGS[head_dim]
 
 
 if gluon is not None:
@@ -114,13 +151,21 @@ if gluon is not None:
         _tma_load(desc, [b, h_kv, tile * BLOCK_N, 0], bar, smem.index(slot), pred=exists)
 
     @gluon.jit
-    def _refill_kv_slot(desc, bars, smem, tile, b, h_kv, n_tiles, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                        NUM_WARPS: gl.constexpr):
-        """``_issue_kv_load`` into a slot the products just finished reading. One thread issues the copy;
-        with two warpgroups it first waits for the other one's product to finish too."""
-        if NUM_WARPS > 4:
-            _barrier()
-        _issue_kv_load(desc, bars, smem, tile, b, h_kv, n_tiles, BLOCK_N, KV_STAGES)
+    def _release_kv_slot(desc, ready_bars, free_bars, smem, tile, b, h_kv, n_tiles,
+                         BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                         LOAD_WARP: gl.constexpr):
+        """K (or V) tile ``tile`` has been read: its slot may take tile ``tile + KV_STAGES``.
+
+        With a load warp, tell it so (the slot is shared by two warpgroups: it waits for both);
+        else refill the slot here: one thread issues the copy, after a barrier when two
+        warpgroups read the slot.
+        """
+        if LOAD_WARP:
+            mbarrier.arrive(free_bars.index(tile % KV_STAGES))
+        else:
+            if NUM_WARPS > 4:
+                _barrier()
+            _issue_kv_load(desc, ready_bars, smem, tile + KV_STAGES, b, h_kv, n_tiles, BLOCK_N, KV_STAGES)
 
     @gluon.jit
     def _wait_kv(bars, smem, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr):
@@ -131,15 +176,81 @@ if gluon is not None:
 
     @gluon.jit
     def _fold_scores(s, m, d, tile, n_full_tiles, q_idx, seqlen_q, seqlen_k,
-                     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, S_COLS: gl.constexpr, P_LAYOUT: gl.constexpr,
-                     DTYPE: gl.constexpr):
+                     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):
         """Mask K tile ``tile``'s scores if it is not a full tile, fold them into ``(m, d)``: ``(m, d, P, alpha)``,
         P rounded to the input dtype in the register-operand layout of the P V product."""
         if tile >= n_full_tiles:
-            k_idx = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=S_COLS)
+            k_idx = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
             s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False, LOG2E)
         m, d, p, alpha = online_update(m, d, s, BASE2_UNITS)
         return m, d, gl.convert_layout(p.to(DTYPE), P_LAYOUT), alpha
+
+    @gluon.jit
+    def _attend_kv_tiles(
+        q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+        b, h_kv, n_kv_tiles, n_full_tiles, q_idx, seqlen_q, seqlen_k,
+        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+        NUM_WARPS: gl.constexpr, LOAD_WARP: gl.constexpr,
+    ):
+        """The K/V loop of one query tile: ``(m, d, O)`` after every K/V tile, O not yet divided by d.
+
+        Turn j issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` together, waits until only the
+        second is in flight, folds S_j into ``(m, d)`` while P V runs, then waits for O, rescales it and
+        releases the K and V slots it read (``_release_kv_slot``). ``s_zero`` carries the layout of S.
+        """
+        dtype: gl.constexpr = k_desc.dtype
+        o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+        m = gl.full([s_zero.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_zero.type.layout))
+        d = gl.zeros_like(m)
+        if n_kv_tiles > 0:
+            # Turn 0: S_0 alone (there is no P V to overlap yet).
+            k_tile = _wait_kv(k_ready, k_smem, 0, BLOCK_N, HEAD_DIM, KV_STAGES)
+            s = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False)
+            _release_kv_slot(k_desc, k_ready, k_free, k_smem, 0, b, h_kv, n_kv_tiles,
+                             BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
+            m, d, p, alpha = _fold_scores(s, m, d, 0, n_full_tiles, q_idx, seqlen_q, seqlen_k,
+                                          BLOCK_N, IS_CAUSAL, p_layout, dtype)
+            for j in range(1, n_kv_tiles):
+                k_tile = _wait_kv(k_ready, k_smem, j, BLOCK_N, HEAD_DIM, KV_STAGES)
+                v_tile = _wait_kv(v_ready, v_smem, j - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
+                s_token = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc_token = warpgroup_mma(p, v_tile, acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_token,))  # S_j is ready; P V may still run
+                _release_kv_slot(k_desc, k_ready, k_free, k_smem, j, b, h_kv, n_kv_tiles,
+                                 BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
+                m, d, p, alpha = _fold_scores(s, m, d, j, n_full_tiles, q_idx, seqlen_q, seqlen_k,
+                                              BLOCK_N, IS_CAUSAL, p_layout, dtype)
+                acc = warpgroup_mma_wait(0, deps=(acc_token,))
+                _release_kv_slot(v_desc, v_ready, v_free, v_smem, j - 1, b, h_kv, n_kv_tiles,
+                                 BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            v_tile = _wait_kv(v_ready, v_smem, n_kv_tiles - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
+            acc = warpgroup_mma(p, v_tile, acc)
+            if LOAD_WARP:  # (without one, nothing is left to load into the slot)
+                _release_kv_slot(v_desc, v_ready, v_free, v_smem, n_kv_tiles - 1, b, h_kv, n_kv_tiles,
+                                 BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
+        return m, d, acc
+
+    @gluon.jit
+    def _scaled_q_operand(q_tile, qk_scale, S_LAYOUT: gl.constexpr):
+        """Q · scale · log2(e), loaded from its (arrived) tile into registers as the S products' first operand."""
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2)
+        return (q_tile.load(q_layout).to(gl.float32) * qk_scale).to(q_tile.dtype)
+
+    @gluon.jit
+    def _write_output(acc, m, d, q_idx, o_tile, o_smem, o_desc, lse_row, b, h, row_start, seqlen_q,
+                      WRITE_LSE: gl.constexpr):
+        """O / d through shared memory ``o_tile`` (a view of ``o_smem``) by TMA (rows past seqlen_q dropped),
+        and the LSE into ``lse_row`` (this batch and head's); rows that saw no key give zeros."""
+        if WRITE_LSE:
+            gl.store(lse_row + q_idx, state_logsumexp(m, d, BASE2_UNITS), mask=q_idx < seqlen_q)
+        o = normalize(acc, gl.convert_layout(d, gl.SliceLayout(1, acc.type.layout)), True)
+        o_tile.store(o.to(o_desc.dtype))
+        fence_async_shared()
+        _barrier()  # every warp's part of O is written before the copy starts
+        _tma_store(o_desc, [b, h, row_start, 0], o_smem)
+        tma.store_wait(0)
 
     @gluon.jit
     def _attention_fwd_wgmma_kernel(
@@ -149,16 +260,11 @@ if gluon is not None:
         Q_IN_REGISTERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
-        # Register layouts: the wgmma accumulators of S [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM],
-        # P as the register operand of P V, and the per-row vectors of each.
+        # Register layouts: the wgmma accumulators of S [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM].
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-        s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
         # One query tile per program, numbered as the other kernels number them.
         bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, IS_CAUSAL)
@@ -169,7 +275,6 @@ if gluon is not None:
         full_end, key_end = key_ranges(m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
                                        BLOCK_N, IS_CAUSAL, False)
         n_kv_tiles = gl.cdiv(key_end, BLOCK_N)
-        n_full_tiles = full_end // BLOCK_N
 
         q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -193,8 +298,7 @@ if gluon is not None:
         q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
         mbarrier.wait(q_bar, 0)
         if Q_IN_REGISTERS:
-            q_operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-            q_op = (q_tile.load(q_operand_layout).to(gl.float32) * qk_scale).to(dtype)
+            q_op = _scaled_q_operand(q_tile, qk_scale, s_layout)
         else:
             q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
             q_tile.store((q_tile.load(q_load_layout).to(gl.float32) * qk_scale).to(dtype))
@@ -202,52 +306,124 @@ if gluon is not None:
             _barrier()  # every warp's part of Q is written before any warp's product reads it
             q_op = q_tile
 
-        q_idx = m_start + gl.arange(0, BLOCK_M, layout=s_rows)
-        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
-        d = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
+        q_idx = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        if n_kv_tiles > 0:
-            # Tile 0: its S alone (there is no P V to overlap yet).
-            k_tile = _wait_kv(k_bars, k_smem, 0, BLOCK_N, HEAD_DIM, KV_STAGES)
-            s = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False)
-            m, d, p, alpha = _fold_scores(s, m, d, 0, n_full_tiles, q_idx, seqlen_q, seqlen_k,
-                                          BLOCK_N, IS_CAUSAL, s_cols, p_layout, dtype)
-            _refill_kv_slot(k_desc, k_bars, k_smem, KV_STAGES, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES, num_warps)
-            # Turn j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} in flight together.
-            for j in range(1, n_kv_tiles):
-                k_tile = _wait_kv(k_bars, k_smem, j, BLOCK_N, HEAD_DIM, KV_STAGES)
-                s_token = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                v_tile = _wait_kv(v_bars, v_smem, j - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
-                acc_token = warpgroup_mma(p, v_tile, acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_token,))  # S_j is ready; P V may still run
-                m, d, p, alpha = _fold_scores(s, m, d, j, n_full_tiles, q_idx, seqlen_q, seqlen_k,
-                                              BLOCK_N, IS_CAUSAL, s_cols, p_layout, dtype)
-                # K tile j is read: refill its slot.
-                _refill_kv_slot(k_desc, k_bars, k_smem, j + KV_STAGES, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES, num_warps)
-                acc = warpgroup_mma_wait(0, deps=(acc_token,))
-                # V tile j - 1 is read: refill its slot.
-                _refill_kv_slot(v_desc, v_bars, v_smem, j - 1 + KV_STAGES, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES,
-                                num_warps)
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = _wait_kv(v_bars, v_smem, n_kv_tiles - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
-            acc = warpgroup_mma(p, v_tile, acc)
+        # No load warp: the program refills its K/V slots itself (no free-slot barriers: k_bars/v_bars fill in).
+        m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_bars, v_bars,
+                                     b, h_kv, n_kv_tiles, full_end // BLOCK_N, q_idx, seqlen_q, seqlen_k,
+                                     BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL, num_warps, False)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(KV_STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
+        # Q's buffer is free: O goes out through it.
+        lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q
+        _write_output(acc, m, d, q_idx, q_tile, q_smem, o_desc, lse_row, b, h, m_start, seqlen_q, WRITE_LSE)
 
-        if WRITE_LSE:
-            lse_ptrs = lse_ptr + bh.to(gl.int64) * seqlen_q + q_idx
-            gl.store(lse_ptrs, state_logsumexp(m, d, BASE2_UNITS), mask=q_idx < seqlen_q)
-        o = normalize(acc, gl.convert_layout(d, o_rows), True)  # rows that saw no key give zeros
-        # Q's buffer is free: stage O there; the TMA store drops rows past seqlen_q.
-        q_tile.store(o.to(dtype))
-        fence_async_shared()
-        _barrier()  # every warp's part of O is written before the copy starts
-        _tma_store(o_desc, [b, h, m_start, 0], q_smem)
-        tma.store_wait(0)
+    # ------------------------------------------------------------------ warp-specialized: a load warp, two softmax warpgroups
+
+    @gluon.jit
+    def _ws_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
+                           b, h, h_kv, m_start, n_kv_tiles):
+        """The load warp: both Q tiles, then every K and V tile into the ring of slots, each once both
+        softmax warpgroups have released the slot (a fresh mbarrier counts as released: phase 1 is done)."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        KV_STAGES: gl.constexpr = k_smem.type.shape[0]
+        for wg in gl.static_range(2):
+            mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, h, m_start + wg * BLOCK_M, 0], q_bars.index(wg), q_smem.index(wg))
+        for tile in range(n_kv_tiles):
+            slot = tile % KV_STAGES
+            released = ((tile // KV_STAGES) & 1) ^ 1
+            mbarrier.wait(k_free.index(slot), released)
+            _issue_kv_load(k_desc, k_ready, k_smem, tile, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+            mbarrier.wait(v_free.index(slot), released)
+            _issue_kv_load(v_desc, v_ready, v_smem, tile, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+
+    @gluon.jit
+    def _ws_softmax_partition(
+        q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
+        b, h, h_kv, m_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale,
+        IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, WARPGROUP: gl.constexpr,
+    ):
+        """One softmax warpgroup: query rows ``m_start + WARPGROUP * BLOCK_M`` on, over the shared K/V tiles."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        KV_STAGES: gl.constexpr = k_smem.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+
+        row_start = m_start + WARPGROUP * BLOCK_M
+        full_end, _ = key_ranges(row_start, gl.minimum(row_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
+                                 BLOCK_N, IS_CAUSAL, False)
+        q_tile = q_smem.index(WARPGROUP).reshape([BLOCK_M, HEAD_DIM])
+        mbarrier.wait(q_bars.index(WARPGROUP), 0)
+        q_op = _scaled_q_operand(q_tile, qk_scale, s_layout)
+        q_idx = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        # Both warpgroups walk the K/V tiles of the whole program (masking covers the extra causal tile).
+        m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free,
+                                     v_free, b, h_kv, n_kv_tiles, full_end // BLOCK_N, q_idx, seqlen_q, seqlen_k,
+                                     BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL, 4, True)
+        # Q is in registers: O goes out through this warpgroup's Q buffer.
+        _write_output(acc, m, d, q_idx, q_tile, q_smem.index(WARPGROUP), o_desc, lse_row, b, h, row_start,
+                      seqlen_q, WRITE_LSE)
+
+    @gluon.jit
+    def _attention_fwd_ws_kernel(
+        q_desc, k_desc, v_desc, o_desc, lse_ptr,
+        n_heads, kv_group, seqlen_q, seqlen_k, qk_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+        SOFTMAX_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_desc.dtype
+        # A program holds 2 * BLOCK_M query rows, BLOCK_M per softmax warpgroup, numbered as the other kernels do.
+        bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, 2 * BLOCK_M), 2 * BLOCK_M, IS_CAUSAL)
+        b = bh // n_heads
+        h = bh % n_heads
+        h_kv = h // kv_group
+        _, key_end = key_ranges(m_start, gl.minimum(m_start + 2 * BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
+                                BLOCK_N, IS_CAUSAL, False)
+        n_kv_tiles = gl.cdiv(key_end, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        k_free = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        v_free = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        for wg in gl.static_range(2):
+            mbarrier.init(q_bars.index(wg), count=1)
+        for i in gl.static_range(KV_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_free.index(i), count=2)  # released by both softmax warpgroups
+            mbarrier.init(v_free.index(i), count=2)
+
+        lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q  # this batch and head's LSE
+        # (Each partition's arguments are written out in the call: a tuple held in a variable would turn
+        # the constexpr flags into run-time values.)
+        gl.warp_specialize(
+            [(_ws_softmax_partition,  # warpgroup 0: the default partition
+              (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
+               v_free, b, h, h_kv, m_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, IS_CAUSAL, WRITE_LSE, 0)),
+             (_ws_softmax_partition,  # warpgroup 1
+              (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
+               v_free, b, h, h_kv, m_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, IS_CAUSAL, WRITE_LSE, 1)),
+             (_ws_load_partition,
+              (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
+               b, h, h_kv, m_start, n_kv_tiles))],
+            [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
 
 
 def wgmma_available() -> bool:
@@ -303,11 +479,14 @@ def attention_forward_wgmma(
         _gluon_descriptor(t, rows, head_dim)
         for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n), (o, config.block_m))
     ]
-    grid = (triton.cdiv(seqlen_q, config.block_m) * batch * n_heads,)
-    _attention_fwd_wgmma_kernel[grid](
-        *descs, lse if lse is not None else o,
-        n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, scale * LOG2E,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
-        Q_IN_REGISTERS=config.q_in_registers, IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps,
-    )
+    grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
+    args = (*descs, lse if lse is not None else o, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, scale * LOG2E)
+    tiles = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
+                 IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps)
+    if config.warp_specialized:
+        _attention_fwd_ws_kernel[grid](
+            *args, SOFTMAX_REGISTERS=WS_SOFTMAX_REGISTERS, LOAD_REGISTERS=WS_LOAD_REGISTERS,
+            maxnreg=WS_LAUNCH_REGISTERS, **tiles)
+    else:
+        _attention_fwd_wgmma_kernel[grid](*args, Q_IN_REGISTERS=config.q_in_registers, **tiles)
     return o, lse

@@ -103,10 +103,19 @@ def test_attention_forward_dispatch(monkeypatch):
 
 def test_config_rules():
     assert fw.wgmma_config(128, False, 4096) == fw.WGMMA_CONFIGS[128]
+    assert fw.wgmma_config(128, False, 512) == fw.WGMMA_CONFIGS[128]
     assert fw.wgmma_config(128, True, 1024) == fw.WGMMA_CONFIGS[128]
     assert fw.wgmma_config(64, False, 1024) == fw.WGMMA_CONFIGS[64]
-    assert fw.wgmma_config(64, True, fw.WGMMA_SHORT_CAUSAL_SEQLEN_K) == fw.WGMMA_SHORT_CAUSAL_CONFIG
-    assert fw.wgmma_config(64, True, fw.WGMMA_SHORT_CAUSAL_SEQLEN_K + 1) == fw.WGMMA_CONFIGS[64]
+    for head_dim, (max_keys, short) in fw.WGMMA_SHORT_CAUSAL.items():
+        assert fw.wgmma_config(head_dim, True, max_keys) == short
+        assert fw.wgmma_config(head_dim, True, max_keys + 1) == fw.WGMMA_CONFIGS[head_dim]
+        assert not short.warp_specialized
+    ws = fw.WGMMA_CONFIGS[128]
+    assert ws.warp_specialized and ws.num_warps == 4 and ws.rows_per_program == 2 * ws.block_m
+    assert fw.WGMMA_CONFIGS[64].rows_per_program == fw.WGMMA_CONFIGS[64].block_m
+    # The registers moved between the warp-specialized kernel's warpgroups fit what its launch holds.
+    assert fw.WS_LAUNCH_REGISTERS * 3 >= 2 * fw.WS_SOFTMAX_REGISTERS + fw.WS_LOAD_REGISTERS
+    assert fw.WS_LAUNCH_REGISTERS * 12 * 32 <= 65536
 
 
 def test_descriptor_matches_a_checked_one():
@@ -119,8 +128,8 @@ def test_descriptor_matches_a_checked_one():
         assert mine is theirs if field.name == "base" else mine == theirs, field.name
 
 
-def _compile_for_hopper(config: fw.WgmmaConfig, head_dim: int, causal: bool, write_lse: bool) -> str:
-    """PTX of the kernel built for sm_90 from CPU (the types a launch on Hopper would give)."""
+def _compile_for_hopper(config: fw.WgmmaConfig, head_dim: int, causal: bool, write_lse: bool):
+    """The kernel ``config`` selects, built for sm_90 from CPU (the types a launch on Hopper would give)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -130,34 +139,49 @@ def _compile_for_hopper(config: fw.WgmmaConfig, head_dim: int, causal: bool, wri
              for name, rows in (("q_desc", config.block_m), ("k_desc", config.block_n), ("v_desc", config.block_n),
                                 ("o_desc", config.block_m))}
     constants = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
-                     Q_IN_REGISTERS=config.q_in_registers, IS_CAUSAL=causal, WRITE_LSE=write_lse,
-                     num_warps=config.num_warps)
+                     IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps)
+    options = dict(num_warps=config.num_warps)
+    if config.warp_specialized:
+        kernel = fw._attention_fwd_ws_kernel
+        constants.update(SOFTMAX_REGISTERS=fw.WS_SOFTMAX_REGISTERS, LOAD_REGISTERS=fw.WS_LOAD_REGISTERS)
+        options["maxnreg"] = fw.WS_LAUNCH_REGISTERS
+    else:
+        kernel = fw._attention_fwd_wgmma_kernel
+        constants["Q_IN_REGISTERS"] = config.q_in_registers
     signature = {}
-    for name in fw._attention_fwd_wgmma_kernel.arg_names:
+    for name in kernel.arg_names:
         if name in descs:
             signature[name] = mangle_type(descs[name])
         elif name in constants:
             signature[name] = "constexpr"
         else:
             signature[name] = {"lse_ptr": "*fp32", "qk_scale": "fp32"}.get(name, "i32")
-    compiled = triton.compile(GluonASTSource(fw._attention_fwd_wgmma_kernel, signature, constants),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
-    return compiled.asm["ptx"]
+    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options=options)
 
 
 def _build_report(cases: list) -> dict:
-    """For each (head_dim, causal): whether the PTX has wgmma and TMA, and its wgmma wait depths."""
+    """For each (head_dim, causal): whether the PTX has wgmma and TMA, its wgmma wait depths, warps and register moves."""
     report = {}
     for head_dim, causal in cases:
-        ptx = _compile_for_hopper(fw.wgmma_config(head_dim, causal, 1024), head_dim, causal, write_lse=causal)
+        config = fw.wgmma_config(head_dim, causal, 1024)
+        compiled = _compile_for_hopper(config, head_dim, causal, write_lse=causal)
+        ptx = compiled.asm["ptx"]
         report[f"{head_dim}-{causal}"] = dict(
+            warp_specialized=config.warp_specialized, warps=compiled.metadata.num_warps,
             wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
-            waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}))
+            waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
+            registers=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
     return report
 
 
 def test_kernel_builds_with_products_in_flight():
-    """Built for sm_90 in a fresh process (the interpreter, on in this one, would stand in for the jit helpers)."""
+    """Built for sm_90 in a fresh process (the interpreter, on in this one, would stand in for the jit helpers).
+
+    Every kernel keeps a P V product in flight across the softmax; the warp-specialized one (D = 128)
+    runs 12 warps (two softmax warpgroups and a load warp, padded to a warpgroup) and moves registers
+    from the load warp to the softmax warpgroups.
+    """
     cases = [(64, False), (64, True), (128, False), (128, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json; from tests.test_attention_wgmma import _build_report; print(json.dumps(_build_report({cases})))"
@@ -167,3 +191,9 @@ def test_kernel_builds_with_products_in_flight():
     for case, built in report.items():
         assert built["wgmma"] and built["tma"], case
         assert 1 in built["waits"], f"{case}: no wgmma left in flight across the softmax (waits {built['waits']})"
+        if built["warp_specialized"]:
+            assert built["warps"] == 12, case
+            assert {fw.WS_SOFTMAX_REGISTERS, fw.WS_LOAD_REGISTERS} <= set(built["registers"]), case
+        else:
+            assert built["warps"] == 4 and built["registers"] == [], case
+    assert report["128-False"]["warp_specialized"]
