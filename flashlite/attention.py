@@ -450,7 +450,7 @@ def default_config(
     return _CONFIGS[hd_pad]
 
 
-def _descriptor_strides(t: torch.Tensor) -> list[int]:
+def descriptor_strides(t: torch.Tensor) -> list[int]:
     """Strides of a (B, H, L, D) tensor with each size-1 dim's stride made dense (it is never stepped,
     but a TMA descriptor still wants every stride 16-byte aligned)."""
     strides = list(t.stride())
@@ -460,7 +460,7 @@ def _descriptor_strides(t: torch.Tensor) -> list[int]:
     return strides
 
 
-def _tma_usable(*tensors: torch.Tensor) -> bool:
+def tma_usable(*tensors: torch.Tensor) -> bool:
     """TMA needs Hopper or newer (or the interpreter), 16-byte aligned bases and strides, and no zero strides."""
     if TensorDescriptor is None:
         return False
@@ -468,14 +468,14 @@ def _tma_usable(*tensors: torch.Tensor) -> bool:
         if t.is_cuda and device_info(t.device).capability < TMA_MIN_CAPABILITY:
             return False
         size = t.element_size()
-        if t.data_ptr() % 16 or any(st <= 0 or st * size % 16 for st in _descriptor_strides(t)[:3]):
+        if t.data_ptr() % 16 or any(st <= 0 or st * size % 16 for st in descriptor_strides(t)[:3]):
             return False
     return True
 
 
 def _descriptor(t: torch.Tensor, block_rows: int, head_dim_pad: int) -> TensorDescriptor:
     """A (B, H, L, D) descriptor loading [1, 1, block_rows, HEAD_DIM_PADDED] boxes, zeros past L and D."""
-    return TensorDescriptor(t, list(t.shape), _descriptor_strides(t), [1, 1, block_rows, head_dim_pad])
+    return TensorDescriptor(t, list(t.shape), descriptor_strides(t), [1, 1, block_rows, head_dim_pad])
 
 
 def _set_descriptor_blocks(nargs: dict) -> None:
@@ -509,7 +509,7 @@ def attention_forward(
     if config is None:
         config = default_config(head_dim, q.dtype, q.device, causal, seqlen_k, mask is not None)
     q_desc = k_desc = v_desc = None
-    if config.use_tma and tma_safe(mask is not None, config.block_n, hd_pad) and _tma_usable(q, k, v):
+    if config.use_tma and tma_safe(mask is not None, config.block_n, hd_pad) and tma_usable(q, k, v):
         q_desc = _descriptor(q, config.block_m, hd_pad)
         k_desc, v_desc = (_descriptor(t, config.block_n, hd_pad) for t in (k, v))
 
@@ -764,6 +764,6 @@ def flash_attention(
     return (o, lse) if return_lse else o
 
 
-# The Hopper kernel (Gluon, hand-pipelined wgmma) takes the calls it can; imported last, as it builds on
-# this module's TMA helpers.
+# The Hopper kernels (Gluon) take the calls they can; imported last, as they build on this module's
+# TMA helpers (descriptor_strides, tma_usable) and query_tile.
 from .attention_wgmma import attention_forward_wgmma, wgmma_eligible  # noqa: E402

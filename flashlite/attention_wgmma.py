@@ -76,7 +76,7 @@ except ImportError:  # pragma: no cover - older Triton: the triton.language kern
     gluon = None
 
 from ._runtime import device_info
-from .attention import _descriptor_strides, _tma_usable, query_tile
+from .attention import descriptor_strides, tma_usable, query_tile
 from .masking import apply_masks, key_ranges
 from .online_softmax import BASE2_UNITS, LOG2E, normalize, online_update, state_logsumexp
 
@@ -440,7 +440,7 @@ def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: 
         and q.shape[2] > 0 and k.shape[2] > 0
         and device_info(q.device).capability == WGMMA_CAPABILITY
         and os.environ.get("FLASHLITE_WGMMA", "1") != "0"
-        and _tma_usable(q, k, v)
+        and tma_usable(q, k, v)
     )
 
 
@@ -458,7 +458,7 @@ def _gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
     """
     box = (1, 1, block_rows, head_dim)
     desc = object.__new__(GluonTensorDescriptor)
-    given = dict(base=t, shape=list(t.shape), strides=_descriptor_strides(t), block_shape=list(box),
+    given = dict(base=t, shape=list(t.shape), strides=descriptor_strides(t), block_shape=list(box),
                  layout=_box_layout(box, t.dtype), padding="zero")
     for field in dataclasses.fields(GluonTensorDescriptor):  # the rest at their defaults
         object.__setattr__(desc, field.name, given.get(field.name, field.default))

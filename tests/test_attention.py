@@ -234,7 +234,7 @@ def test_lse_low_precision():
 def test_launch_variants(monkeypatch, config, causal):
     use_tiles(monkeypatch, config)
     q, k, v = qkv(2, 2, 33, 50, 80, h_kv=1)  # ragged lengths, padded head dim, MQA
-    assert fa._tma_usable(q, k, v)  # 160-byte rows: the descriptor path when asked for
+    assert fa.tma_usable(q, k, v)  # 160-byte rows: the descriptor path when asked for
     check(q, k, v, causal=causal)
     mask = torch.rand(2, 1, 1, 50) > 0.3
     check(*qkv(2, 2, 33, 50, 32), attn_mask=mask, causal=causal)
@@ -281,7 +281,7 @@ def test_tma_needs_aligned_rows(monkeypatch):
     # D = 20 in fp16: 40-byte rows are not 16-byte aligned, so the launcher falls back to pointers.
     use_tiles(monkeypatch, TILES_16_TMA)
     q, k, v = qkv(1, 2, 20, 20, 20, dtype=torch.float16)
-    assert not fa._tma_usable(q, k, v)
+    assert not fa.tma_usable(q, k, v)
     check(q, k, v)
 
 

@@ -122,7 +122,7 @@ def test_descriptor_matches_a_checked_one():
     t = torch.randn(2, 100, 4, 136, dtype=torch.float16)[..., :128].transpose(1, 2)  # padded rows, (B, L, H, D)
     fast = fw._gluon_descriptor(t, 64, 128)
     box = [1, 1, 64, 128]
-    checked = fw.GluonTensorDescriptor(t, list(t.shape), fa._descriptor_strides(t), box, fw._box_layout(tuple(box), t.dtype))
+    checked = fw.GluonTensorDescriptor(t, list(t.shape), fa.descriptor_strides(t), box, fw._box_layout(tuple(box), t.dtype))
     for field in dataclasses.fields(fw.GluonTensorDescriptor):
         mine, theirs = getattr(fast, field.name), getattr(checked, field.name)
         assert mine is theirs if field.name == "base" else mine == theirs, field.name
