@@ -97,6 +97,47 @@ def test_kv_cache_continuation():
     torch.testing.assert_close(step, full[:, 9:], atol=1e-4, rtol=1e-4)
 
 
+def test_static_cache_prefill(monkeypatch):
+    # The prefill of an empty StaticCache: transformers passes no mask and K/V as long as the cache
+    # (Lk = 20 > Lq = 9, the slots past 9 unused): the branch that drops the unused slots.
+    flash, eager = tiny_llamas(fl_hf.NAME, "eager")
+    calls = []
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append((query.shape[2], key.shape[2], attention_mask is None))
+        return fl_hf.attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    transformers.AttentionInterface.register(fl_hf.NAME, spy)
+    try:
+        ids, _ = batch()
+        with torch.no_grad():
+            cache = transformers.StaticCache(config=flash.config, max_cache_len=20)
+            logits = flash(ids[:, :9], past_key_values=cache, use_cache=True).logits
+            reference = eager(ids[:, :9]).logits
+    finally:
+        fl_hf.register()
+    assert calls and all(call == (9, 20, True) for call in calls), calls
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_float_mask_is_an_additive_bias():
+    # A 4-D float mask (0 or the dtype's minimum, as transformers < 4.53 builds it), one key longer
+    # than K (cut to Lk), with a query row that sees no key: the same as the boolean mask on the
+    # other rows, and finite (zeros) on that one.
+    q = torch.randn(2, 4, 6, 16)
+    k, v = (torch.randn(2, 2, 7, 16) for _ in range(2))
+    keep = torch.rand(2, 1, 6, 8) > 0.3
+    keep[0, 0, 2] = False  # row 2 of batch 0 sees nothing
+    keep[..., 0] |= torch.arange(6) != 2  # every other row sees at least key 0
+    bias = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    out_float, _ = fl_hf.attention_forward(module, q, k, v, bias)
+    out_bool, _ = fl_hf.attention_forward(module, q, k, v, keep)
+    assert torch.isfinite(out_float).all()
+    torch.testing.assert_close(out_float, out_bool, atol=1e-5, rtol=1e-5)
+    assert out_float[0, 2].abs().max() == 0
+
+
 def test_unsupported_arguments():
     q = torch.randn(1, 2, 3, 16)
     module = torch.nn.Module()
