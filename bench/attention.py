@@ -495,14 +495,17 @@ WGMMA_TUNE_SHAPES = {
 WGMMA_TUNE_CONFIGS = {
     64: [fw.WgmmaConfig(64, 128, 4, 2), fw.WgmmaConfig(64, 64, 4, 2),
          fw.WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True)],
-    128: [fw.WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True), fw.WgmmaConfig(64, 64, 4, 4, True, warp_specialized=True),
+    128: [fw.WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True),
+          fw.WgmmaConfig(64, 64, 4, 4, True, warp_specialized=True),
           fw.WgmmaConfig(64, 64, 4, 2, True), fw.WgmmaConfig(64, 64, 4, 2)],
 }
 
 
 def _wgmma_config_str(c) -> str:
+    """A config's label in the --tune-wgmma table."""
     kind = "/ws" if c.warp_specialized else f"/w{c.num_warps}"
-    return f"{c.block_m}x{c.block_n}{kind}/s{c.kv_stages}{'/qreg' if c.q_in_registers and not c.warp_specialized else ''}"
+    qreg = "/qreg" if c.q_in_registers and not c.warp_specialized else ""
+    return f"{c.block_m}x{c.block_n}{kind}/s{c.kv_stages}{qreg}"
 
 
 def run_tune_wgmma(args) -> None:

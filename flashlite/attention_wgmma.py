@@ -39,10 +39,10 @@ Scope: fp16/bf16, head dims 64 and 128, no user mask, causal or not, GQA/MQA,
 any lengths, Q/K/V whose strides TMA accepts (16-byte aligned), on Hopper.
 ``flashlite.attention.attention_forward`` sends such calls here and the rest
 to the ``triton.language`` kernel. Gluon has no interpreter, so these kernels
-run on the GPU only: ``bench/attention.py --check`` tests it there against a
+run on the GPU only: ``bench/attention.py --check`` tests them there against a
 float64 reference. On CPU, tests/test_attention_wgmma.py checks the dispatch
 rules and builds the kernels for sm_90, asserting that their loop keeps a product
-in flight (``wgmma.wait_group 1``); the jit helpers it shares are tested
+in flight (``wgmma.wait_group 1``); the jit helpers they share are tested
 through the other kernels.
 
 Speed against the ``triton.language`` kernel and SDPA: the README's attention
@@ -111,7 +111,7 @@ class WgmmaConfig:
 # that share 128-key K/V tiles (two buffers: 160 KB of shared memory), so each K/V tile brought in
 # serves 128 query rows; the softmax warpgroups get 240 registers each, the load warp 24. Making
 # the two warpgroups take turns issuing their products (FlashAttention-3's ping-pong, through two more
-# mbarriers) measured no faster: 0.92-1.01x this from L = 1024 (attention_wgmma_tune_pingpong.log);
+# mbarriers) measured no faster: 0.92-1.01x this from L = 1024 (the earlier run in that log);
 # four buffers of 64 keys were slower (0.88-0.92x).
 # D = 64: two programs of one warpgroup share a multiprocessor, each loading its own K/V tiles, so
 # one's softmax also overlaps the other's products (the warp-specialized kernel: 0.76-0.98x of this).
@@ -322,7 +322,7 @@ if gluon is not None:
         lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q
         _write_output(acc, m, d, q_idx, q_tile, q_smem, o_desc, lse_row, b, h, m_start, seqlen_q, WRITE_LSE)
 
-    # ------------------------------------------------------------------ warp-specialized: a load warp, two softmax warpgroups
+    # ---------------------------------------------- warp-specialized: a load warp, two softmax warpgroups
 
     @gluon.jit
     def _ws_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
