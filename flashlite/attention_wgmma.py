@@ -465,6 +465,16 @@ def _gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
     return desc
 
 
+def kernel_for(config: WgmmaConfig, head_dim: int, causal: bool, write_lse: bool) -> tuple:
+    """``(kernel, launch keywords)`` of a call: its constexprs, ``num_warps`` and, warp-specialized, ``maxnreg``."""
+    meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
+                IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps)
+    if config.warp_specialized:
+        return _attention_fwd_ws_kernel, dict(meta, SOFTMAX_REGISTERS=WS_SOFTMAX_REGISTERS,
+                                              LOAD_REGISTERS=WS_LOAD_REGISTERS, maxnreg=WS_LAUNCH_REGISTERS)
+    return _attention_fwd_wgmma_kernel, dict(meta, Q_IN_REGISTERS=config.q_in_registers)
+
+
 def attention_forward_wgmma(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, write_lse: bool,
     config: WgmmaConfig | None = None,
@@ -480,13 +490,7 @@ def attention_forward_wgmma(
         for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n), (o, config.block_m))
     ]
     grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
-    args = (*descs, lse if lse is not None else o, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, scale * LOG2E)
-    tiles = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
-                 IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps)
-    if config.warp_specialized:
-        _attention_fwd_ws_kernel[grid](
-            *args, SOFTMAX_REGISTERS=WS_SOFTMAX_REGISTERS, LOAD_REGISTERS=WS_LOAD_REGISTERS,
-            maxnreg=WS_LAUNCH_REGISTERS, **tiles)
-    else:
-        _attention_fwd_wgmma_kernel[grid](*args, Q_IN_REGISTERS=config.q_in_registers, **tiles)
+    kernel, meta = kernel_for(config, head_dim, causal, write_lse)
+    kernel[grid](*descs, lse if lse is not None else o, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k,
+                 scale * LOG2E, **meta)
     return o, lse

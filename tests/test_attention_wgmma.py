@@ -138,16 +138,9 @@ def _compile_for_hopper(config: fw.WgmmaConfig, head_dim: int, causal: bool, wri
     descs = {name: fw._gluon_descriptor(t, rows, head_dim)
              for name, rows in (("q_desc", config.block_m), ("k_desc", config.block_n), ("v_desc", config.block_n),
                                 ("o_desc", config.block_m))}
-    constants = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
-                     IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps)
-    options = dict(num_warps=config.num_warps)
-    if config.warp_specialized:
-        kernel = fw._attention_fwd_ws_kernel
-        constants.update(SOFTMAX_REGISTERS=fw.WS_SOFTMAX_REGISTERS, LOAD_REGISTERS=fw.WS_LOAD_REGISTERS)
-        options["maxnreg"] = fw.WS_LAUNCH_REGISTERS
-    else:
-        kernel = fw._attention_fwd_wgmma_kernel
-        constants["Q_IN_REGISTERS"] = config.q_in_registers
+    kernel, meta = fw.kernel_for(config, head_dim, causal, write_lse)  # what a launch passes
+    options = {name: meta[name] for name in ("num_warps", "maxnreg") if name in meta}
+    constants = {name: value for name, value in meta.items() if name != "maxnreg"}
     signature = {}
     for name in kernel.arg_names:
         if name in descs:
