@@ -80,7 +80,7 @@ try:  # host-side tensor descriptors (TMA on Hopper): Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton: K/V through pointers only
     TensorDescriptor = None
 
-from ._runtime import check_float_dtype, check_scale, device_info, is_compiling, launch_persistent, runs_kernels
+from ._runtime import check_float_dtype, check_scale, device_info, is_compiling, launch, launch_persistent, runs_kernels
 from .masking import apply_masks, broadcast_mask, key_ranges
 from .online_softmax import BASE2_UNITS, LOG2E, empty_state, normalize, online_update, state_logsumexp
 
@@ -454,19 +454,24 @@ def descriptor_strides(t: torch.Tensor) -> list[int]:
     """Strides of a (B, H, L, D) tensor with each size-1 dim's stride made dense (it is never stepped,
     but a TMA descriptor still wants every stride 16-byte aligned)."""
     strides = list(t.stride())
-    for dim in (2, 1, 0):
-        if t.shape[dim] == 1:
-            strides[dim] = strides[dim + 1] * t.shape[dim + 1]
+    shape = t.shape
+    if 1 in shape:
+        for dim in (2, 1, 0):
+            if shape[dim] == 1:
+                strides[dim] = strides[dim + 1] * shape[dim + 1]
     return strides
 
 
 def tma_usable(*tensors: torch.Tensor) -> bool:
-    """TMA needs Hopper or newer (or the interpreter), 16-byte aligned bases and strides, and no zero strides."""
+    """TMA needs Hopper or newer (or the interpreter), 16-byte aligned bases and strides, and no zero strides.
+
+    The tensors are on one device (the callers' argument checks ensure it).
+    """
     if TensorDescriptor is None:
         return False
+    if tensors[0].is_cuda and device_info(tensors[0].device).capability < TMA_MIN_CAPABILITY:
+        return False
     for t in tensors:
-        if t.is_cuda and device_info(t.device).capability < TMA_MIN_CAPABILITY:
-            return False
         size = t.element_size()
         if t.data_ptr() % 16 or any(st <= 0 or st * size % 16 for st in descriptor_strides(t)[:3]):
             return False
@@ -542,7 +547,7 @@ def attention_forward(
         key = ("attention_fwd", config, q.dtype, q.device, k_desc is not None, mask is not None, *meta.values())
         launch_persistent(_attention_fwd_kernel, n_tiles, q.device, key, args, config.num_warps, **meta)
     else:
-        _attention_fwd_kernel[(n_tiles,)](*args, num_warps=config.num_warps, **meta)
+        launch(_attention_fwd_kernel, (n_tiles,), args, num_warps=config.num_warps, **meta)
     return o, lse
 
 

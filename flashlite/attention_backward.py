@@ -73,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._runtime import launch
 from .attention import (
     KV_LOOP_FLAGS, AttentionConfig, _attention_torch, _dot, _load_tile, _store_tile, head_dim_padded, query_tile,
 )
@@ -505,10 +506,11 @@ def attention_backward(
         dlse = dlse.float().contiguous()
     qk_scale = scale * LOG2E  # the forward's: log2(e) folded into the scale
     q_scaled = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _attention_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, DELTA_BLOCK_M) * bh,)](
-        o, do, dlse, delta, q, q_scaled,
-        *_bhl_strides(o), *_bhl_strides(do), *_bhl_strides(q), *_bhl_strides(q_scaled),
-        n_heads, seqlen_q, head_dim, qk_scale,
+    launch(
+        _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, DELTA_BLOCK_M) * bh,),
+        (o, do, dlse, delta, q, q_scaled,
+         *_bhl_strides(o), *_bhl_strides(do), *_bhl_strides(q), *_bhl_strides(q_scaled),
+         n_heads, seqlen_q, head_dim, qk_scale),
         BLOCK_M=DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
     )
 
@@ -523,17 +525,19 @@ def attention_backward(
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see attention._dot)
     )
     c = config.dkdv
-    _attention_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],)](
-        q, q_scaled, k, v, do, lse, delta, dk, dv, mask,
-        *_bhl_strides(q), *_bhl_strides(q_scaled), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dk), *_bhl_strides(dv),
-        *mask_strides, *common, scale,
+    launch(
+        _attention_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],),
+        (q, q_scaled, k, v, do, lse, delta, dk, dv, mask,
+         *_bhl_strides(q), *_bhl_strides(q_scaled), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do),
+         *_bhl_strides(dk), *_bhl_strides(dv), *mask_strides, *common, scale),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
     )
     c = config.dq
-    _attention_bwd_dq_kernel[(triton.cdiv(seqlen_q, c.block_m) * bh,)](
-        q, k, v, do, lse, delta, dq, ds, mask,
-        *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dq),
-        *mask_strides, *common, qk_scale, scale,
+    launch(
+        _attention_bwd_dq_kernel, (triton.cdiv(seqlen_q, c.block_m) * bh,),
+        (q, k, v, do, lse, delta, dq, ds, mask,
+         *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dq),
+         *mask_strides, *common, qk_scale, scale),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
     )
     return dq, dk, dv, ds

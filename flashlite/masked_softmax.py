@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_float_dtype, check_scale, device_info, is_compiling, launch_persistent, runs_kernels
+from ._runtime import check_float_dtype, check_scale, device_info, is_compiling, launch, launch_persistent, runs_kernels
 from .masking import apply_masks, broadcast_mask, causal_key_end
 from .online_softmax import (
     LOG2E,
@@ -339,8 +339,8 @@ def _launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device: torch.device,
     grid = (max(1, min(n_rows * plan.n_splits, info.num_sms * (info.max_warps_per_sm // plan.num_warps))),)
     passes = (BOTH_PASSES,) if plan.n_splits == 1 else (PARTIAL_PASS, FINAL_PASS)
     for pass_ in passes:
-        kernel[grid](*args, PASS=pass_.value, BLOCK_M=1, BLOCK_N=plan.block_n,
-                     SPLITS_POW2=triton.next_power_of_2(plan.n_splits), num_warps=plan.num_warps, **flags)
+        launch(kernel, grid, args, PASS=pass_.value, BLOCK_M=1, BLOCK_N=plan.block_n,
+               SPLITS_POW2=triton.next_power_of_2(plan.n_splits), num_warps=plan.num_warps, **flags)
 
 
 def _launch_forward(

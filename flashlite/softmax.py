@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._runtime import (
-    check_float_dtype, cooperative_launch_supported, device_info, is_compiling, launch_persistent, occupancy,
+    check_float_dtype, cooperative_launch_supported, device_info, is_compiling, launch, launch_persistent, occupancy,
     runs_kernels,
 )
 from .online_softmax import (
@@ -383,7 +383,7 @@ def _launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device, args, **flags
     # With split rows every chunk is its own program; the second launch walks them backwards (see the kernel).
     passes = (BOTH_PASSES,) if plan.n_splits == 1 else (PARTIAL_PASS, FINAL_PASS)
     for pass_ in passes:
-        kernel[grid](*args, PASS=pass_.value, **meta, **flags)
+        launch(kernel, grid, args, PASS=pass_.value, **meta, **flags)
 
 
 # Programs of the shared-row kernel resident at once on a device, per compiled configuration.
@@ -417,7 +417,7 @@ def _launch_shared_rows(
     if plan.n_splits > _RESIDENT_PROGRAMS[key]:
         return False
     rows_at_once = min(n_rows, _RESIDENT_PROGRAMS[key] // plan.n_splits)
-    _softmax_fused_kernel[(rows_at_once * plan.n_splits,)](*args, launch_cooperative_grid=True, **meta)
+    launch(_softmax_fused_kernel, (rows_at_once * plan.n_splits,), args, launch_cooperative_grid=True, **meta)
     return True
 
 
@@ -440,7 +440,7 @@ def softmax_forward(
         meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, SHARED_ROWS=False, PREFETCH=False,
                     WRITE_Y=write_y, WRITE_LSE=write_lse)
         if plan.block_n > FUSED_PERSISTENT_MAX_COLS:  # one program a tile: the hardware schedules them
-            _softmax_fused_kernel[(n_tiles,)](*args, num_warps=plan.num_warps, **meta)
+            launch(_softmax_fused_kernel, (n_tiles,), args, num_warps=plan.num_warps, **meta)
         else:
             key = ("softmax_fwd", plan, x2d.dtype, out_dtype, write_y, write_lse, x2d.device)
             launch_persistent(_softmax_fused_kernel, n_tiles, x2d.device, key, args, plan.num_warps, **meta)

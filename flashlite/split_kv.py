@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import device_info
+from ._runtime import device_info, launch
 from .attention import KV_LOOP_FLAGS, AttentionConfig, _attend_kv_tiles, default_config, head_dim_padded
 from .masking import key_ranges
 from .online_softmax import BASE2_UNITS, LOG2E, empty_state, merge_states, normalize, rescale_factor, state_logsumexp
@@ -358,25 +358,27 @@ def split_kv_forward(
     o = torch.empty_like(q)
     lse = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
 
-    _split_kv_kernel[(programs, num_splits)](
-        q, k, v, mask, cache_seqlens, part_m, part_d, part_acc,
+    launch(
+        _split_kv_kernel, (programs, num_splits),
+        (q, k, v, mask, cache_seqlens, part_m, part_d, part_acc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *(mask.stride() if mask is not None else (0, 0, 0, 0)),
         cache_seqlens.stride(0) if cache_seqlens is not None else 0,
         n_heads, n_heads // k.shape[1], pack, n_heads // pack, num_splits, n_out_rows,
-        seqlen_q, seqlen_k, head_dim, scale * LOG2E,
+        seqlen_q, seqlen_k, head_dim, scale * LOG2E),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM_PADDED=hd_pad,
         IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see attention._dot)
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    _merge_splits_kernel[(triton.cdiv(n_out_rows, MERGE_BLOCK_ROWS),)](
-        part_m, part_d, part_acc, o, lse if lse is not None else part_m,
-        o.stride(0), o.stride(1), o.stride(2),
-        n_heads, seqlen_q, n_out_rows, num_splits, head_dim,
+    launch(
+        _merge_splits_kernel, (triton.cdiv(n_out_rows, MERGE_BLOCK_ROWS),),
+        (part_m, part_d, part_acc, o, lse if lse is not None else part_m,
+         o.stride(0), o.stride(1), o.stride(2),
+         n_heads, seqlen_q, n_out_rows, num_splits, head_dim),
         BLOCK_ROWS=MERGE_BLOCK_ROWS, HEAD_DIM_PADDED=hd_pad, WRITE_LSE=write_lse, num_warps=4,
     )
     return o, lse

@@ -1,0 +1,116 @@
+"""flashlite._runtime.launch: compiled kernels reused by launch signature, without Triton's per-call binding.
+
+The reuse is only right if two argument lists with the same signature are ones
+Triton compiles to the same kernel. The first test checks that against Triton's
+own specialization (its native function, the one its JIT calls); the second runs
+``launch``'s bookkeeping on a stand-in kernel (the interpreter compiles nothing,
+so the real reuse runs on the GPU only: bench/attention.py --check and
+bench/softmax.py --check go through it).
+"""
+
+import itertools
+from types import SimpleNamespace
+
+import torch
+from triton._C.libtriton import native_specialize_impl
+
+try:
+    from triton.backends import BaseBackend
+except ImportError:  # older layout
+    from triton.backends.compiler import BaseBackend
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashlite import _runtime
+
+
+def _tritons_specialization(arg):
+    """What Triton's JIT keys a compiled kernel on for one argument (specialize and align on, as by default)."""
+    return native_specialize_impl(BaseBackend, arg, False, True, True)
+
+
+def test_signature_is_finer_than_tritons_specialization():
+    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 16,
+            2**32, 2**63 - 16, 2**63, 2**63 + 16, 2**64 - 16]
+    base = torch.randn(64)
+    tensors = [base, base[1:], base[4:], base[16:], base.to(torch.bfloat16), base.to(torch.bfloat16)[8:],
+               base.to(torch.bfloat16)[1:], base.to(torch.float16), torch.arange(8)]
+    matrix = torch.randn(8, 64)
+    descriptors = [TensorDescriptor(t, [8, 64], [64, 1], box) for t in (matrix, matrix.to(torch.bfloat16))
+                   for box in ([2, 64], [4, 64], [4, 32])]
+    pool = ints + tensors + descriptors + [None, True, False, 0.5, -3.0]
+    keyed = [(_runtime._specialization(a), _tritons_specialization(a)) for a in pool]
+    same_key = 0
+    for (key_a, spec_a), (key_b, spec_b) in itertools.combinations(keyed, 2):
+        if key_a == key_b:
+            same_key += 1
+            assert spec_a == spec_b, (key_a, spec_a, spec_b)
+    assert same_key > 10  # the pool does have arguments that share a signature
+    # and it tells apart what Triton tells apart (1 is a constant, 16 aligned, 2^31 is 64-bit, ...)
+    assert len({k for k, _ in keyed}) >= len({s for _, s in keyed})
+
+
+class _Compiled:
+    """Stands in for a CompiledKernel: records launches made on it directly."""
+
+    function = object()
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("direct", grid, args))
+
+
+class _Kernel:
+    """Stands in for a JITFunction ``k(x_ptr, n, scale, BLOCK: constexpr, FLAG: constexpr = True)``."""
+
+    device_caches = {}
+
+    def __init__(self):
+        self.log = []
+        self.params = [SimpleNamespace(name=n, default=d) for n, d in
+                       (("x_ptr", None), ("n", None), ("scale", None), ("BLOCK", None), ("FLAG", True))]
+
+    def __getitem__(self, grid):
+        def run(*args, **options):
+            self.log.append(("jit", grid, args, options))
+            return _Compiled(self.log)
+        return run
+
+
+def test_launch_compiles_once_per_signature(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_runtime, "_COMPILED", {})
+    kernel = _Kernel()
+    x = torch.randn(64)
+    x_aligned_view = x[16:]
+    _runtime.launch(kernel, (4,), (x, 32, 0.5), BLOCK=16, num_warps=4)
+    _runtime.launch(kernel, (5, 2), (x_aligned_view, 48, 0.25), BLOCK=16, num_warps=4)  # same signature
+    _runtime.launch(kernel, (4,), (x, 33, 0.5), BLOCK=16, num_warps=4)  # 33: not divisible by 16
+    _runtime.launch(kernel, (4,), (x, 32, 0.5), BLOCK=32, num_warps=4)  # another constexpr
+    _runtime.launch(kernel, (4,), (x, 32, 0.5), BLOCK=16, num_warps=8)  # another launch option
+    _runtime.launch(kernel, (4,), (x[1:], 32, 0.5), BLOCK=16, num_warps=4)  # a misaligned pointer
+    _runtime.launch(kernel, (4,), (x, 1, 0.5), BLOCK=16, num_warps=4)  # 1: a constant to Triton
+    _runtime.launch(kernel, (4,), (x, 64, 0.5), BLOCK=16, FLAG=False, num_warps=4)
+    _runtime.launch(kernel, (3,), (x, 80, 0.5), BLOCK=16, FLAG=False, num_warps=4)
+    kinds = [entry[0] for entry in kernel.log]
+    assert kinds == ["jit", "direct", "jit", "jit", "jit", "jit", "jit", "jit", "direct"]
+    # Direct launches: a 3-D grid, the runtime arguments, then every later parameter by name or default.
+    _, grid, args = kernel.log[1]
+    assert grid == (5, 2, 1) and args[0] is x_aligned_view and args[1:] == (48, 0.25, 16, True)
+    _, grid, args = kernel.log[8]
+    assert grid == (3, 1, 1) and args[0] is x and args[1:] == (80, 0.5, 16, False)
+    assert kernel.log[0] == ("jit", (4,), (x, 32, 0.5), {"BLOCK": 16, "num_warps": 4})
+
+
+def test_interpreter_functions_take_tritons_path():
+    calls = []
+
+    class _Interpreted:  # no device_caches: what TRITON_INTERPRET=1 makes of a kernel
+        def __getitem__(self, grid):
+            return lambda *args, **options: calls.append((grid, args, options)) or "ran"
+
+    interpreted = _Interpreted()
+    assert _runtime.launch(interpreted, (2,), (1, 2), BLOCK=4) == "ran"
+    assert _runtime.launch(interpreted, (2,), (1, 2), BLOCK=4) == "ran"
+    assert calls == [((2,), (1, 2), {"BLOCK": 4})] * 2
