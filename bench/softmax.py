@@ -6,6 +6,7 @@ bandwidth measured in the same run is the ceiling. Modes:
     python bench/softmax.py            # full sweep -> bench/results/<gpu>/softmax.{json,md,png}
     python bench/softmax.py --check    # GPU correctness (poisoned memory, >2^31 elements)
     python bench/softmax.py --tune     # time the heuristic constants' candidates
+    python bench/softmax.py --replot   # redraw softmax.png from the committed softmax.json (no GPU)
 """
 
 from __future__ import annotations
@@ -110,19 +111,33 @@ def run_bench(args) -> None:
     cols = ["dtype", "M", "N", "flashlite", "flashlite_graph", "fused", "online", "torch", "compile", "naive", "textbook_fused",
             "textbook_online", "frac_copy", "x_best_peer"]
     write_results("softmax", out, meta, rows, cols, "Softmax forward, GB/s (read + write)")
+    plot_results(rows, copy, out)
+    print_summary(rows, copy)
+
+
+def plot_results(rows: list[dict], copy: float, out: str) -> None:
+    """softmax.png from the sweep's rows: a panel per dtype for M = 4096 and for long rows, copy as the ceiling."""
     panels = []
     names = ["flashlite", "torch", "compile", "naive", "textbook_fused", "textbook_online"]
-    for dname in args.dtypes:
-        dt = str(DTYPES[dname]).replace("torch.", "")
+    for dt in dict.fromkeys(r["dtype"] for r in rows):
         wide = [r for r in rows if r["dtype"] == dt and r["M"] == 4096]
         long = [r for r in rows if r["dtype"] == dt and r["M"] != 4096]
-        for label, sel, key in (("M = 4096", wide, "N"), ("long rows (M x N = 16M)", long, "N")):
+        for label, sel in (("M = 4096", wide), ("long rows (M x N = 16M)", long)):
             if sel:
                 series = {n: [r[n] for r in sel] for n in names}
                 series["copy (ceiling)"] = [copy for _ in sel]
-                panels.append((f"softmax {dname}, {label}", [r[key] for r in sel], series, "GB/s"))
+                panels.append((f"softmax {dt}, {label}", [r["N"] for r in sel], series, "GB/s"))
     plot_lines(os.path.join(out, "softmax.png"), panels)
-    print_summary(rows, copy)
+
+
+def replot(args) -> None:
+    """Redraw softmax.png from the softmax.json already in the results folder."""
+    import json
+
+    out = results_dir(args.out)
+    with open(os.path.join(out, "softmax.json")) as f:
+        data = json.load(f)
+    plot_results(data["rows"], data["meta"]["copy_gbs"], out)
 
 
 def print_summary(rows, copy) -> None:
@@ -220,7 +235,8 @@ def run_tune(args) -> None:
             line = []
             for tile in (2048, 4096, 8192, 16384):
                 for ept in (8, 16, 32):
-                    fs.FUSED_TILE_ELEMS, fs.FUSED_ELEMS_PER_THREAD = tile, ept
+                    fs.FUSED_TILE_ELEMS = fs.FUSED_SHORT_TILE_ELEMS = tile
+                    fs.FUSED_ELEMS_PER_THREAD = ept
                     fs.plan_softmax.cache_clear()
                     ms = graph_time_ms(lambda: flashlite.softmax(x, algorithm="fused"))
                     line.append(f"{tile}/{ept}:{gbs(softmax_bytes(x), ms) or 0:.0f}")
@@ -244,6 +260,33 @@ def run_tune(args) -> None:
             print(f"  {str(dtype)[6:]:9} {str(shape):16} best: " + "  ".join(f"{c}:{v:.0f}" for v, c in line[:6])
                   + f"   worst: {line[-1][1]}:{line[-1][0]:.0f}", flush=True)
             del x
+    print("short rows: tile elems/warps, persistent (P) or one program a tile (G) -> GB/s, CUDA graph (peers too)")
+    saved = fs.FUSED_TILE_ELEMS, fs.FUSED_SHORT_TILE_ELEMS, fs.FUSED_ELEMS_PER_THREAD, fs.FUSED_PERSISTENT_MAX_COLS
+    for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "short") else ():
+        for n in (256, 512, 1024, 2048):
+            x = torch.randn(4096, n, device="cuda", dtype=dtype)
+            nbytes = softmax_bytes(x)
+            fs.FUSED_TILE_ELEMS, fs.FUSED_SHORT_TILE_ELEMS, fs.FUSED_ELEMS_PER_THREAD, fs.FUSED_PERSISTENT_MAX_COLS = saved
+            fs.plan_softmax.cache_clear()
+            plan = fs.plan_softmax(4096, n, x.device, "auto", shared_rows=dtype)
+            now = f"{plan.block_m * plan.block_n}/w{plan.num_warps}/{'P' if n <= saved[3] else 'G'}"
+            line = {"torch": graph_time_ms(lambda: torch.softmax(x, -1)), "compile": graph_time_ms(lambda: compiled(x))}
+            for tile in (512, 1024, 2048, 4096, 8192):
+                for ept in (8, 16, 32):
+                    fs.FUSED_TILE_ELEMS = fs.FUSED_SHORT_TILE_ELEMS = tile
+                    fs.FUSED_ELEMS_PER_THREAD = ept
+                    fs.plan_softmax.cache_clear()
+                    plan = fs.plan_softmax(4096, n, x.device, "auto", shared_rows=dtype)
+                    for name, max_cols in (("P", 1 << 30), ("G", 0)):
+                        fs.FUSED_PERSISTENT_MAX_COLS = max_cols
+                        line[f"{plan.block_m * plan.block_n}/w{plan.num_warps}/{name}"] = graph_time_ms(
+                            lambda: flashlite.softmax(x))
+            rates = sorted(((gbs(nbytes, ms), label) for label, ms in line.items()), reverse=True)
+            print(f"  {str(dtype)[6:]:9} 4096 x {n:<5} now {now}: {gbs(nbytes, line[now]):.0f}  "
+                  + "  ".join(f"{label}:{rate:.0f}" for rate, label in rates[:8]), flush=True)
+            del x
+    fs.FUSED_TILE_ELEMS, fs.FUSED_SHORT_TILE_ELEMS, fs.FUSED_ELEMS_PER_THREAD, fs.FUSED_PERSISTENT_MAX_COLS = saved
+    fs.plan_softmax.cache_clear()
     print("fused grid: persistent (P) or one program a tile (G) -> GB/s do_bench / CUDA graph")
     saved_max = fs.FUSED_PERSISTENT_MAX_COLS
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "grid") else ():
@@ -299,9 +342,12 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--quick", action="store_true", help="three shapes only")
     parser.add_argument("--check", action="store_true", help="GPU correctness checks instead of timing")
-    parser.add_argument("--tune", choices=["all", "fused", "online", "grid", "shared"], help="time heuristic candidates instead of the sweep")
+    parser.add_argument("--replot", action="store_true", help="redraw softmax.png from the results folder's JSON")
+    parser.add_argument("--tune", choices=["all", "fused", "short", "online", "grid", "shared"], help="time heuristic candidates instead of the sweep")
     args = parser.parse_args(argv)
-    if args.check:
+    if args.replot:
+        replot(args)
+    elif args.check:
         run_check(args)
     elif args.tune:
         run_tune(args)

@@ -264,6 +264,9 @@ FUSED_MAX_COLS = 32768
 # With 32 elements a thread (so 4 warps for a 4096 tile) this gave the best
 # fp32 mix on the H100: 0.96 / 2.14 / 2.63 / 2.80 TB/s at N = 256 / 1024 / 4096 / 16384.
 FUSED_TILE_ELEMS = 4096
+# Rows of at most FUSED_SHORT_MAX_COLS take smaller tiles (more programs, more loads in flight,
+# and the kernel is latency-bound there): measured in softmax_short_rows_tune.log (`--tune short`).
+FUSED_SHORT_MAX_COLS, FUSED_SHORT_TILE_ELEMS = 512, 1024
 # Elements a thread of the fused kernel holds; sets num_warps from the tile size.
 FUSED_ELEMS_PER_THREAD = 32
 # Tiles wider than this get one program each instead of a persistent grid. H100, M = 4096, GB/s
@@ -357,7 +360,8 @@ def plan_softmax(
                 f"(longer ones only on a GPU, across programs), got {n_cols}; use algorithm='online' or 'auto'"
             )
         bn = triton.next_power_of_2(n_cols)
-        bm = max(1, min(FUSED_TILE_ELEMS // bn, triton.next_power_of_2(n_rows)))
+        tile = FUSED_SHORT_TILE_ELEMS if bn <= FUSED_SHORT_MAX_COLS else FUSED_TILE_ELEMS
+        bm = max(1, min(tile // bn, triton.next_power_of_2(n_rows)))
         warps = min(16, max(4, bm * bn // (32 * FUSED_ELEMS_PER_THREAD)))
         return SoftmaxPlan("fused", bm, bn, warps)
 
