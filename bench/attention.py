@@ -6,7 +6,9 @@ H = 16 heads, D in {64, 128}, L from 512 to 131072 and B = max(1, 16384 // L)
 ``4·B·H·Lq·Lk·D`` (two matmuls), halved for causal (``attention_flops``). The
 ceiling is the dense bf16 matmul throughput measured in the same run
 (``common.matmul_tflops``). Peak memory is the memory a call allocates beyond
-its inputs, for flashlite, SDPA flash and the naive chain. Modes:
+its inputs, for flashlite, SDPA flash and the naive chain. ``flashlite_graph`` is
+flashlite's call replayed from a CUDA graph: its device time alone, which short
+calls exceed when the host's launch cost shows. Modes:
 
     python bench/attention.py            # full sweep -> bench/results/<gpu>/attention.{json,md,png}
     python bench/attention.py --quick    # L in {1024, 8192} only
@@ -37,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 fa = importlib.import_module("flashlite.attention")  # the module; flash_attention is its public function
 fw = importlib.import_module("flashlite.attention_wgmma")
 from common import (  # noqa: E402
-    environment, markdown_table, matmul_tflops, plot_lines, poison_allocator, results_dir, tflops, time_ms,
-    write_results,
+    environment, graph_time_ms, markdown_table, matmul_tflops, plot_lines, poison_allocator, results_dir, tflops,
+    time_ms, write_results,
 )
 
 HEADS = 16
@@ -141,6 +143,10 @@ def measure(length: int, head_dim: int, causal: bool, ceiling: float) -> dict:
     row = {"D": head_dim, "causal": causal, "L": length, "B": batch}
     for name, fn in providers(causal).items():
         row[name] = tflops(flops, measure_ms(lambda: fn(q, k, v)))
+    try:  # the same call replayed from a CUDA graph: its device time, without the host's launch cost
+        row["flashlite_graph"] = tflops(flops, graph_time_ms(lambda: fa.flash_attention(q, k, v, causal=causal)))
+    except (torch.OutOfMemoryError, RuntimeError):
+        row["flashlite_graph"] = None
     mine = row["flashlite"]
     row["frac_matmul"] = mine / ceiling if mine else None
     for peer in PEERS:
@@ -191,7 +197,7 @@ def run_bench(args) -> None:
                 row = measure(length, head_dim, causal, ceiling)
                 rows.append(row)
                 print(f"D={head_dim} causal={causal!s:5} L={length:6}: " + "  ".join(
-                    f"{n} {row[n]:.0f}" if row[n] else f"{n} —" for n in ("flashlite", "flashlite_tl") + PEERS)
+                    f"{n} {row[n]:.0f}" if row[n] else f"{n} —" for n in ("flashlite", "flashlite_graph", "flashlite_tl") + PEERS)
                     + f"  ({time.time() - t0:.0f}s)", flush=True)
     memory = [measure_memory(length, 128) for length in lengths]
     print(markdown_table(memory, list(memory[0])))
@@ -199,14 +205,15 @@ def run_bench(args) -> None:
     out = results_dir(args.out)
     meta = environment() | {"matmul_tflops_bf16": ceiling, "heads": HEADS, "tokens_per_batch": TOKENS,
                             "dtype": "bfloat16", "flops": "4·B·H·L²·D, halved for causal"}
-    cols = ["D", "causal", "L", "B", "flashlite", "flashlite_tl", *PEERS, "frac_matmul", *(f"x_{p}" for p in PEERS)]
+    cols = ["D", "causal", "L", "B", "flashlite", "flashlite_graph", "flashlite_tl", *PEERS, "frac_matmul",
+            *(f"x_{p}" for p in PEERS)]
     write_results("attention", out, meta, rows, cols, "Attention forward, TFLOP/s (bf16, H = 16)")
     _append_memory(out, memory)
     panels = []
     for head_dim in args.head_dims:
         for causal in (False, True):
             sel = [r for r in rows if r["D"] == head_dim and r["causal"] == causal]
-            series = {n: [r[n] for r in sel] for n in ("flashlite", "flashlite_tl") + PEERS}
+            series = {n: [r[n] for r in sel] for n in ("flashlite", "flashlite_graph", "flashlite_tl") + PEERS}
             series["matmul (ceiling)"] = [ceiling for _ in sel]
             panels.append((f"attention fwd, D={head_dim}, causal={causal}", [r["L"] for r in sel], series, "TFLOP/s"))
     panels.append(("peak memory beyond inputs, D=128, non-causal", [r["L"] for r in memory],
