@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_float_dtype, check_scale, device_info, is_compiling, launch, launch_persistent, runs_kernels
+from ._runtime import check_float_dtype, check_scale, is_compiling, launch_persistent, runs_kernels
 from .masking import apply_masks, broadcast_mask, causal_key_end
 from .online_softmax import (
     LOG2E,
@@ -79,6 +79,7 @@ from .softmax import (
     _tile_rows,
     _work_item,
     as_rows,
+    launch_online,
     plan_softmax,
 )
 
@@ -329,20 +330,6 @@ def _plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str, bloc
     return plan_softmax(n_rows, seqlen_k, device, algorithm, block_n, n_splits)
 
 
-def _launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device: torch.device, args: tuple, **flags) -> None:
-    """The online regime's launches: one over whole rows, or partials then final when rows are split.
-
-    Any grid is correct (the kernels loop over their work items); this one fills
-    the device, as plain softmax's online launcher does.
-    """
-    info = device_info(device)
-    grid = (max(1, min(n_rows * plan.n_splits, info.num_sms * (info.max_warps_per_sm // plan.num_warps))),)
-    passes = (BOTH_PASSES,) if plan.n_splits == 1 else (PARTIAL_PASS, FINAL_PASS)
-    for pass_ in passes:
-        launch(kernel, grid, args, PASS=pass_.value, BLOCK_M=1, BLOCK_N=plan.block_n,
-               SPLITS_POW2=triton.next_power_of_2(plan.n_splits), num_warps=plan.num_warps, **flags)
-
-
 def _launch_forward(
     x: torch.Tensor, mask: torch.Tensor | None, y: torch.Tensor, sizes: list[int], sx: list[int], sm: list[int],
     scale: float, causal: bool, algorithm: str, block_n: int | None, n_splits: int | None,
@@ -366,7 +353,7 @@ def _launch_forward(
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
         )
     else:
-        _launch_online(_masked_softmax_fwd_kernel, plan, n_rows, x.device, args, IS_CAUSAL=causal)
+        launch_online(_masked_softmax_fwd_kernel, plan, n_rows, x.device, args, BLOCK_M=1, IS_CAUSAL=causal)
 
 
 def masked_softmax_forward(
@@ -415,7 +402,7 @@ def masked_softmax_backward(
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
         )
     else:
-        _launch_online(_masked_softmax_bwd_kernel, plan, n_rows, y2d.device, args, IS_CAUSAL=causal)
+        launch_online(_masked_softmax_bwd_kernel, plan, n_rows, y2d.device, args, BLOCK_M=1, IS_CAUSAL=causal)
     return dx
 
 

@@ -377,17 +377,20 @@ def plan_softmax(
     return SoftmaxPlan("online", 1, bn, warps, n_splits, cols_per_split)
 
 
-def _launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device, args, **flags) -> None:
-    """Run an online kernel's passes: one launch, or partials then final when rows are split."""
+def launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device: torch.device, args: tuple, **meta) -> None:
+    """Run an online kernel's passes: one launch over whole rows, or partials then final when rows are split.
+
+    The grid fills the device; any grid is correct (the kernels loop over their
+    work items). ``meta``: the kernel's own constexprs besides ``PASS``,
+    ``BLOCK_N`` and ``SPLITS_POW2``. The masked softmax's kernels run here too.
+    """
     info = device_info(device)
-    n_items = n_rows * plan.n_splits
-    grid = (max(1, min(n_items, info.num_sms * (info.max_warps_per_sm // plan.num_warps))),)
-    meta = dict(BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits),
-                NUM_STAGES=ONLINE_NUM_STAGES, num_warps=plan.num_warps)
+    grid = (max(1, min(n_rows * plan.n_splits, info.num_sms * (info.max_warps_per_sm // plan.num_warps))),)
     # With split rows every chunk is its own program; the second launch walks them backwards (see the kernel).
     passes = (BOTH_PASSES,) if plan.n_splits == 1 else (PARTIAL_PASS, FINAL_PASS)
     for pass_ in passes:
-        launch(kernel, grid, args, PASS=pass_.value, **meta, **flags)
+        launch(kernel, grid, args, PASS=pass_.value, BLOCK_N=plan.block_n,
+               SPLITS_POW2=triton.next_power_of_2(plan.n_splits), num_warps=plan.num_warps, **meta)
 
 
 # Programs of the shared-row kernel resident at once on a device, per compiled configuration.
@@ -454,8 +457,8 @@ def softmax_forward(
         part_d = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x2d.device) if split else None
         args = (x2d, y_arg, lse_arg, part_m, part_d, n_rows, n_cols, plan.n_splits, plan.cols_per_split,
                 x2d.stride(0), x2d.stride(1), n_cols)
-        _launch_online(_softmax_online_kernel, plan, n_rows, x2d.device, args,
-                       WRITE_Y=write_y, WRITE_LSE=write_lse)
+        launch_online(_softmax_online_kernel, plan, n_rows, x2d.device, args,
+                      NUM_STAGES=ONLINE_NUM_STAGES, WRITE_Y=write_y, WRITE_LSE=write_lse)
     return y, lse
 
 
@@ -476,7 +479,7 @@ def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtyp
     else:
         partials = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=y2d.device) if plan.n_splits > 1 else None
         args = (y2d, dy2d, dx, partials, n_rows, n_cols, plan.n_splits, plan.cols_per_split, *strides)
-        _launch_online(_softmax_bwd_online_kernel, plan, n_rows, y2d.device, args)
+        launch_online(_softmax_bwd_online_kernel, plan, n_rows, y2d.device, args, NUM_STAGES=ONLINE_NUM_STAGES)
     return dx
 
 
@@ -525,10 +528,17 @@ def from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
     return rows.view(like.movedim(dim, -1).shape).movedim(-1, dim)
 
 
+def _softmax_as_rows(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm: str) -> tuple:
+    """``(y2d, plan)``: the softmax of ``x`` viewed as rows along ``dim``, and the plan it ran with."""
+    x2d = as_rows(x, dim)
+    plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm, shared_rows=x.dtype)
+    y2d, _ = softmax_forward(x2d, out_dtype, plan)
+    return y2d, plan
+
+
 def softmax_rows(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm: str = "auto") -> torch.Tensor:
     """Softmax of checked, non-empty ``x`` along ``dim`` (made non-negative) on the kernels, without autograd."""
-    x2d = as_rows(x, dim)
-    y2d, _ = softmax_forward(x2d, out_dtype, plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm, shared_rows=x.dtype))
+    y2d, _ = _softmax_as_rows(x, dim, out_dtype, algorithm)
     return from_rows(y2d, x, dim)
 
 
@@ -551,9 +561,7 @@ def logsumexp_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
 class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, algorithm: str, out_dtype: torch.dtype) -> torch.Tensor:
-        x2d = as_rows(x, dim)
-        plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm, shared_rows=x.dtype)
-        y2d, _ = softmax_forward(x2d, out_dtype, plan)
+        y2d, plan = _softmax_as_rows(x, dim, out_dtype, algorithm)
         ctx.save_for_backward(y2d)
         ctx.dim, ctx.plan, ctx.x_dtype, ctx.x_shape = dim, plan, x.dtype, x.shape
         return from_rows(y2d, x, dim)
