@@ -12,6 +12,7 @@ import itertools
 from types import SimpleNamespace
 
 import torch
+import triton
 from triton._C.libtriton import native_specialize_impl
 
 try:
@@ -50,15 +51,20 @@ def test_signature_is_finer_than_tritons_specialization():
 
 
 class _Compiled:
-    """Stands in for a CompiledKernel: records launches made on it directly."""
+    """Stands in for a loaded CompiledKernel: records launches made on it directly or through its hooks' path."""
 
-    function = object()
+    function, packed_metadata = object(), object()
 
     def __init__(self, log):
         self.log = log
 
+    def run(self, grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter, exit_, *args):
+        assert (stream, function, packed_metadata) == ("stream", self.function, self.packed_metadata)
+        assert launch_metadata is enter is exit_ is None  # no hook registered: none called
+        self.log.append(("direct", (grid_x, grid_y, grid_z), args))
+
     def __getitem__(self, grid):
-        return lambda *args: self.log.append(("direct", grid, args))
+        return lambda *args: self.log.append(("hooked", grid, args))
 
 
 class _Kernel:
@@ -78,9 +84,14 @@ class _Kernel:
         return run
 
 
-def test_launch_compiles_once_per_signature(monkeypatch):
+def _stand_in_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_runtime, "_current_stream", lambda device: "stream")
     monkeypatch.setattr(_runtime, "_COMPILED", {})
+
+
+def test_launch_compiles_once_per_signature(monkeypatch):
+    _stand_in_device(monkeypatch)
     kernel = _Kernel()
     x = torch.randn(64)
     x_aligned_view = x[16:]
@@ -101,6 +112,23 @@ def test_launch_compiles_once_per_signature(monkeypatch):
     _, grid, args = kernel.log[8]
     assert grid == (3, 1, 1) and args[0] is x and args[1:] == (80, 0.5, 16, False)
     assert kernel.log[0] == ("jit", (4,), (x, 32, 0.5), {"BLOCK": 16, "num_warps": 4})
+
+
+def test_launch_hooks_still_called(monkeypatch):
+    """With a launch hook registered (a profiler), reused kernels launch the way Triton does, hooks and all."""
+    _stand_in_device(monkeypatch)
+    kernel = _Kernel()
+    x = torch.randn(64)
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(2):
+            _runtime.launch(kernel, (4,), (x, 32, 0.5), BLOCK=16)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    _runtime.launch(kernel, (4,), (x, 32, 0.5), BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["jit", "hooked", "direct"]
+    assert kernel.log[1][1:] == ((4, 1, 1), (x, 32, 0.5, 16, True))
 
 
 def test_interpreter_functions_take_tritons_path():
