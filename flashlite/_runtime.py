@@ -120,22 +120,33 @@ def occupancy(compiled, num_warps: int, info: DeviceInfo) -> int | None:
 _COMPILED: dict = {}
 
 
+class _Unmodeled(Exception):
+    """An argument ``_specialization`` has no key for: its launch goes through Triton, uncached."""
+
+
 def _specialization(arg) -> object:
     """A key for what Triton reads off one runtime argument when it specializes a kernel, finer than Triton's own.
 
     Ints: == 1 (becomes a constant), divisible by 16, 32-bit, below 2^63 (unsigned past it); tensors:
     dtype and 16-byte alignment of the address; TMA descriptors: type, dtype, box, layout and padding;
-    anything else (None, bool, float): its type.
+    ``tl.constexpr`` values (compiled in): the value; tuples: their items'; None, bool, float: the type.
+    Anything else (int or float subclasses, numpy scalars, ...) raises ``_Unmodeled``.
     """
     kind = type(arg)
     if kind is int:
         return (arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63)
-    if kind is torch.Tensor or isinstance(arg, torch.Tensor):
+    if kind is float or kind is bool or arg is None:
+        return kind
+    if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if kind is tuple:
+        return (tuple, *map(_specialization, arg))
+    if isinstance(arg, triton.language.constexpr):
+        return (kind, type(arg.value), arg.value)
     block_shape = getattr(arg, "block_shape", None)
-    if block_shape is not None:
+    if block_shape is not None and hasattr(arg, "base"):
         return (kind, arg.base.dtype, tuple(block_shape), getattr(arg, "layout", None), getattr(arg, "padding", None))
-    return kind
+    raise _Unmodeled(kind)
 
 
 def launch(kernel, grid: tuple, args: tuple, **options):
@@ -146,13 +157,20 @@ def launch(kernel, grid: tuple, args: tuple, **options):
     calls. Here the first launch of a signature (the kernel, the device, ``options``, and each
     argument's ``_specialization``, which tells apart every pair of argument lists Triton
     compiles apart) goes through Triton and keeps the compiled kernel; later launches of that
-    signature hand the arguments straight to it, through ``_launch_compiled``. The interpreter
-    (no compiled kernels) always takes Triton's path.
+    signature hand the arguments straight to it, through ``_launch_compiled``. Triton's path,
+    uncached, serves the rest: the interpreter (no compiled kernels), kernels wrapped in
+    ``triton.heuristics`` or ``triton.autotune`` (their constexprs are computed per call),
+    and arguments ``_specialization`` does not model. Option values are compared by ``==``
+    (pass each option with one type), and the kernel's globals and Triton's debug knobs are
+    read at its first launch only.
     """
-    if not hasattr(kernel, "device_caches"):  # the interpreter's function
+    if not hasattr(kernel, "device_caches"):  # the interpreter's function, or a heuristics/autotune wrapper
         return kernel[grid](*args, **options)
     device = torch.cuda.current_device()
-    key = (kernel, device, *options.items(), *map(_specialization, args))
+    try:
+        key = (kernel, device, *options.items(), *map(_specialization, args))
+    except _Unmodeled:
+        return kernel[grid](*args, **options)
     entry = _COMPILED.get(key)
     if entry is not None:
         compiled, trailing = entry

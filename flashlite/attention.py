@@ -520,6 +520,7 @@ def attention_forward(
 
     bh = batch * n_heads
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+    # The scale goes in as a float (LOG2E.value, not the constexpr LOG2E): a runtime argument, one kernel for any scale.
     args = (
         q, k, v, o, lse if lse is not None else o, mask, q_desc, k_desc, v_desc,
         q.stride(0), q.stride(1), q.stride(2),
@@ -528,7 +529,7 @@ def attention_forward(
         o.stride(0), o.stride(1), o.stride(2),
         *mask_strides,
         n_heads, n_heads // k.shape[1], bh,
-        seqlen_q, seqlen_k, head_dim, scale * LOG2E, triton.next_power_of_2(seqlen_k), _mask_layout(mask),
+        seqlen_q, seqlen_k, head_dim, scale * LOG2E.value, triton.next_power_of_2(seqlen_k), _mask_layout(mask),
     )
     meta = dict(
         HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, WRITE_LSE=write_lse,

@@ -504,7 +504,7 @@ def attention_backward(
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    qk_scale = scale * LOG2E  # the forward's: log2(e) folded into the scale
+    qk_scale = scale * LOG2E.value  # the forward's: log2(e) folded into the scale (a float: one kernel for any scale)
     q_scaled = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     launch(
         _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, DELTA_BLOCK_M) * bh,),

@@ -489,5 +489,5 @@ def attention_forward_wgmma(
     grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
     kernel, meta = kernel_for(config, head_dim, causal, write_lse)
     launch(kernel, grid, (*descs, lse if lse is not None else o, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k,
-                          scale * LOG2E), **meta)
+                          scale * LOG2E.value), **meta)
     return o, lse

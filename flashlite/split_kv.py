@@ -367,7 +367,7 @@ def split_kv_forward(
         *(mask.stride() if mask is not None else (0, 0, 0, 0)),
         cache_seqlens.stride(0) if cache_seqlens is not None else 0,
         n_heads, n_heads // k.shape[1], pack, n_heads // pack, num_splits, n_out_rows,
-        seqlen_q, seqlen_k, head_dim, scale * LOG2E),
+        seqlen_q, seqlen_k, head_dim, scale * LOG2E.value),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM_PADDED=hd_pad,
         IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

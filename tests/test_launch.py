@@ -2,17 +2,22 @@
 
 The reuse is only right if two argument lists with the same signature are ones
 Triton compiles to the same kernel. The first test checks that against Triton's
-own specialization (its native function, the one its JIT calls); the second runs
+own specialization (its native function, the one its JIT calls); the others run
 ``launch``'s bookkeeping on a stand-in kernel (the interpreter compiles nothing,
 so the real reuse runs on the GPU only: bench/attention.py --check and
-bench/softmax.py --check go through it).
+bench/softmax.py --check go through it; kernels wrapped in ``triton.heuristics``
+take Triton's path).
 """
 
+import enum
 import itertools
 from types import SimpleNamespace
 
+import pytest
+
 import torch
 import triton
+import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
 
 try:
@@ -22,6 +27,7 @@ except ImportError:  # older layout
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _runtime
+from flashlite.online_softmax import LOG2E
 
 
 def _tritons_specialization(arg):
@@ -34,11 +40,15 @@ def test_signature_is_finer_than_tritons_specialization():
             2**32, 2**63 - 16, 2**63, 2**63 + 16, 2**64 - 16]
     base = torch.randn(64)
     tensors = [base, base[1:], base[4:], base[16:], base.to(torch.bfloat16), base.to(torch.bfloat16)[8:],
-               base.to(torch.bfloat16)[1:], base.to(torch.float16), torch.arange(8)]
+               base.to(torch.bfloat16)[1:], base.to(torch.float16), torch.arange(8), torch.nn.Parameter(base)]
     matrix = torch.randn(8, 64)
     descriptors = [TensorDescriptor(t, [8, 64], [64, 1], box) for t in (matrix, matrix.to(torch.bfloat16))
                    for box in ([2, 64], [4, 64], [4, 32])]
-    pool = ints + tensors + descriptors + [None, True, False, 0.5, -3.0]
+    # tl.constexpr values are compiled in: a scale passed as one (0.5 * LOG2E) must never reuse another's kernel
+    constants = [tl.constexpr(0.5) * LOG2E, tl.constexpr(0.25) * LOG2E, tl.constexpr(16), tl.constexpr(17),
+                 tl.constexpr(True), tl.constexpr(1), tl.constexpr(None)]
+    tuples = [(16, 17), (17, 16), (1, base), (1, base[1:]), (0.5, None)]
+    pool = ints + tensors + descriptors + constants + tuples + [None, True, False, 0.5, -3.0, 0.25]
     keyed = [(_runtime._specialization(a), _tritons_specialization(a)) for a in pool]
     same_key = 0
     for (key_a, spec_a), (key_b, spec_b) in itertools.combinations(keyed, 2):
@@ -46,8 +56,20 @@ def test_signature_is_finer_than_tritons_specialization():
             same_key += 1
             assert spec_a == spec_b, (key_a, spec_a, spec_b)
     assert same_key > 10  # the pool does have arguments that share a signature
-    # and it tells apart what Triton tells apart (1 is a constant, 16 aligned, 2^31 is 64-bit, ...)
-    assert len({k for k, _ in keyed}) >= len({s for _, s in keyed})
+
+
+def test_unmodeled_arguments_are_not_cached(monkeypatch):
+    """Arguments the signature has no rule for (int and float subclasses) launch through Triton every time."""
+    _stand_in_device(monkeypatch)
+    kernel = _Kernel()
+    scale = type("Scale", (float,), {})
+    for n in (enum.IntEnum("Size", {"SMALL": 32}).SMALL, scale(0.5)):
+        with pytest.raises(_runtime._Unmodeled):
+            _runtime._specialization(n)
+        for _ in range(2):
+            _runtime.launch(kernel, (4,), (torch.randn(64), n, 0.5), BLOCK=16)
+    assert [entry[0] for entry in kernel.log] == ["jit"] * 4
+    assert not _runtime._COMPILED
 
 
 class _Compiled:
