@@ -14,7 +14,6 @@ import itertools
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 import triton
 import triton.language as tl
