@@ -161,7 +161,9 @@ def run_check(args) -> None:
         print(f"{'ok ' if ok else 'BAD'} {name}: max err {err:.2e} (tol {tol:.0e})", flush=True)
 
     tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
-    shapes = [(1, 1), (37, 100), (4096, 257), (3, 16384), (5, 16385), (7, 100_003), (2, 3_000_000), (1, 1 << 24)]
+    # (1, 1 << 24) and (3, 5_000_001): longer than the resident programs hold, each part streams a head twice
+    shapes = [(1, 1), (37, 100), (4096, 257), (3, 16384), (5, 16385), (7, 100_003), (2, 3_000_000), (1, 1 << 24),
+              (3, 5_000_001)]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for shape in shapes:
             x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
@@ -201,17 +203,26 @@ def run_check(args) -> None:
         x = wide[:, :100_003]  # row stride 150000
         report(f"shared rows, strided view {dtype}",
                (flashlite.softmax(x).double() - torch.softmax(x.double(), -1)).abs().max().item(), tol[dtype])
-        x = torch.randn(16, 1 << 20, device="cuda", dtype=dtype)
-        first = flashlite.softmax(x)
-        repeats_differ = sum(not torch.equal(flashlite.softmax(x), first) for _ in range(20))
-        report(f"shared rows, 20 repeats bit-identical {dtype} ({repeats_differ} differ)", float(repeats_differ), 0)
+        # Rows longer than the resident programs hold (heads streamed twice): empty heads, the maximum at the end.
+        x = torch.randn(2, 9_000_000, device="cuda", dtype=dtype) * 3
+        x[0, :4_000_000] = float("-inf")
+        x[1, 8_999_000] = 40.0
+        poison_allocator()
+        report(f"shared rows with heads, special rows {dtype} ({_fused_plan(x).head_cols} head columns a part)",
+               (flashlite.softmax(x).double() - torch.softmax(x.double(), -1)).abs().max().item(), tol[dtype])
+        for shape in ((16, 1 << 20), (1, 1 << 24)):
+            x = torch.randn(*shape, device="cuda", dtype=dtype)
+            first = flashlite.softmax(x)
+            repeats_differ = sum(not torch.equal(flashlite.softmax(x), first) for _ in range(20))
+            report(f"shared rows {shape}, 20 repeats bit-identical {dtype} ({repeats_differ} differ)", float(repeats_differ), 0)
         del x, y, ref, wide, first
         torch.cuda.empty_cache()
     x = torch.randn(8, 9, 300, device="cuda")
     for dim in range(3):
         report(f"dim {dim}", (flashlite.softmax(x, dim=dim) - torch.softmax(x, dim)).abs().max().item(), 2e-6)
     # More than 2^31 elements: 64-bit offsets, checked on the last rows (one program a row, then shared rows).
-    for shape in ((2**31 // 8192 + 1, 8192), (2**31 // 32768 + 1, 32768), (2**31 // 65536 + 1, 65536)):
+    for shape in ((2**31 // 8192 + 1, 8192), (2**31 // 32768 + 1, 32768), (2**31 // 65536 + 1, 65536),
+                  (2**31 // 2**24 + 1, 2**24)):
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
         y = flashlite.softmax(x)
         tail = torch.softmax(x[-3:].double(), -1)
@@ -303,26 +314,31 @@ def run_tune(args) -> None:
             print(f"  {str(dtype)[6:]:9} 4096 x {n:<6} " + "  ".join(line), flush=True)
             del x
     fs.FUSED_PERSISTENT_MAX_COLS = saved_max
-    print("shared rows: columns a program/warps/prefetch -> GB/s (fallback: the row did not fit resident programs)")
-    saved = dict(fs.SHARED_TILES)
+    print("shared rows: prefetch of the next part into L2 (none, L2), head stages -> GB/s do_bench / CUDA graph")
+    saved = dict(fs.SHARED_TILES), fs.SHARED_HEAD_NUM_STAGES
+    modes = {"none": fs.PREFETCH_NONE, "L2": fs.PREFETCH_L2}
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "shared") else ():
-        for shape in ((4096, 65536), (128, 1 << 17), (16, 1 << 20), (8, 1 << 21), (4, 1 << 22)):
+        for shape in ((4096, 65536),) + tuple(LONG_ROWS):
             x = torch.randn(*shape, device="cuda", dtype=dtype)
             nbytes = softmax_bytes(x)
             line = [f"online:{gbs(nbytes, time_ms(lambda: flashlite.softmax(x, algorithm='online'))):.0f}"]
-            for cols, warps in ((8192, 4), (16384, 4), (16384, 8), (32768, 16)):
-                for prefetch in (False, True):
-                    fs.SHARED_TILES[x.element_size()] = (cols, warps, prefetch)
+            cols, warps, per_sm, _ = saved[0][x.element_size()]
+            for name, prefetch in modes.items():
+                for stages in (1, 2):
+                    fs.SHARED_TILES[x.element_size()] = (cols, warps, per_sm, prefetch)
+                    fs.SHARED_HEAD_NUM_STAGES = stages
                     fs.plan_softmax.cache_clear()
                     plan = _fused_plan(x)
-                    flashlite.softmax(x)
-                    resident = max((n for k, n in fs._RESIDENT_PROGRAMS.items() if k[0] == plan), default=0)
-                    fits = plan.algorithm == "fused" and plan.n_splits <= resident
-                    speed = f"{gbs(nbytes, time_ms(lambda: flashlite.softmax(x))):.0f}" if fits else "fallback"
-                    line.append(f"{cols}/{warps}{'/prefetch' if prefetch else ''}:{speed}")
+                    if stages > 1 and not plan.head_cols:
+                        continue  # no head: the stages change nothing
+                    fn = lambda: flashlite.softmax(x)  # noqa: E731
+                    fn()
+                    label = f"{name}{f'/head {stages} stages' if plan.head_cols else ''}"
+                    line.append(f"{label}:{gbs(nbytes, time_ms(fn)):.0f}/{gbs(nbytes, graph_time_ms(fn)):.0f}")
             print(f"  {str(dtype)[6:]:9} {str(shape):16} " + "  ".join(line), flush=True)
             del x
-    fs.SHARED_TILES.update(saved)
+    fs.SHARED_TILES.update(saved[0])
+    fs.SHARED_HEAD_NUM_STAGES = saved[1]
     fs.plan_softmax.cache_clear()
     print("host cost per call (us), 4096 x 256 fp32:")
     x = torch.randn(4096, 256, device="cuda")

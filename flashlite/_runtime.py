@@ -149,6 +149,12 @@ def _specialization(arg) -> object:
     raise _Unmodeled(kind)
 
 
+def signature_key(args: tuple) -> tuple:
+    """What Triton compiles a kernel apart for in ``args`` (see ``_specialization``): a cache key for
+    facts read off a compiled kernel, such as how many of its programs stay resident."""
+    return tuple(map(_specialization, args))
+
+
 def launch(kernel, grid: tuple, args: tuple, **options):
     """``kernel[grid](*args, **options)``, returning the compiled kernel, at less host cost on CUDA.
 

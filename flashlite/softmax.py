@@ -11,7 +11,10 @@
   ``(m, d)`` of its part, waits until the row's other parts have published
   theirs (``online_softmax.share_partial_states``), merges them, and normalises
   the part it still holds. Waiting needs all of a row's programs resident, so
-  the launch is cooperative and sized from the compiled kernel.
+  the launch is cooperative and sized from the compiled kernel. A row longer
+  than the resident programs hold is still shared by them: each part first
+  streams a head (loaded with ``evict_last``), holds the rest on chip, and
+  re-reads the head from L2 once the row's state is known.
 * **online**: a row is streamed in blocks of ``BLOCK_N``. Pass 1 folds the
   blocks into running states ``(m, d)``, one per lane, with the core's
   ``online_update_lanes`` (no reduction inside the loop), then merges the lanes;
@@ -40,7 +43,7 @@ import triton.language as tl
 
 from ._runtime import (
     check_float_dtype, cooperative_launch_supported, device_info, is_compiling, launch, launch_persistent, occupancy,
-    runs_kernels,
+    runs_kernels, signature_key,
 )
 from .online_softmax import (
     LOG2E,
@@ -75,6 +78,26 @@ def _load_tile(x_ptr, tile, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M:
     return tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=ok, other=float("-inf"))
 
 
+# What a program of a shared row fetches of its next part before waiting for the other parts of this one.
+PREFETCH_NONE = tl.constexpr(0)
+PREFETCH_L2 = tl.constexpr(1)  # the next part's columns into L2: no registers held
+# Bytes of one L2 sector, what a prefetch fetches at least.
+L2_SECTOR_BYTES = tl.constexpr(32)
+
+
+@triton.jit
+def _prefetch_to_l2(row_ptr, start, n_cols, stride_xn, COLS: tl.constexpr):
+    """Ask L2 to fetch columns ``[start, start + COLS)`` of a row (cut at ``n_cols``): no registers, no wait.
+
+    One ``prefetch.global.L2`` a sector, issued and forgotten, so a later load of
+    those columns finds them in L2. GPU only (inline PTX; the interpreter has none).
+    """
+    SECTOR_COLS: tl.constexpr = L2_SECTOR_BYTES * 8 // row_ptr.dtype.element_ty.primitive_bitwidth
+    cols = tl.minimum(start + tl.arange(0, COLS // SECTOR_COLS) * SECTOR_COLS, n_cols - 1)
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [row_ptr + cols * stride_xn],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
 # Pass numbers of the online kernels.
 BOTH_PASSES = tl.constexpr(0)  # one program owns a whole row: statistics, then normalise
 PARTIAL_PASS = tl.constexpr(1)  # split rows, first launch: each program publishes the partial of its chunk
@@ -102,49 +125,86 @@ def _work_item(item, n_items, n_splits, cols_per_split, n_cols, PASS: tl.constex
 
 @triton.jit
 def _softmax_fused_kernel(
-    x_ptr, y_ptr, lse_ptr, state_ptr,
-    n_rows, n_cols, n_splits,
+    x_ptr, y_ptr, lse_ptr,
+    n_rows, n_cols,
     stride_xm, stride_xn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, SHARED_ROWS: tl.constexpr,
-    PREFETCH: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    if SHARED_ROWS:
-        # n_splits resident programs hold a row between them, BLOCK_N columns each; programs
-        # pid = k * n_splits + split take the rows k, k + rows_at_once, ... (the grid is a multiple of n_splits).
-        split = tl.program_id(0) % n_splits
-        first_tile = tl.program_id(0) // n_splits
-        tile_step = tl.num_programs(0) // n_splits
-    else:
-        split = 0
-        first_tile = tl.program_id(0)
-        tile_step = tl.num_programs(0)
-    cols = split * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N)
     col_ok = cols < n_cols
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
-    if PREFETCH:  # the next tile's load is in flight while this one waits for the other parts
-        x_next = _load_tile(x_ptr, first_tile, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M)
-    for tile in tl.range(first_tile, n_tiles, tile_step):
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         rows = _tile_rows(tile, BLOCK_M)
         row_ok = rows < n_rows
-        ok = row_ok[:, None] & col_ok[None, :]
-        if PREFETCH:
-            x = x_next
-            x_next = _load_tile(x_ptr, tile + tile_step, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M)
-        else:
-            x = _load_tile(x_ptr, tile, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M)
+        x = _load_tile(x_ptr, tile, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M)
         m, d = empty_state(BLOCK_M)
         m, d, p, _ = online_update(m, d, x.to(tl.float32), LOG2E)
-        if SHARED_ROWS:
-            # p = e^(x - m_part) stays on chip while the parts meet; it then needs e^(m_part - m_row).
-            m_row, d = share_partial_states(state_ptr + rows * n_splits, split, n_splits, m, d, SPLITS_POW2, LOG2E)
-            p = p * rescale_factor(m, m_row, LOG2E)[:, None]
-            m = m_row
         if WRITE_LSE:
-            if split == 0:
-                tl.store(lse_ptr + rows, state_logsumexp(m, d, LOG2E), mask=row_ok)
+            tl.store(lse_ptr + rows, state_logsumexp(m, d, LOG2E), mask=row_ok)
         if WRITE_Y:
-            y = normalize(p, d, False)
-            tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+            ok = row_ok[:, None] & col_ok[None, :]
+            tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], normalize(p, d, False).to(y_ptr.dtype.element_ty),
+                     mask=ok)
+
+
+@triton.jit
+def _softmax_shared_rows_kernel(
+    x_ptr, y_ptr, lse_ptr, slot_ptr,
+    n_rows, n_cols, n_parts, head_cols,
+    stride_xm, stride_xn, stride_ym,
+    BLOCK_N: tl.constexpr, HEAD_BLOCK_N: tl.constexpr, PARTS_POW2: tl.constexpr,
+    HAS_HEAD: tl.constexpr, HEAD_NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVEN_COLS: tl.constexpr,
+    WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    # n_parts resident programs hold a row between them; program pid = k * n_parts + part takes part
+    # `part` of the rows k, k + rows_at_once, ... (the grid is a multiple of n_parts). A part is
+    # [head_cols streamed twice | BLOCK_N held in registers]: with head_cols = 4096 and BLOCK_N = 16384,
+    # part 2 is columns [40960, 45056) streamed, then [45056, 61440) on chip.
+    part = tl.program_id(0) % n_parts
+    row_step = tl.num_programs(0) // n_parts
+    part_start = part * (head_cols + BLOCK_N)  # columns fit 32 bits; rows times strides are 64-bit below
+    # Every tile is [1, COLS], the core's layout: offsets, data and stores share one register layout.
+    tail_cols = part_start + head_cols + tl.arange(0, BLOCK_N)[None, :]
+    tail_ok = (tail_cols < n_cols) | EVEN_COLS  # every part inside the row: the masks fold away
+    for row in tl.range(tl.program_id(0) // n_parts, n_rows, row_step):
+        row = tl.cast(row, tl.int64)
+        rows = row + tl.arange(0, 1)
+        x_row = x_ptr + row * stride_xm
+        if PREFETCH == PREFETCH_L2:  # the first BLOCK_N columns of the next row's part travel to L2
+            if row + row_step < n_rows:
+                _prefetch_to_l2(x_row + row_step * stride_xm, part_start, n_cols, stride_xn, BLOCK_N)
+        m_head, d_head = empty_state(1)
+        if HAS_HEAD:
+            # Lanes keep their own (m, d) over the head's blocks (no reduction in the loop), merged once.
+            # evict_last: the head is read again after the wait, from L2 if it is still there.
+            lane_m = tl.full([1, HEAD_BLOCK_N], float("-inf"), tl.float32)
+            lane_d = tl.zeros([1, HEAD_BLOCK_N], tl.float32)
+            for start in tl.range(part_start, part_start + head_cols, HEAD_BLOCK_N, num_stages=HEAD_NUM_STAGES):
+                cols = start + tl.arange(0, HEAD_BLOCK_N)[None, :]
+                x_head = tl.load(x_row + cols * stride_xn, mask=(cols < n_cols) | EVEN_COLS, other=float("-inf"),
+                                 eviction_policy="evict_last")
+                lane_m, lane_d = online_update_lanes(lane_m, lane_d, x_head.to(tl.float32), LOG2E)
+            m_head, d_head = merge_partial_states(lane_m, lane_d, LOG2E)
+        x = tl.load(x_row + tail_cols * stride_xn, mask=tail_ok, other=float("-inf"), eviction_policy="evict_first")
+        m_part, d_part, p, _ = online_update(m_head, d_head, x.to(tl.float32), LOG2E)
+        # p = e^(x - m_part) stays on chip while the parts meet; it then needs e^(m_part - m_row).
+        m_row, d_row = share_partial_states(slot_ptr + rows * n_parts, part, n_parts, m_part, d_part, PARTS_POW2, LOG2E)
+        if WRITE_LSE:
+            if part == 0:
+                tl.store(lse_ptr + rows, state_logsumexp(m_row, d_row, LOG2E))
+        if WRITE_Y:
+            y_row = y_ptr + row * stride_ym
+            y = normalize(p * rescale_factor(m_part, m_row, LOG2E)[:, None], d_row, False)
+            tl.store(y_row + tail_cols, y.to(y_ptr.dtype.element_ty), mask=tail_ok, eviction_policy="evict_first")
+            if HAS_HEAD:  # the head again, last block first (the likeliest still in L2)
+                n_blocks = head_cols // HEAD_BLOCK_N
+                for k in tl.range(0, n_blocks, num_stages=HEAD_NUM_STAGES):
+                    cols = part_start + (n_blocks - 1 - k) * HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
+                    col_ok = (cols < n_cols) | EVEN_COLS
+                    x_head = tl.load(x_row + cols * stride_xn, mask=col_ok, other=float("-inf"),
+                                     eviction_policy="evict_first")
+                    y_head = final_weights(x_head.to(tl.float32), m_row, d_row, LOG2E, False)
+                    tl.store(y_row + cols, y_head.to(y_ptr.dtype.element_ty), mask=col_ok, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -295,17 +355,27 @@ ONLINE_MIN_BLOCKS_PER_SPLIT = 4
 # Rows longer than FUSED_MAX_COLS can still be held on chip, by several programs at once that
 # trade partial states through memory and wait for each other (online_softmax.share_partial_states):
 # one read and one write, where the online path reads twice. All programs of a row must be
-# resident, so the launch is cooperative and a row has at most SHARED_PROGRAMS_PER_SM parts per
-# multiprocessor (the launcher checks the compiled kernel, and streams the rows if it holds fewer).
-# Tiles by input element size: (columns a program holds, warps, load the next row before waiting).
-# H100, GB/s at 4096 x 65536 / 128 x 128K / 16 x 1M / 8 x 2M / 4 x 4M, two runs (bench/results/h100/softmax_shared_tune.log):
-#   fp32  16384, 4 warps             run B 2659 / 2162 / 2055 / 1840 / 1802, run A 2657 / 2142 / 2044 / 1830 / 1786
-#                                    online path 2092 / 1776 / 1376 / 1365 / 1708 (B)
-#   bf16  32768, 16 warps, prefetch  run B 2399 / 1164 /  980 / 1152 /  963, run A 2390 / 1562 / 1583 / 1395 / 1411
-#                                    online path 1752 / 1364 /  824 /  905 /  724 (B)
-# fp32 prefetch cost occupancy and speed; no 16-bit tile was steady from run to run on long rows.
-SHARED_TILES = {4: (16384, 4, False), 2: (32768, 16, True)}
-SHARED_PROGRAMS_PER_SM = 2  # resident on an H100: 2 of the fp32 tile, 1 of the 16-bit one (the launcher's check binds)
+# resident, so the launch is cooperative, sized from the compiled kernel (the launcher streams
+# the rows instead if it holds fewer programs than a row has parts).
+# Tiles by input element size: (columns a program holds on chip, warps, programs resident per
+# multiprocessor, what a program fetches of its next part while the row's parts wait for each
+# other: nothing, or its first BLOCK_N columns into L2). H100, GB/s (do_bench),
+# bench/results/h100/softmax_shared_tune.log:
+#   4096 x 65536 / 128 x 128K / 16 x 1M / 4 x 4M      nothing                   into L2
+#   fp32  16384, 4 warps, 2 a multiprocessor     2722 / 2142 / 2020 / 1792   2457 / 2091 / 1858 / 1626
+#   bf16  32768, 16 warps, 1 a multiprocessor    2214 / 1504 / 1406 / 1292   2540 / 1072 / 1382 / 1299
+# (bf16 128 x 128K with L2 prefetch swings between runs: 1571 in another, 1597 from a CUDA graph here.)
+# fp32 runs two programs a multiprocessor at 255 registers: one's load already overlaps the other's
+# wait, and the prefetch lost speed there. The kernel before (commit 96f22c6) loaded each bf16
+# program's next part into registers instead: that log's notes give it against this one.
+SHARED_TILES = {4: (16384, 4, 2, PREFETCH_NONE), 2: (32768, 16, 1, PREFETCH_L2)}
+# A row longer than the resident programs hold (past 4.3M columns on an H100) is still taken in
+# one read of memory where L2 allows: every program streams a head of its part (blocks of
+# SHARED_HEAD_BLOCK_N, loaded with evict_last) before the BLOCK_N columns it holds, and reads the
+# head again, last block first, once the row's state is known. One stage: Triton's pipelined
+# loads (cp.async) drop the eviction hint. 1 x 16M, GB/s (same log): fp32 1741 (online path
+# 1364; 1722 with two stages), bf16 1432 (online 893; 1138 with two stages).
+SHARED_HEAD_BLOCK_N, SHARED_HEAD_NUM_STAGES = 4096, 1
 
 
 @dataclass(frozen=True)
@@ -316,9 +386,10 @@ class SoftmaxPlan:
     block_m: int
     block_n: int
     num_warps: int
-    n_splits: int = 1  # programs sharing one row: online chunks, or (fused) parts held on chip at once
+    n_splits: int = 1  # programs sharing one row: online chunks, or (fused) parts held at once
     cols_per_split: int = 0
-    prefetch: bool = False  # fused with shared rows: load the next row before waiting for the other parts
+    head_cols: int = 0  # fused with shared rows: columns of each part streamed twice before the block_n held
+    prefetch: int = 0  # fused with shared rows: PREFETCH_NONE or PREFETCH_L2 (the next part into L2)
 
 
 def shares_rows_on_chip(device: torch.device) -> bool:
@@ -346,11 +417,18 @@ def plan_softmax(
     """
     shared = shared_rows is not None and algorithm in ("auto", "fused") and shares_rows_on_chip(device)
     if n_cols > FUSED_MAX_COLS and shared:
-        tile_cols, warps, prefetch = SHARED_TILES[min(shared_rows.itemsize, 4)]
-        parts = triton.cdiv(n_cols, tile_cols)
-        if parts <= SHARED_PROGRAMS_PER_SM * device_info(device).num_sms:
+        tile_cols, warps, per_sm, prefetch = SHARED_TILES[min(shared_rows.itemsize, 4)]
+        prefetch = prefetch.value
+        programs = per_sm * device_info(device).num_sms
+        parts = n_splits or triton.cdiv(n_cols, tile_cols)
+        if parts <= programs and triton.cdiv(n_cols, parts) <= tile_cols:
             bn = triton.next_power_of_2(triton.cdiv(n_cols, parts))  # no wider than tile_cols
-            return SoftmaxPlan("fused", 1, bn, warps, triton.cdiv(n_cols, bn), bn, prefetch)
+            return SoftmaxPlan("fused", 1, bn, warps, triton.cdiv(n_cols, bn), bn, prefetch=prefetch)
+        # Longer than the resident programs hold on chip: each part also streams a head twice.
+        part_cols = triton.cdiv(triton.cdiv(n_cols, min(parts, programs)), SHARED_HEAD_BLOCK_N) * SHARED_HEAD_BLOCK_N
+        part_cols = max(part_cols, tile_cols)
+        return SoftmaxPlan("fused", 1, tile_cols, warps, triton.cdiv(n_cols, part_cols), part_cols, part_cols - tile_cols,
+                           prefetch)
     if algorithm == "auto":
         algorithm = "fused" if n_cols <= FUSED_MAX_COLS else "online"
     if algorithm == "fused":
@@ -401,7 +479,7 @@ def _launch_shared_rows(
     x2d: torch.Tensor, y_arg: torch.Tensor, lse_arg: torch.Tensor, out_dtype: torch.dtype, plan: SoftmaxPlan,
     write_y: bool, write_lse: bool,
 ) -> bool:
-    """Run the fused kernel with each row spread over ``plan.n_splits`` programs, cooperatively.
+    """Run the shared-row kernel, each row spread over ``plan.n_splits`` programs, cooperatively.
 
     The grid holds as many whole rows at once as the device keeps programs
     resident (read off the compiled kernel), and never more: a program waiting
@@ -413,18 +491,22 @@ def _launch_shared_rows(
     if not shares_rows_on_chip(device):  # the interpreter would run a row's programs one by one, each waiting
         return False
     slots = torch.zeros(n_rows * plan.n_splits, dtype=torch.int64, device=device)  # 0: not published
-    args = (x2d, y_arg, lse_arg, slots, n_rows, n_cols, plan.n_splits, x2d.stride(0), x2d.stride(1), n_cols)
-    meta = dict(BLOCK_M=1, BLOCK_N=plan.block_n, SPLITS_POW2=triton.next_power_of_2(plan.n_splits), SHARED_ROWS=True,
-                PREFETCH=plan.prefetch, WRITE_Y=write_y, WRITE_LSE=write_lse, num_warps=plan.num_warps)
-    key = (plan, x2d.dtype, out_dtype, write_y, write_lse, device)
+    args = (x2d, y_arg, lse_arg, slots, n_rows, n_cols, plan.n_splits, plan.head_cols, x2d.stride(0), x2d.stride(1),
+            n_cols)
+    meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=SHARED_HEAD_BLOCK_N, PARTS_POW2=triton.next_power_of_2(plan.n_splits),
+                HAS_HEAD=plan.head_cols > 0, HEAD_NUM_STAGES=SHARED_HEAD_NUM_STAGES, PREFETCH=plan.prefetch,
+                EVEN_COLS=n_cols == plan.n_splits * plan.cols_per_split, WRITE_Y=write_y, WRITE_LSE=write_lse, num_warps=plan.num_warps)
+    # Keyed by the arguments' specialization too: n_cols % 16, say, compiles another kernel, whose
+    # registers (and so residency) can differ; a grid larger than what stays resident fails to launch.
+    key = (*meta.items(), *signature_key(args), device)
     if key not in _RESIDENT_PROGRAMS:
         info = device_info(device)
-        compiled = _softmax_fused_kernel.warmup(*args, grid=(1,), launch_cooperative_grid=True, **meta)
+        compiled = _softmax_shared_rows_kernel.warmup(*args, grid=(1,), launch_cooperative_grid=True, **meta)
         _RESIDENT_PROGRAMS[key] = info.num_sms * (occupancy(compiled, plan.num_warps, info) or 1)
     if plan.n_splits > _RESIDENT_PROGRAMS[key]:
         return False
     rows_at_once = min(n_rows, _RESIDENT_PROGRAMS[key] // plan.n_splits)
-    launch(_softmax_fused_kernel, (rows_at_once * plan.n_splits,), args, launch_cooperative_grid=True, **meta)
+    launch(_softmax_shared_rows_kernel, (rows_at_once * plan.n_splits,), args, launch_cooperative_grid=True, **meta)
     return True
 
 
@@ -443,9 +525,8 @@ def softmax_forward(
         plan = plan_softmax(n_rows, n_cols, x2d.device, "online")  # the row's parts cannot all be resident
     if plan.algorithm == "fused":
         n_tiles = triton.cdiv(n_rows, plan.block_m)
-        args = (x2d, y_arg, lse_arg, None, n_rows, n_cols, 1, x2d.stride(0), x2d.stride(1), n_cols)
-        meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, SHARED_ROWS=False, PREFETCH=False,
-                    WRITE_Y=write_y, WRITE_LSE=write_lse)
+        args = (x2d, y_arg, lse_arg, n_rows, n_cols, x2d.stride(0), x2d.stride(1), n_cols)
+        meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, WRITE_Y=write_y, WRITE_LSE=write_lse)
         if plan.block_n > FUSED_PERSISTENT_MAX_COLS:  # one program a tile: the hardware schedules them
             launch(_softmax_fused_kernel, (n_tiles,), args, num_warps=plan.num_warps, **meta)
         else:
@@ -600,8 +681,9 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
             in place when ``dim`` has stride 1.
         dim: the dimension to normalise over.
         algorithm: ``"fused"`` (row on chip: up to ``FUSED_MAX_COLS`` in one
-            program; on a GPU, longer rows across resident programs while
-            their parts fit the device, else streamed as by ``"online"``),
+            program; on a GPU, longer rows across resident programs, each part
+            streaming a head twice where the row is longer than they hold;
+            streamed as by ``"online"`` where a launch cannot keep them resident),
             ``"online"`` (blocked two-pass, any length, long rows split across
             programs), or ``"auto"`` (fused while the row fits, online after).
         dtype: output dtype (float32/float16/bfloat16); default ``x.dtype``.

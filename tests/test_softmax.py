@@ -268,49 +268,80 @@ def test_packed_states_round_trip_and_are_never_zero():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shared_rows_kernel_with_the_other_parts_published(dtype):
+@pytest.mark.parametrize(
+    "n_cols,head_cols,even,prefetch",
+    [
+        (50, 0, False, fs.PREFETCH_NONE),  # parts of 16 held on chip, the last one ragged (2 columns)
+        (100, 16, False, fs.PREFETCH_NONE),  # parts of 16 streamed twice + 16 on chip; the last tail is past the row
+        (128, 16, True, fs.PREFETCH_NONE),  # every part inside the row: no masks
+    ],
+)
+def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_cols, even, prefetch):
     # The interpreter runs programs one at a time, so the other parts of each row are published
     # beforehand (from float64 statistics of their chunks); the kernel's program for every part
-    # still publishes its own, waits for the row's slots, merges and normalises its chunk.
-    n_rows, block_n = 4, 16
-    x = randn(n_rows, 50, dtype=dtype, scale=4.0)  # 4 parts of 16, the last one ragged
-    x[1, 16:32] = float("-inf")  # a part with nothing in it: the empty state merges as neutral
+    # still publishes its own, waits for the row's slots, merges and normalises its part.
+    n_rows, block_n, head_block_n = 4, 16, 8
+    part_cols = head_cols + block_n
+    n_parts = math.ceil(n_cols / part_cols)
+    assert n_parts == 4 and (n_cols == n_parts * part_cols) == even
+    x = randn(n_rows, n_cols, dtype=dtype, scale=4.0)
+    x[1, part_cols:2 * part_cols] = float("-inf")  # a part with nothing in it: the empty state merges as neutral
     x[2] = float("-inf")  # a row of -inf: NaN, as torch.softmax
-    x[3, 40] = float("nan")  # NaN in the last part: the whole row NaN
-    n_parts = 4
-    chunks = x.double().split(block_n, dim=1)
+    x[3, n_cols - 3] = float("nan")  # NaN in the last part: the whole row NaN
+    chunks = x.double().split(part_cols, dim=1)
     part_m = torch.stack([c.max(dim=1).values for c in chunks], 1)
     part_d = torch.stack([torch.exp(c - m.nan_to_num(neginf=0.0)[:, None]).sum(1) for c, m in zip(chunks, part_m.T)], 1)
     slots = _host_packed(part_m.flatten(), part_d.flatten())
     slots[0] = 0  # the first program publishes its own slot before waiting
     y = torch.full_like(x, float("nan"))
     lse = torch.full((n_rows,), float("nan"))
-    fs._softmax_fused_kernel[(n_parts,)](
-        x, y, lse, slots, n_rows, 50, n_parts, x.stride(0), x.stride(1), 50,
-        BLOCK_M=1, BLOCK_N=block_n, SPLITS_POW2=n_parts, SHARED_ROWS=True, PREFETCH=dtype == torch.bfloat16,
-        WRITE_Y=True, WRITE_LSE=True,
+    fs._softmax_shared_rows_kernel[(n_parts,)](
+        x, y, lse, slots, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), n_cols,
+        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=n_parts, HAS_HEAD=head_cols > 0, HEAD_NUM_STAGES=1,
+        PREFETCH=prefetch, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True,
     )
     assert_close(y, softmax_ref(x))
     assert_close(lse, torch.logsumexp(x.double(), -1))
-    assert slots[0] == _host_packed(part_m[0, :1], part_d[0, :1])[0]  # what the first program published
+    m_published, d_published = unpack_host(slots[:1])  # what the first program published for row 0
+    assert m_published.item() == part_m[0, 0].float().item()
+    torch.testing.assert_close(d_published.double(), part_d[0, :1], rtol=1e-5, atol=0)
+
+
+def unpack_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """unpack_state on the host: the float32 (m, d) of packed int64 states."""
+    bits = packed.numpy().view(np.uint64)
+    m = (bits >> np.uint64(32)).astype(np.uint32).view(np.float32)
+    d = (bits & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32)
+    return torch.from_numpy(m.copy()), torch.from_numpy(d.copy())
 
 
 def test_shared_rows_plan(monkeypatch):
-    # On a (stand-in) GPU, rows past FUSED_MAX_COLS stay fused across programs, tiles by element size.
+    # On a (stand-in) GPU, rows past FUSED_MAX_COLS stay fused across programs, tiles by element size;
+    # rows longer than the resident programs hold add a head, streamed twice, to every part.
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(fs, "shares_rows_on_chip", lambda device: device.type == "cuda")
     monkeypatch.setattr(fs, "device_info", lambda device: _runtime.DeviceInfo(132, 65536, 232448, 64))
     plan_softmax.cache_clear()
     try:
         fp32 = plan_softmax(4096, 65536, gpu, shared_rows=torch.float32)
-        assert (fp32.algorithm, fp32.block_n, fp32.n_splits, fp32.num_warps) == ("fused", 16384, 4, 4)
+        assert (fp32.algorithm, fp32.block_n, fp32.n_splits, fp32.num_warps, fp32.head_cols) == ("fused", 16384, 4, 4, 0)
         bf16 = plan_softmax(7, 100_003, gpu, "fused", shared_rows=torch.bfloat16)
-        assert (bf16.block_n, bf16.n_splits, bf16.prefetch) == (32768, 4, True)  # ragged last part
+        assert (bf16.block_n, bf16.n_splits, bf16.num_warps) == (32768, 4, 16)  # ragged last part
         odd = plan_softmax(3, 40_000, gpu, shared_rows=torch.float32)  # 3 parts of 13334 -> 3 of 16384
         assert (odd.block_n, odd.n_splits) == (16384, 3)
-        most = fs.SHARED_PROGRAMS_PER_SM * 132 * 16384
-        assert plan_softmax(1, most, gpu, shared_rows=torch.float32).algorithm == "fused"
-        assert plan_softmax(1, most + 1, gpu, shared_rows=torch.float32).algorithm == "online"
+        fp32_tile, _, fp32_per_sm, fp32_prefetch = fs.SHARED_TILES[4]
+        bf16_prefetch = fs.SHARED_TILES[2][3]
+        most = fp32_per_sm * 132 * fp32_tile  # what 2 programs a multiprocessor hold on chip
+        assert plan_softmax(1, most, gpu, shared_rows=torch.float32).head_cols == 0
+        for n_cols in (most + 1, 1 << 24, 3 * most + 17):
+            plan = plan_softmax(1, n_cols, gpu, shared_rows=torch.float32)
+            assert plan.algorithm == "fused" and plan.block_n == fp32_tile and plan.n_splits <= fp32_per_sm * 132
+            assert plan.head_cols > 0 and plan.head_cols % fs.SHARED_HEAD_BLOCK_N == 0
+            assert plan.cols_per_split == plan.head_cols + plan.block_n
+            assert plan.n_splits * plan.cols_per_split >= n_cols > (plan.n_splits - 1) * plan.cols_per_split
+        bf16_long = plan_softmax(1, 1 << 24, gpu, shared_rows=torch.bfloat16)  # one 16-bit program a multiprocessor
+        assert bf16_long.n_splits <= 132 and bf16_long.head_cols > 0
+        assert (fp32.prefetch, bf16.prefetch, bf16_long.prefetch) == (fp32_prefetch.value, *[bf16_prefetch.value] * 2)
         assert plan_softmax(4, 65536, gpu).algorithm == "online"  # masked softmax: no shared-row kernel
         assert plan_softmax(4, 65536, gpu, "online", shared_rows=torch.float32).algorithm == "online"
         assert plan_softmax(4, 65536, CPU, shared_rows=torch.float32).algorithm == "online"  # interpreter
