@@ -495,7 +495,8 @@ def _launch_shared_rows(
             n_cols)
     meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=SHARED_HEAD_BLOCK_N, PARTS_POW2=triton.next_power_of_2(plan.n_splits),
                 HAS_HEAD=plan.head_cols > 0, HEAD_NUM_STAGES=SHARED_HEAD_NUM_STAGES, PREFETCH=plan.prefetch,
-                EVEN_COLS=n_cols == plan.n_splits * plan.cols_per_split, WRITE_Y=write_y, WRITE_LSE=write_lse, num_warps=plan.num_warps)
+                EVEN_COLS=n_cols == plan.n_splits * plan.cols_per_split, WRITE_Y=write_y, WRITE_LSE=write_lse,
+                num_warps=plan.num_warps)
     # Keyed by the arguments' specialization too: n_cols % 16, say, compiles another kernel, whose
     # registers (and so residency) can differ; a grid larger than what stays resident fails to launch.
     key = (*meta.items(), *signature_key(args), device)
