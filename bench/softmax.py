@@ -12,6 +12,8 @@ bandwidth measured in the same run is the ceiling. Modes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import sys
 import time
@@ -77,10 +79,10 @@ def measure(shape, dtype, provs) -> dict:
         if fn(x) is None:
             row[name] = None
             continue
-        row[name] = gbs(softmax_bytes(x), try_time_ms(lambda: fn(x)))
+        row[name] = gbs(softmax_bytes(x), try_time_ms(functools.partial(fn, x)))
     # The same call replayed from a CUDA graph: device time alone. Where it is well above the column
     # "flashlite", the call was host-bound (a launch costs ~50 us of host time; do_bench hides less).
-    row["flashlite_graph"] = gbs(softmax_bytes(x), graph_time_ms(lambda: provs["flashlite"](x)))
+    row["flashlite_graph"] = gbs(softmax_bytes(x), graph_time_ms(functools.partial(provs["flashlite"], x)))
     del x
     torch.cuda.empty_cache()
     return row
@@ -217,6 +219,31 @@ def run_check(args) -> None:
             report(f"shared rows {shape}, 20 repeats bit-identical {dtype} ({repeats_differ} differ)", float(repeats_differ), 0)
         del x, y, ref, wide, first
         torch.cuda.empty_cache()
+    # Repeated calls (softmax's fast path for a signature seen before): the second call of each must
+    # take it (an entry that is not None) and agree with float64; misaligned x and another output dtype too.
+    base = torch.randn(4096 * 256 + 8, device="cuda")
+    cases = [(torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16), None),
+             (torch.randn(2, 8, 100, 1000, device="cuda", dtype=torch.float16), None),
+             (torch.randn(4096, 5000, device="cuda"), None),
+             (torch.randn(64, 300, device="cuda", dtype=torch.bfloat16), torch.float32),
+             (base[1:1 + 4096 * 256].view(4096, 256), None),  # 4 bytes past 16-byte alignment
+             (base[4:4 + 4096 * 256].view(4096, 256), None),
+             (torch.randn(3, 100_003, device="cuda"), None),  # shared rows, the last part ragged
+             (torch.randn(16, 1 << 20, device="cuda", dtype=torch.bfloat16), None),  # one wave with heads
+             (torch.randn(1, 1 << 24, device="cuda"), None)]  # a row longer than the resident programs hold
+    for x, out_dtype in cases:
+        ref = torch.softmax(x.double(), -1)
+        for call in ("first", "repeat"):
+            poison_allocator()
+            y = flashlite.softmax(x, dtype=out_dtype)
+            key = (x.shape, x.stride(), x.dtype, out_dtype or x.dtype, x.dim() - 1, "auto", x.device,
+                   torch.cuda.current_device(), x.data_ptr() % 16 == 0)
+            taken = fs._REPEATS.get(key) is not None
+            ok_dtype = y.dtype == (out_dtype or x.dtype)
+            report(f"{call} call {tuple(x.shape)} {x.dtype}->{y.dtype} ptr%16={x.data_ptr() % 16} "
+                   f"(fast path {'ready' if taken else 'MISSING'})",
+                   (y.double() - ref).abs().max().item() if taken and ok_dtype else float("nan"), tol[x.dtype])
+    del base, cases, x, y, ref
     x = torch.randn(8, 9, 300, device="cuda")
     for dim in range(3):
         report(f"dim {dim}", (flashlite.softmax(x, dim=dim) - torch.softmax(x, dim)).abs().max().item(), 2e-6)
@@ -233,6 +260,19 @@ def run_check(args) -> None:
 
 
 # ----------------------------------------------------------------------------- --tune
+
+ONE_WAVE_FRACTION = fs.SHARED_ONE_WAVE_L2_FRACTION
+
+
+def _time_plan(x: torch.Tensor, plan) -> str:
+    """'do_bench/graph' GB/s of softmax_forward under ``plan``, checked against float64 first."""
+    fn = lambda: fs.softmax_forward(x, x.dtype, plan)[0]  # noqa: E731
+    poison_allocator()
+    err = (fn().double() - torch.softmax(x.double(), -1)).abs().max().item()
+    if not err <= (2e-6 if x.dtype == torch.float32 else 8e-3):
+        return f"WRONG({err:.1e})"
+    nbytes = softmax_bytes(x)
+    return f"{gbs(nbytes, time_ms(fn)):.0f}/{gbs(nbytes, graph_time_ms(fn)):.0f}"
 
 
 def run_tune(args) -> None:
@@ -314,31 +354,40 @@ def run_tune(args) -> None:
             print(f"  {str(dtype)[6:]:9} 4096 x {n:<6} " + "  ".join(line), flush=True)
             del x
     fs.FUSED_PERSISTENT_MAX_COLS = saved_max
-    print("shared rows: prefetch of the next part into L2 (none, L2), head stages -> GB/s do_bench / CUDA graph")
-    saved = dict(fs.SHARED_TILES), fs.SHARED_HEAD_NUM_STAGES
-    modes = {"none": fs.PREFETCH_NONE, "L2": fs.PREFETCH_L2}
+    print("shared rows: tiles (cols/warps/programs a multiprocessor/prefetch of the next part), waves or one wave "
+          "with heads, head block -> GB/s do_bench / CUDA graph; 'auto' is the plan flashlite makes")
+    saved = dict(fs.SHARED_TILES)
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "shared") else ():
+        size = dtype.itemsize
+        tiles = {"now": saved[size]}
+        if size == 2:  # the fp32 shape, and two bf16 programs a multiprocessor
+            tiles |= {"16384/4/2/none": fs.SharedRowTile(16384, 4, 2, fs.PREFETCH_NONE.value, 4096),
+                      "16384/8/2/none": fs.SharedRowTile(16384, 8, 2, fs.PREFETCH_NONE.value, 4096),
+                      "32768/16/1/none": dataclasses.replace(saved[size], prefetch=fs.PREFETCH_NONE.value)}
         for shape in ((4096, 65536),) + tuple(LONG_ROWS):
             x = torch.randn(*shape, device="cuda", dtype=dtype)
             nbytes = softmax_bytes(x)
             line = [f"online:{gbs(nbytes, time_ms(lambda: flashlite.softmax(x, algorithm='online'))):.0f}"]
-            cols, warps, per_sm, _ = saved[0][x.element_size()]
-            for name, prefetch in modes.items():
-                for stages in (1, 2):
-                    fs.SHARED_TILES[x.element_size()] = (cols, warps, per_sm, prefetch)
-                    fs.SHARED_HEAD_NUM_STAGES = stages
-                    fs.plan_softmax.cache_clear()
-                    plan = _fused_plan(x)
-                    if stages > 1 and not plan.head_cols:
-                        continue  # no head: the stages change nothing
-                    fn = lambda: flashlite.softmax(x)  # noqa: E731
-                    fn()
-                    label = f"{name}{f'/head {stages} stages' if plan.head_cols else ''}"
-                    line.append(f"{label}:{gbs(nbytes, time_ms(fn)):.0f}/{gbs(nbytes, graph_time_ms(fn)):.0f}")
-            print(f"  {str(dtype)[6:]:9} {str(shape):16} " + "  ".join(line), flush=True)
+            fs.plan_softmax.cache_clear()
+            line.append(f"auto:{_time_plan(x, _fused_plan(x))}")
+            for name, tile in tiles.items():
+                fs.SHARED_TILES[size] = tile
+                for head_block in sorted({tile.head_block, 4096, 8192}):
+                    fs.SHARED_TILES[size] = dataclasses.replace(tile, head_block=head_block)
+                    for wave_label, fraction in (("waves", 0.0), ("one wave", 1.0)):
+                        fs.SHARED_ONE_WAVE_L2_FRACTION = fraction  # 0: waves unless one row is too long; 1: always one
+                        fs.plan_softmax.cache_clear()
+                        plan = _fused_plan(x)
+                        if fraction and not plan.head_cols or (not plan.head_cols and head_block != tile.head_block):
+                            continue  # no head: the same plan again
+                        label = f"{name}/{wave_label if plan.head_cols else 'waves'}"
+                        label += f"/head {plan.n_splits}x{plan.head_cols}+{plan.block_n} in {head_block}s" if plan.head_cols else ""
+                        line.append(f"{label}:{_time_plan(x, plan)}")
+                fs.SHARED_TILES[size] = saved[size]
+            fs.SHARED_ONE_WAVE_L2_FRACTION = ONE_WAVE_FRACTION
+            print(f"  {str(dtype)[6:]:9} {str(shape):16} " + "  ".join(dict.fromkeys(line)), flush=True)
             del x
-    fs.SHARED_TILES.update(saved[0])
-    fs.SHARED_HEAD_NUM_STAGES = saved[1]
+    fs.SHARED_TILES.update(saved)
     fs.plan_softmax.cache_clear()
     print("host cost per call (us), 4096 x 256 fp32:")
     x = torch.randn(4096, 256, device="cuda")

@@ -43,6 +43,7 @@ class DeviceInfo:
     smem_per_sm: int  # bytes of shared memory a multiprocessor can give its programs
     max_warps_per_sm: int
     capability: tuple[int, int] = (0, 0)  # compute capability, e.g. (9, 0) for Hopper; (0, 0) in the interpreter
+    l2_bytes: int = 0  # L2 cache size; 0 where unknown (the interpreter)
 
 
 # Stand-in for the interpreter: small, so that persistent loops take several turns in tests.
@@ -55,7 +56,8 @@ def _cuda_device_info(index: int) -> DeviceInfo:
     regs = getattr(props, "regs_per_multiprocessor", 65536)
     smem = getattr(props, "shared_memory_per_multiprocessor", 232448)
     threads = getattr(props, "max_threads_per_multi_processor", 2048)
-    return DeviceInfo(props.multi_processor_count, regs, smem, threads // 32, (props.major, props.minor))
+    l2_bytes = getattr(props, "L2_cache_size", 0)
+    return DeviceInfo(props.multi_processor_count, regs, smem, threads // 32, (props.major, props.minor), l2_bytes)
 
 
 def device_info(device: torch.device) -> DeviceInfo:
@@ -208,7 +210,15 @@ def _current_stream(device: int):
     return triton.runtime.driver.active.get_current_stream(device)
 
 
-def launch_persistent(kernel, n_tiles: int, device: torch.device, key: tuple, args: tuple, num_warps: int, **constexprs):
+def persistent_grid(n_tiles: int, device: torch.device, key: tuple) -> tuple:
+    """The grid ``launch_persistent`` uses for ``n_tiles`` tiles of the configuration ``key``."""
+    info = device_info(device)
+    return (max(1, min(n_tiles, info.num_sms * _PROGRAMS_PER_SM.get(key, 2))),)
+
+
+def launch_persistent(
+    kernel, n_tiles: int, device: torch.device, key: tuple, args: tuple, num_warps: int, **constexprs,
+):
     """Launch ``kernel`` on a persistent grid: as many programs as the device holds at once, at most ``n_tiles``.
 
     The kernel must loop over its tiles with a stride of ``tl.num_programs(0)``,
@@ -217,11 +227,38 @@ def launch_persistent(kernel, n_tiles: int, device: torch.device, key: tuple, ar
     compiled kernel's registers and shared memory then fix the number for later
     launches (cached per ``key``).
     """
-    info = device_info(device)
-    per_sm = _PROGRAMS_PER_SM.get(key, 2)
-    grid = (max(1, min(n_tiles, info.num_sms * per_sm)),)
-    compiled = launch(kernel, grid, args, num_warps=num_warps, **constexprs)
-    if key not in _PROGRAMS_PER_SM:
-        measured = occupancy(compiled, num_warps, info)
-        _PROGRAMS_PER_SM[key] = measured if measured is not None else per_sm
+    compiled = launch(kernel, persistent_grid(n_tiles, device, key), args, num_warps=num_warps, **constexprs)
+    record_residency(key, compiled, num_warps, device)
     return compiled
+
+
+def record_residency(key: tuple, compiled, num_warps: int, device: torch.device) -> None:
+    """After a launch on ``persistent_grid(..., key)``: size later grids of ``key`` from the compiled kernel."""
+    if key not in _PROGRAMS_PER_SM:
+        measured = occupancy(compiled, num_warps, device_info(device))
+        _PROGRAMS_PER_SM[key] = measured if measured is not None else 2
+
+
+def compiled_launcher(kernel, grid: tuple, args: tuple, **options):
+    """A function of new arguments only that repeats a launch already made through ``launch``, or None.
+
+    ``f(new_args)`` launches the kernel ``launch(kernel, grid, args, **options)``
+    compiled, on the same grid, for ``new_args`` that specialize as ``args`` do
+    (the caller's promise: same dtypes, 16-byte alignments, and ints in the same
+    classes). It skips ``launch``'s key: for callers that key repeats more
+    cheaply themselves. None on Triton's uncached path (the interpreter,
+    wrapped kernels, unmodeled arguments) or before the first launch.
+    """
+    if not hasattr(kernel, "device_caches"):
+        return None
+    device = torch.cuda.current_device()
+    try:
+        key = (kernel, device, *options.items(), *map(_specialization, args))
+    except _Unmodeled:
+        return None
+    entry = _COMPILED.get(key)
+    if entry is None:
+        return None
+    compiled, trailing = entry
+    grid = (*grid, 1, 1)[:3]
+    return lambda new_args: _launch_compiled(compiled, device, grid, (*new_args, *trailing))

@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from ._runtime import (
-    check_float_dtype, cooperative_launch_supported, device_info, is_compiling, launch, launch_persistent, occupancy,
-    runs_kernels, signature_key,
+    check_float_dtype, compiled_launcher, cooperative_launch_supported, device_info, is_compiling, launch,
+    launch_persistent, occupancy, persistent_grid, record_residency, runs_kernels, signature_key,
 )
 from .online_softmax import (
     LOG2E,
@@ -148,12 +148,56 @@ def _softmax_fused_kernel(
 
 
 @triton.jit
+def _head_statistics(x_row, head_start, head_end, n_cols, stride_xn, HEAD_BLOCK_N: tl.constexpr,
+                     EVEN_COLS: tl.constexpr):
+    """The state ``(m, d)`` [1] of columns ``[head_start, head_end)`` of a row (whole blocks), read with
+    ``evict_last``: ``_head_normalize`` reads them again, from L2 if they are still there.
+
+    Lanes keep their own state over the blocks (no reduction in the loop), merged once. The next
+    block's loads are issued before a block is folded in: two blocks in flight without Triton's
+    pipelined loads (cp.async), which would drop the eviction hint.
+    """
+    lane_m = tl.full([1, HEAD_BLOCK_N], float("-inf"), tl.float32)
+    lane_d = tl.zeros([1, HEAD_BLOCK_N], tl.float32)
+    cols = head_start + tl.arange(0, HEAD_BLOCK_N)[None, :]
+    x_next = tl.load(x_row + cols * stride_xn, mask=(cols < n_cols) | EVEN_COLS, other=float("-inf"),
+                     eviction_policy="evict_last")
+    for start in tl.range(head_start + HEAD_BLOCK_N, head_end + HEAD_BLOCK_N, HEAD_BLOCK_N, num_stages=1):
+        x_block = x_next
+        cols = start + tl.arange(0, HEAD_BLOCK_N)[None, :]  # past head_end on the last turn: nothing loaded
+        x_next = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & ((cols < n_cols) | EVEN_COLS),
+                         other=float("-inf"), eviction_policy="evict_last")
+        lane_m, lane_d = online_update_lanes(lane_m, lane_d, x_block.to(tl.float32), LOG2E)
+    return merge_partial_states(lane_m, lane_d, LOG2E)
+
+
+@triton.jit
+def _head_normalize(x_row, y_row, head_start, head_end, n_cols, stride_xn, m, d, HEAD_BLOCK_N: tl.constexpr,
+                    EVEN_COLS: tl.constexpr):
+    """Write the softmax of columns ``[head_start, head_end)`` (whole blocks) under the row's final state
+    ``(m, d)`` [1], reading them again last block first (the likeliest still in L2), two blocks in flight."""
+    n_blocks = (head_end - head_start) // HEAD_BLOCK_N
+    cols = head_end - HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
+    x_next = tl.load(x_row + cols * stride_xn, mask=(cols < n_cols) | EVEN_COLS, other=float("-inf"),
+                     eviction_policy="evict_first")
+    for k in tl.range(0, n_blocks, num_stages=1):
+        x_block = x_next
+        block_cols = head_end - (k + 1) * HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
+        cols = block_cols - HEAD_BLOCK_N  # before head_start on the last turn: nothing loaded
+        x_next = tl.load(x_row + cols * stride_xn, mask=(cols >= head_start) & ((cols < n_cols) | EVEN_COLS),
+                         other=float("-inf"), eviction_policy="evict_first")
+        y_block = final_weights(x_block.to(tl.float32), m, d, LOG2E, False)
+        tl.store(y_row + block_cols, y_block.to(y_row.dtype.element_ty), mask=(block_cols < n_cols) | EVEN_COLS,
+                 eviction_policy="evict_first")
+
+
+@triton.jit
 def _softmax_shared_rows_kernel(
     x_ptr, y_ptr, lse_ptr, slot_ptr,
     n_rows, n_cols, n_parts, head_cols,
     stride_xm, stride_xn, stride_ym,
     BLOCK_N: tl.constexpr, HEAD_BLOCK_N: tl.constexpr, PARTS_POW2: tl.constexpr,
-    HAS_HEAD: tl.constexpr, HEAD_NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVEN_COLS: tl.constexpr,
+    HAS_HEAD: tl.constexpr, PREFETCH: tl.constexpr, EVEN_COLS: tl.constexpr,
     WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     # n_parts resident programs hold a row between them; program pid = k * n_parts + part takes part
@@ -163,8 +207,9 @@ def _softmax_shared_rows_kernel(
     part = tl.program_id(0) % n_parts
     row_step = tl.num_programs(0) // n_parts
     part_start = part * (head_cols + BLOCK_N)  # columns fit 32 bits; rows times strides are 64-bit below
+    head_end = part_start + head_cols
     # Every tile is [1, COLS], the core's layout: offsets, data and stores share one register layout.
-    tail_cols = part_start + head_cols + tl.arange(0, BLOCK_N)[None, :]
+    tail_cols = head_end + tl.arange(0, BLOCK_N)[None, :]
     tail_ok = (tail_cols < n_cols) | EVEN_COLS  # every part inside the row: the masks fold away
     for row in tl.range(tl.program_id(0) // n_parts, n_rows, row_step):
         row = tl.cast(row, tl.int64)
@@ -175,16 +220,7 @@ def _softmax_shared_rows_kernel(
                 _prefetch_to_l2(x_row + row_step * stride_xm, part_start, n_cols, stride_xn, BLOCK_N)
         m_head, d_head = empty_state(1)
         if HAS_HEAD:
-            # Lanes keep their own (m, d) over the head's blocks (no reduction in the loop), merged once.
-            # evict_last: the head is read again after the wait, from L2 if it is still there.
-            lane_m = tl.full([1, HEAD_BLOCK_N], float("-inf"), tl.float32)
-            lane_d = tl.zeros([1, HEAD_BLOCK_N], tl.float32)
-            for start in tl.range(part_start, part_start + head_cols, HEAD_BLOCK_N, num_stages=HEAD_NUM_STAGES):
-                cols = start + tl.arange(0, HEAD_BLOCK_N)[None, :]
-                x_head = tl.load(x_row + cols * stride_xn, mask=(cols < n_cols) | EVEN_COLS, other=float("-inf"),
-                                 eviction_policy="evict_last")
-                lane_m, lane_d = online_update_lanes(lane_m, lane_d, x_head.to(tl.float32), LOG2E)
-            m_head, d_head = merge_partial_states(lane_m, lane_d, LOG2E)
+            m_head, d_head = _head_statistics(x_row, part_start, head_end, n_cols, stride_xn, HEAD_BLOCK_N, EVEN_COLS)
         x = tl.load(x_row + tail_cols * stride_xn, mask=tail_ok, other=float("-inf"), eviction_policy="evict_first")
         m_part, d_part, p, _ = online_update(m_head, d_head, x.to(tl.float32), LOG2E)
         # p = e^(x - m_part) stays on chip while the parts meet; it then needs e^(m_part - m_row).
@@ -196,15 +232,9 @@ def _softmax_shared_rows_kernel(
             y_row = y_ptr + row * stride_ym
             y = normalize(p * rescale_factor(m_part, m_row, LOG2E)[:, None], d_row, False)
             tl.store(y_row + tail_cols, y.to(y_ptr.dtype.element_ty), mask=tail_ok, eviction_policy="evict_first")
-            if HAS_HEAD:  # the head again, last block first (the likeliest still in L2)
-                n_blocks = head_cols // HEAD_BLOCK_N
-                for k in tl.range(0, n_blocks, num_stages=HEAD_NUM_STAGES):
-                    cols = part_start + (n_blocks - 1 - k) * HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
-                    col_ok = (cols < n_cols) | EVEN_COLS
-                    x_head = tl.load(x_row + cols * stride_xn, mask=col_ok, other=float("-inf"),
-                                     eviction_policy="evict_first")
-                    y_head = final_weights(x_head.to(tl.float32), m_row, d_row, LOG2E, False)
-                    tl.store(y_row + cols, y_head.to(y_ptr.dtype.element_ty), mask=col_ok, eviction_policy="evict_first")
+            if HAS_HEAD:
+                _head_normalize(x_row, y_row, part_start, head_end, n_cols, stride_xn, m_row, d_row, HEAD_BLOCK_N,
+                                EVEN_COLS)
 
 
 @triton.jit
@@ -357,25 +387,46 @@ ONLINE_MIN_BLOCKS_PER_SPLIT = 4
 # one read and one write, where the online path reads twice. All programs of a row must be
 # resident, so the launch is cooperative, sized from the compiled kernel (the launcher streams
 # the rows instead if it holds fewer programs than a row has parts).
-# Tiles by input element size: (columns a program holds on chip, warps, programs resident per
-# multiprocessor, what a program fetches of its next part while the row's parts wait for each
-# other: nothing, or its first BLOCK_N columns into L2). H100, GB/s (do_bench),
-# bench/results/h100/softmax_shared_tune.log:
-#   4096 x 65536 / 128 x 128K / 16 x 1M / 4 x 4M      nothing                   into L2
-#   fp32  16384, 4 warps, 2 a multiprocessor     2722 / 2142 / 2020 / 1792   2457 / 2091 / 1858 / 1626
-#   bf16  32768, 16 warps, 1 a multiprocessor    2214 / 1504 / 1406 / 1292   2540 / 1072 / 1382 / 1299
-# (bf16 128 x 128K with L2 prefetch swings between runs: 1571 in another, 1597 from a CUDA graph here.)
+
+
+@dataclass(frozen=True)
+class SharedRowTile:
+    """How the programs of a shared row are shaped, for one input element size."""
+
+    cols: int  # columns a program holds on chip (BLOCK_N)
+    num_warps: int
+    programs_per_sm: int  # resident at once
+    prefetch: int  # what a program fetches of its next row's part while the parts wait: PREFETCH_NONE / _L2
+    head_block: int  # columns of one streamed head block (HEAD_BLOCK_N)
+
+
+# H100, GB/s (do_bench), bench/results/h100/softmax_shared_tune.log (`--tune shared`):
+#                                         4096 x 65536   128 x 128K   16 x 1M   4 x 4M (in waves)
+#   fp32  16384, 4 warps, 2 an SM, none        2714          2122       1998      1793
+#   bf16  32768, 16 warps, 1 an SM, into L2    2540          1558       1431      1302
+#   bf16  the same, nothing                    2219          1323       1432      1299
+#   bf16  16384, 4 warps, 2 an SM, none        2372          1478       1508      1181
 # fp32 runs two programs a multiprocessor at 255 registers: one's load already overlaps the other's
-# wait, and the prefetch lost speed there. The kernel before (commit 96f22c6) loaded each bf16
-# program's next part into registers instead: that log's notes give it against this one.
-SHARED_TILES = {4: (16384, 4, 2, PREFETCH_NONE), 2: (32768, 16, 1, PREFETCH_L2)}
-# A row longer than the resident programs hold (past 4.3M columns on an H100) is still taken in
-# one read of memory where L2 allows: every program streams a head of its part (blocks of
-# SHARED_HEAD_BLOCK_N, loaded with evict_last) before the BLOCK_N columns it holds, and reads the
-# head again, last block first, once the row's state is known. One stage: Triton's pipelined
-# loads (cp.async) drop the eviction hint. 1 x 16M, GB/s (same log): fp32 1741 (online path
-# 1364; 1722 with two stages), bf16 1432 (online 893; 1138 with two stages).
-SHARED_HEAD_BLOCK_N, SHARED_HEAD_NUM_STAGES = 4096, 1
+# wait, and the prefetch lost speed there (2457 at 4096 x 65536 in an earlier run of that log).
+SHARED_TILES = {
+    4: SharedRowTile(16384, 4, 2, PREFETCH_NONE.value, 4096),
+    2: SharedRowTile(32768, 16, 1, PREFETCH_L2.value, 8192),
+}
+# More than the resident programs hold at once is still taken in one read of memory where L2
+# allows: every program streams a head of its part (blocks of head_block columns, loaded with
+# evict_last, the next block's loads issued before a block is folded in) before the columns it
+# holds, and reads the head again, last block first, once the row's state is known. Plain loads:
+# Triton's pipelined ones (cp.async) drop the eviction hint. Heads serve
+# * a row longer than all resident programs hold (past 4.3M columns on an H100): 1 x 16M, GB/s,
+#   fp32 1763 (online path 1426), bf16 1596 (online 904);
+# * few rows that would take several waves of resident programs (a read, a wait, a write each),
+#   all in one wave while one wave's heads take at most SHARED_ONE_WAVE_L2_FRACTION of L2: bf16
+#   128 x 128K / 16 x 1M / 4 x 4M (24 MB of heads) 1558 / 1431 / 1302 in waves, 1745 / 1733 /
+#   1691 in one; fp32 (48 MB of heads) 2122 / 1998 / 1793 in waves, 1921 / 1872 / 1849 in one.
+# Head blocks (same log, a second run): bf16 8192 columns, 1720 / 1720 / 1694 in one wave (4096:
+# 1655 / 1592 / 1572; 16384: 1664 / 1662 / 1635); fp32 4096, 1860 at 4 x 4M and 1763 at 1 x 16M
+# (2048: 1696 / 1656). Loads issued two blocks ahead instead of one gained nothing there.
+SHARED_ONE_WAVE_L2_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -390,6 +441,12 @@ class SoftmaxPlan:
     cols_per_split: int = 0
     head_cols: int = 0  # fused with shared rows: columns of each part streamed twice before the block_n held
     prefetch: int = 0  # fused with shared rows: PREFETCH_NONE or PREFETCH_L2 (the next part into L2)
+    head_block: int = 0  # fused with shared rows and heads: columns of one streamed head block
+
+    @property
+    def shares_rows(self) -> bool:
+        """True if resident programs share rows (the shared-row kernel): parts, or a part with a head."""
+        return self.algorithm == "fused" and (self.n_splits > 1 or self.head_cols > 0)
 
 
 def shares_rows_on_chip(device: torch.device) -> bool:
@@ -417,18 +474,7 @@ def plan_softmax(
     """
     shared = shared_rows is not None and algorithm in ("auto", "fused") and shares_rows_on_chip(device)
     if n_cols > FUSED_MAX_COLS and shared:
-        tile_cols, warps, per_sm, prefetch = SHARED_TILES[min(shared_rows.itemsize, 4)]
-        prefetch = prefetch.value
-        programs = per_sm * device_info(device).num_sms
-        parts = n_splits or triton.cdiv(n_cols, tile_cols)
-        if parts <= programs and triton.cdiv(n_cols, parts) <= tile_cols:
-            bn = triton.next_power_of_2(triton.cdiv(n_cols, parts))  # no wider than tile_cols
-            return SoftmaxPlan("fused", 1, bn, warps, triton.cdiv(n_cols, bn), bn, prefetch=prefetch)
-        # Longer than the resident programs hold on chip: each part also streams a head twice.
-        part_cols = triton.cdiv(triton.cdiv(n_cols, min(parts, programs)), SHARED_HEAD_BLOCK_N) * SHARED_HEAD_BLOCK_N
-        part_cols = max(part_cols, tile_cols)
-        return SoftmaxPlan("fused", 1, tile_cols, warps, triton.cdiv(n_cols, part_cols), part_cols, part_cols - tile_cols,
-                           prefetch)
+        return _plan_shared_rows(n_rows, n_cols, device, shared_rows.itemsize, n_splits)
     if algorithm == "auto":
         algorithm = "fused" if n_cols <= FUSED_MAX_COLS else "online"
     if algorithm == "fused":
@@ -455,6 +501,34 @@ def plan_softmax(
     return SoftmaxPlan("online", 1, bn, warps, n_splits, cols_per_split)
 
 
+def _plan_shared_rows(
+    n_rows: int, n_cols: int, device: torch.device, itemsize: int, n_splits: int | None,
+) -> SoftmaxPlan:
+    """Rows held by resident programs, ``SHARED_TILES[itemsize]`` columns each: a row in as many parts
+    as it needs, in waves of as many rows as the programs hold; or in parts that also stream a head,
+    when one row is longer than all programs hold, or when few rows would otherwise take several
+    waves and the heads of one wave fit L2 (see SHARED_ONE_WAVE_L2_FRACTION)."""
+    tile = SHARED_TILES[min(itemsize, 4)]
+    info = device_info(device)
+    programs = tile.programs_per_sm * info.num_sms
+    parts = n_splits or triton.cdiv(n_cols, tile.cols)
+    if parts > programs or triton.cdiv(n_cols, parts) > tile.cols:
+        return _plan_with_heads(n_cols, min(parts, programs), tile)
+    if n_splits is None and n_rows * parts > programs >= n_rows:
+        one_wave = _plan_with_heads(n_cols, programs // n_rows, tile)
+        if n_rows * one_wave.n_splits * one_wave.head_cols * itemsize <= SHARED_ONE_WAVE_L2_FRACTION * info.l2_bytes:
+            return one_wave
+    bn = triton.next_power_of_2(triton.cdiv(n_cols, parts))  # no wider than tile.cols
+    return SoftmaxPlan("fused", 1, bn, tile.num_warps, triton.cdiv(n_cols, bn), bn, prefetch=tile.prefetch)
+
+
+def _plan_with_heads(n_cols: int, parts: int, tile: SharedRowTile) -> SoftmaxPlan:
+    """A row in at most ``parts`` parts, each [a head of whole head blocks | tile.cols held on chip]."""
+    part_cols = max(triton.cdiv(triton.cdiv(n_cols, parts), tile.head_block) * tile.head_block, tile.cols)
+    return SoftmaxPlan("fused", 1, tile.cols, tile.num_warps, triton.cdiv(n_cols, part_cols), part_cols,
+                       part_cols - tile.cols, tile.prefetch, tile.head_block)
+
+
 def launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device: torch.device, args: tuple, **meta) -> None:
     """Run an online kernel's passes: one launch over whole rows, or partials then final when rows are split.
 
@@ -476,39 +550,75 @@ _RESIDENT_PROGRAMS: dict = {}
 
 
 def _launch_shared_rows(
-    x2d: torch.Tensor, y_arg: torch.Tensor, lse_arg: torch.Tensor, out_dtype: torch.dtype, plan: SoftmaxPlan,
-    write_y: bool, write_lse: bool,
+    x2d: torch.Tensor, y_arg: torch.Tensor, lse_arg: torch.Tensor, plan: SoftmaxPlan, write_y: bool, write_lse: bool,
 ) -> bool:
     """Run the shared-row kernel, each row spread over ``plan.n_splits`` programs, cooperatively.
 
+    Returns False, launching nothing, where a row's programs cannot all be
+    resident: on the interpreter (it would run them one by one, each waiting),
+    or when the compiled kernel keeps fewer programs resident than a row has parts.
+    """
+    if not shares_rows_on_chip(x2d.device):
+        return False
+    slots = torch.zeros(x2d.shape[0] * plan.n_splits, dtype=torch.int64, device=x2d.device)  # 0: not published
+    shared = _shared_rows_launch(x2d, y_arg, lse_arg, slots, plan, write_y, write_lse)
+    if shared is None:
+        return False
+    grid, args, meta = shared
+    launch(_softmax_shared_rows_kernel, grid, args, **meta)
+    return True
+
+
+def _shared_rows_launch(
+    x2d: torch.Tensor, y_arg: torch.Tensor, lse_arg: torch.Tensor, slots: torch.Tensor, plan: SoftmaxPlan,
+    write_y: bool, write_lse: bool,
+) -> tuple | None:
+    """``(grid, args, meta)`` of the shared-row kernel's cooperative launch; None if a row's parts cannot all be resident.
+
     The grid holds as many whole rows at once as the device keeps programs
     resident (read off the compiled kernel), and never more: a program waiting
-    for a part that cannot start would wait forever. Returns False, launching
-    nothing, when the compiled kernel cannot keep a whole row resident.
+    for a part that cannot start would wait forever.
     """
     n_rows, n_cols = x2d.shape
     device = x2d.device
-    if not shares_rows_on_chip(device):  # the interpreter would run a row's programs one by one, each waiting
-        return False
-    slots = torch.zeros(n_rows * plan.n_splits, dtype=torch.int64, device=device)  # 0: not published
     args = (x2d, y_arg, lse_arg, slots, n_rows, n_cols, plan.n_splits, plan.head_cols, x2d.stride(0), x2d.stride(1),
             n_cols)
-    meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=SHARED_HEAD_BLOCK_N, PARTS_POW2=triton.next_power_of_2(plan.n_splits),
-                HAS_HEAD=plan.head_cols > 0, HEAD_NUM_STAGES=SHARED_HEAD_NUM_STAGES, PREFETCH=plan.prefetch,
+    meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=max(plan.head_block, 1),
+                PARTS_POW2=triton.next_power_of_2(plan.n_splits), HAS_HEAD=plan.head_cols > 0, PREFETCH=plan.prefetch,
                 EVEN_COLS=n_cols == plan.n_splits * plan.cols_per_split, WRITE_Y=write_y, WRITE_LSE=write_lse,
-                num_warps=plan.num_warps)
+                num_warps=plan.num_warps, launch_cooperative_grid=True)
     # Keyed by the arguments' specialization too: n_cols % 16, say, compiles another kernel, whose
     # registers (and so residency) can differ; a grid larger than what stays resident fails to launch.
     key = (*meta.items(), *signature_key(args), device)
     if key not in _RESIDENT_PROGRAMS:
         info = device_info(device)
-        compiled = _softmax_shared_rows_kernel.warmup(*args, grid=(1,), launch_cooperative_grid=True, **meta)
+        compiled = _softmax_shared_rows_kernel.warmup(*args, grid=(1,), **meta)
         _RESIDENT_PROGRAMS[key] = info.num_sms * (occupancy(compiled, plan.num_warps, info) or 1)
     if plan.n_splits > _RESIDENT_PROGRAMS[key]:
-        return False
+        return None
     rows_at_once = min(n_rows, _RESIDENT_PROGRAMS[key] // plan.n_splits)
-    launch(_softmax_shared_rows_kernel, (rows_at_once * plan.n_splits,), args, launch_cooperative_grid=True, **meta)
-    return True
+    return (rows_at_once * plan.n_splits,), args, meta
+
+
+def _fused_launch(
+    x2d: torch.Tensor, y_arg: torch.Tensor, lse_arg: torch.Tensor, out_dtype: torch.dtype, plan: SoftmaxPlan,
+    write_y: bool, write_lse: bool,
+) -> tuple:
+    """``(grid, args, meta, residency_key)`` of the fused kernel's launch for ``x2d`` under ``plan``.
+
+    Tiles wider than FUSED_PERSISTENT_MAX_COLS get a program each (the hardware
+    schedules them; residency_key None); narrower ones a persistent grid, sized
+    from the compiled kernel's residency once it is known (``persistent_grid``).
+    """
+    n_rows, n_cols = x2d.shape
+    n_tiles = triton.cdiv(n_rows, plan.block_m)
+    args = (x2d, y_arg, lse_arg, n_rows, n_cols, x2d.stride(0), x2d.stride(1), n_cols)
+    meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, WRITE_Y=write_y, WRITE_LSE=write_lse,
+                num_warps=plan.num_warps)
+    if plan.block_n > FUSED_PERSISTENT_MAX_COLS:
+        return (n_tiles,), args, meta, None
+    key = ("softmax_fwd", plan, x2d.dtype, out_dtype, write_y, write_lse, x2d.device)
+    return persistent_grid(n_tiles, x2d.device, key), args, meta, key
 
 
 def softmax_forward(
@@ -520,19 +630,15 @@ def softmax_forward(
     lse = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device) if write_lse else None
     y_arg = y if y is not None else x2d  # a pointer the kernel never writes through
     lse_arg = lse if lse is not None else x2d
-    if plan.algorithm == "fused" and plan.n_splits > 1:
-        if _launch_shared_rows(x2d, y_arg, lse_arg, out_dtype, plan, write_y, write_lse):
+    if plan.shares_rows:
+        if _launch_shared_rows(x2d, y_arg, lse_arg, plan, write_y, write_lse):
             return y, lse
         plan = plan_softmax(n_rows, n_cols, x2d.device, "online")  # the row's parts cannot all be resident
     if plan.algorithm == "fused":
-        n_tiles = triton.cdiv(n_rows, plan.block_m)
-        args = (x2d, y_arg, lse_arg, n_rows, n_cols, x2d.stride(0), x2d.stride(1), n_cols)
-        meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, WRITE_Y=write_y, WRITE_LSE=write_lse)
-        if plan.block_n > FUSED_PERSISTENT_MAX_COLS:  # one program a tile: the hardware schedules them
-            launch(_softmax_fused_kernel, (n_tiles,), args, num_warps=plan.num_warps, **meta)
-        else:
-            key = ("softmax_fwd", plan, x2d.dtype, out_dtype, write_y, write_lse, x2d.device)
-            launch_persistent(_softmax_fused_kernel, n_tiles, x2d.device, key, args, plan.num_warps, **meta)
+        grid, args, meta, residency_key = _fused_launch(x2d, y_arg, lse_arg, out_dtype, plan, write_y, write_lse)
+        compiled = launch(_softmax_fused_kernel, grid, args, **meta)
+        if residency_key is not None:
+            record_residency(residency_key, compiled, plan.num_warps, x2d.device)
     else:
         split = plan.n_splits > 1  # partial states only between the two launches of split rows
         part_m = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x2d.device) if split else None
@@ -547,7 +653,7 @@ def softmax_forward(
 def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtype, plan: SoftmaxPlan) -> torch.Tensor:
     """``dx = y * (dy - sum(dy * y))`` row by row; ``y2d`` is contiguous, ``dy2d`` any row-strided view."""
     n_rows, n_cols = y2d.shape
-    if plan.algorithm == "fused" and plan.n_splits > 1:  # no shared-row backward kernel: stream the rows
+    if plan.shares_rows:  # no shared-row backward kernel: stream the rows
         plan = plan_softmax(n_rows, n_cols, y2d.device, "online")
     dx = torch.empty((n_rows, n_cols), dtype=dx_dtype, device=y2d.device)
     strides = (n_cols, dy2d.stride(0), dy2d.stride(1), n_cols)
@@ -709,7 +815,68 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
         return torch.softmax(x.float(), dim).to(out_dtype)
     if torch.is_grad_enabled() and x.requires_grad:
         return _Softmax.apply(x, dim, algorithm, out_dtype)
-    return softmax_rows(x, dim, out_dtype, algorithm)
+    key = (x.shape, x.stride(), x.dtype, out_dtype, dim, algorithm, x.device,
+           torch.cuda.current_device() if x.is_cuda else None, x.data_ptr() % 16 == 0)
+    repeat = _REPEATS.get(key, _UNSEEN)
+    if repeat is _UNSEEN:
+        y = softmax_rows(x, dim, out_dtype, algorithm)
+        if len(_REPEATS) >= REPEATS_KEPT:
+            _REPEATS.clear()
+        _REPEATS[key] = _repeat_launch(x, dim, out_dtype, algorithm)
+        return y
+    return softmax_rows(x, dim, out_dtype, algorithm) if repeat is None else repeat(x)
+
+
+# Repeated calls: a second call with the same shape, strides, dtypes, dim, algorithm, device and
+# 16-byte alignment of x repeats the first one's launch directly, when that was one launch of the
+# fused or the shared-row kernel on a contiguous x over its last dim: the host cost decides small
+# softmaxes (4096 x 256 bf16 runs 8 us on the H100, while the general path took 45 us of its host's
+# time a call, this one 20, torch.softmax 8-11; bench/results/h100/host_overhead.log), and do_bench
+# hides less of it than the L2 flush before each run takes. None: the general path serves the call.
+_REPEATS: dict = {}
+_UNSEEN = object()
+REPEATS_KEPT = 4096  # signatures remembered before the cache starts over
+
+
+def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm: str):
+    """``f(x) -> y``: the launch the general path just made for ``x``, for tensors of the same signature; or None."""
+    if dim != x.dim() - 1 or not x.is_contiguous():
+        return None
+    n_cols = x.shape[-1]
+    x2d = x.view(-1, n_cols)
+    plan = plan_softmax(x2d.shape[0], n_cols, x.device, algorithm, shared_rows=x.dtype)
+    y_like = torch.empty((1,), dtype=out_dtype, device=x.device)  # the output's dtype and alignment
+    n_slots = 0
+    if plan.shares_rows:
+        if not shares_rows_on_chip(x.device):
+            return None
+        n_slots = x2d.shape[0] * plan.n_splits
+        slots_like = torch.empty((1,), dtype=torch.int64, device=x.device)
+        shared = _shared_rows_launch(x2d, y_like, x2d, slots_like, plan, True, False)
+        if shared is None:
+            return None
+        kernel, (grid, args, meta) = _softmax_shared_rows_kernel, shared
+        sizes = args[4:]
+    elif plan.algorithm == "fused":
+        kernel = _softmax_fused_kernel
+        grid, args, meta, _ = _fused_launch(x2d, y_like, x2d, out_dtype, plan, True, False)
+        sizes = args[3:]
+    else:
+        return None
+    run = compiled_launcher(kernel, grid, args, **meta)
+    if run is None:
+        return None
+
+    def repeat(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(x, dtype=out_dtype)  # contiguous, as x
+        # The kernels read pointers only: x and y stand for their (rows, n_cols) views.
+        if n_slots:
+            run((x, y, x, torch.zeros(n_slots, dtype=torch.int64, device=x.device), *sizes))
+        else:
+            run((x, y, x, *sizes))
+        return y
+
+    return repeat
 
 
 def logsumexp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -297,7 +297,7 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_c
     lse = torch.full((n_rows,), float("nan"))
     fs._softmax_shared_rows_kernel[(n_parts,)](
         x, y, lse, slots, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), n_cols,
-        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=n_parts, HAS_HEAD=head_cols > 0, HEAD_NUM_STAGES=1,
+        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=n_parts, HAS_HEAD=head_cols > 0,
         PREFETCH=prefetch, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True,
     )
     assert_close(y, softmax_ref(x))
@@ -317,10 +317,12 @@ def unpack_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_shared_rows_plan(monkeypatch):
     # On a (stand-in) GPU, rows past FUSED_MAX_COLS stay fused across programs, tiles by element size;
-    # rows longer than the resident programs hold add a head, streamed twice, to every part.
+    # rows longer than the resident programs hold add a head, streamed twice, to every part; so do
+    # few rows that would take several waves, while one wave's heads fit half of L2.
     gpu = torch.device("cuda", 0)
+    l2_bytes = 50 << 20
     monkeypatch.setattr(fs, "shares_rows_on_chip", lambda device: device.type == "cuda")
-    monkeypatch.setattr(fs, "device_info", lambda device: _runtime.DeviceInfo(132, 65536, 232448, 64))
+    monkeypatch.setattr(fs, "device_info", lambda device: _runtime.DeviceInfo(132, 65536, 232448, 64, (9, 0), l2_bytes))
     plan_softmax.cache_clear()
     try:
         fp32 = plan_softmax(4096, 65536, gpu, shared_rows=torch.float32)
@@ -329,19 +331,29 @@ def test_shared_rows_plan(monkeypatch):
         assert (bf16.block_n, bf16.n_splits, bf16.num_warps) == (32768, 4, 16)  # ragged last part
         odd = plan_softmax(3, 40_000, gpu, shared_rows=torch.float32)  # 3 parts of 13334 -> 3 of 16384
         assert (odd.block_n, odd.n_splits) == (16384, 3)
-        fp32_tile, _, fp32_per_sm, fp32_prefetch = fs.SHARED_TILES[4]
-        bf16_prefetch = fs.SHARED_TILES[2][3]
-        most = fp32_per_sm * 132 * fp32_tile  # what 2 programs a multiprocessor hold on chip
+        fp32_tile, bf16_tile = fs.SHARED_TILES[4], fs.SHARED_TILES[2]
+        most = fp32_tile.programs_per_sm * 132 * fp32_tile.cols  # what the resident fp32 programs hold on chip
         assert plan_softmax(1, most, gpu, shared_rows=torch.float32).head_cols == 0
         for n_cols in (most + 1, 1 << 24, 3 * most + 17):
             plan = plan_softmax(1, n_cols, gpu, shared_rows=torch.float32)
-            assert plan.algorithm == "fused" and plan.block_n == fp32_tile and plan.n_splits <= fp32_per_sm * 132
-            assert plan.head_cols > 0 and plan.head_cols % fs.SHARED_HEAD_BLOCK_N == 0
+            assert plan.algorithm == "fused" and plan.block_n == fp32_tile.cols
+            assert plan.n_splits <= fp32_tile.programs_per_sm * 132 and plan.head_block == fp32_tile.head_block
+            assert plan.head_cols > 0 and plan.head_cols % plan.head_block == 0 and plan.shares_rows
             assert plan.cols_per_split == plan.head_cols + plan.block_n
             assert plan.n_splits * plan.cols_per_split >= n_cols > (plan.n_splits - 1) * plan.cols_per_split
         bf16_long = plan_softmax(1, 1 << 24, gpu, shared_rows=torch.bfloat16)  # one 16-bit program a multiprocessor
         assert bf16_long.n_splits <= 132 and bf16_long.head_cols > 0
-        assert (fp32.prefetch, bf16.prefetch, bf16_long.prefetch) == (fp32_prefetch.value, *[bf16_prefetch.value] * 2)
+        assert (fp32.prefetch, bf16.prefetch, bf16_long.prefetch) == (fp32_tile.prefetch, *[bf16_tile.prefetch] * 2)
+        # 16 rows of 1M: 32 parts a row, 4 rows a wave. bf16: one wave of 8 parts a row (8 x 16 <= 132),
+        # 24 MB of heads <= 25 MB; fp32 (48 MB of heads) keeps the waves.
+        one_wave = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.bfloat16)
+        assert (one_wave.n_splits, one_wave.block_n, one_wave.cols_per_split) == (8, bf16_tile.cols, 1 << 17)
+        assert 16 * one_wave.n_splits * one_wave.head_cols * 2 <= fs.SHARED_ONE_WAVE_L2_FRACTION * l2_bytes
+        waves = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32)
+        assert (waves.n_splits, waves.head_cols) == (64, 0)
+        rows_128 = plan_softmax(128, 1 << 17, gpu, shared_rows=torch.bfloat16)  # one program a row, with a head
+        assert (rows_128.n_splits, rows_128.head_cols) == (1, (1 << 17) - bf16_tile.cols) and rows_128.shares_rows
+        assert plan_softmax(200, 1 << 17, gpu, shared_rows=torch.bfloat16).head_cols == 0  # more rows than programs
         assert plan_softmax(4, 65536, gpu).algorithm == "online"  # masked softmax: no shared-row kernel
         assert plan_softmax(4, 65536, gpu, "online", shared_rows=torch.float32).algorithm == "online"
         assert plan_softmax(4, 65536, CPU, shared_rows=torch.float32).algorithm == "online"  # interpreter
@@ -366,3 +378,44 @@ def test_shared_rows_backward_streams_the_rows():
     dx = softmax_backward(y, dy, torch.float32, fs.SoftmaxPlan("fused", 1, 32, 4, 4, 32))
     y64 = y.double()
     assert_close(dx, y64 * (dy.double() - (dy.double() * y64).sum(-1, keepdim=True)))
+
+
+def test_repeated_calls_repeat_the_first_launch(monkeypatch):
+    # A call with a signature seen before (shape, strides, dtypes, dim, algorithm, device, alignment)
+    # repeats the first call's launch through compiled_launcher. The interpreter compiles nothing,
+    # so here a stand-in launcher runs the same kernel, grid and arguments through it, and counts.
+    repeats = []
+
+    def interpreted_launcher(kernel, grid, args, **meta):
+        def run(new_args):
+            repeats.append(grid)
+            kernel[grid](*new_args, **meta)
+        return run
+
+    monkeypatch.setattr(fs, "compiled_launcher", interpreted_launcher)
+    monkeypatch.setattr(fs, "_REPEATS", {})
+    cases = [
+        (lambda: randn(37, 100, scale=3.0), None),
+        (lambda: randn(2, 3, 300, dtype=torch.bfloat16), torch.float32),  # 3-D, another output dtype
+        (lambda: randn(40, 4100)[:, 1:].contiguous(), None),  # one row a program (no persistent grid)
+    ]
+    for make, out_dtype in cases:
+        first = make()
+        assert_close(flashlite.softmax(first, dtype=out_dtype), softmax_ref(first))
+        before = len(repeats)
+        second = make()  # fresh data, same signature
+        y = flashlite.softmax(second, dtype=out_dtype)
+        assert len(repeats) == before + 1, "the second call did not repeat the first launch"
+        assert y.dtype == (out_dtype or second.dtype) and y.shape == second.shape
+        assert_close(y, softmax_ref(second))
+    # Signatures that differ get their own first call; non-last dims and strided views take the general path.
+    base = randn(37 * 100 + 1)
+    shifted = base[1:].view(37, 100)  # 4 bytes past 16-byte alignment: another specialization
+    count = len(repeats)
+    assert_close(flashlite.softmax(shifted), softmax_ref(shifted))
+    assert len(repeats) == count
+    x = randn(6, 50)
+    for _ in range(2):
+        assert_close(flashlite.softmax(x, dim=0), softmax_ref(x, dim=0))
+        assert_close(flashlite.softmax(x[:, ::2]), softmax_ref(x[:, ::2]))
+    assert len(repeats) == count
