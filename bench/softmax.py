@@ -261,7 +261,7 @@ def run_check(args) -> None:
 
 # ----------------------------------------------------------------------------- --tune
 
-ONE_WAVE_FRACTION = fs.SHARED_ONE_WAVE_L2_FRACTION
+HEADS_FRACTION = fs.SHARED_HEADS_L2_FRACTION
 
 
 def _time_plan(x: torch.Tensor, plan) -> str:
@@ -354,8 +354,8 @@ def run_tune(args) -> None:
             print(f"  {str(dtype)[6:]:9} 4096 x {n:<6} " + "  ".join(line), flush=True)
             del x
     fs.FUSED_PERSISTENT_MAX_COLS = saved_max
-    print("shared rows: tiles (cols/warps/programs a multiprocessor/prefetch of the next part), waves or one wave "
-          "with heads, head block -> GB/s do_bench / CUDA graph; 'auto' is the plan flashlite makes")
+    print("shared rows: tiles (cols/warps/programs a multiprocessor/prefetch of the next part), waves of held parts, "
+          "fewer waves with heads, or one wave; head block -> GB/s do_bench / CUDA graph; 'auto' is flashlite's plan")
     saved = dict(fs.SHARED_TILES)
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "shared") else ():
         size = dtype.itemsize
@@ -370,21 +370,25 @@ def run_tune(args) -> None:
             line = [f"online:{gbs(nbytes, time_ms(lambda: flashlite.softmax(x, algorithm='online'))):.0f}"]
             fs.plan_softmax.cache_clear()
             line.append(f"auto:{_time_plan(x, _fused_plan(x))}")
+            timed = set()
             for name, tile in tiles.items():
                 fs.SHARED_TILES[size] = tile
                 for head_block in sorted({tile.head_block, 4096, 8192}):
                     fs.SHARED_TILES[size] = dataclasses.replace(tile, head_block=head_block)
-                    for wave_label, fraction in (("waves", 0.0), ("one wave", 1.0)):
-                        fs.SHARED_ONE_WAVE_L2_FRACTION = fraction  # 0: waves unless one row is too long; 1: always one
+                    for wave_label, fraction in (("waves", 0.0), ("heads", HEADS_FRACTION), ("one wave", 1.0)):
+                        # 0: waves of held parts unless one row is too long; then as few waves as fit
+                        # the fraction of L2 (at most SHARED_MAX_HEAD_WAVES); 1: (nearly) always one.
+                        fs.SHARED_HEADS_L2_FRACTION = fraction
                         fs.plan_softmax.cache_clear()
                         plan = _fused_plan(x)
-                        if fraction and not plan.head_cols or (not plan.head_cols and head_block != tile.head_block):
-                            continue  # no head: the same plan again
+                        if plan in timed:
+                            continue
+                        timed.add(plan)
                         label = f"{name}/{wave_label if plan.head_cols else 'waves'}"
                         label += f"/head {plan.n_splits}x{plan.head_cols}+{plan.block_n} in {head_block}s" if plan.head_cols else ""
                         line.append(f"{label}:{_time_plan(x, plan)}")
                 fs.SHARED_TILES[size] = saved[size]
-            fs.SHARED_ONE_WAVE_L2_FRACTION = ONE_WAVE_FRACTION
+            fs.SHARED_HEADS_L2_FRACTION = HEADS_FRACTION
             print(f"  {str(dtype)[6:]:9} {str(shape):16} " + "  ".join(dict.fromkeys(line)), flush=True)
             del x
     fs.SHARED_TILES.update(saved)

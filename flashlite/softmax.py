@@ -402,10 +402,10 @@ class SharedRowTile:
 
 # H100, GB/s (do_bench), bench/results/h100/softmax_shared_tune.log (`--tune shared`):
 #                                         4096 x 65536   128 x 128K   16 x 1M   4 x 4M (in waves)
-#   fp32  16384, 4 warps, 2 an SM, none        2714          2122       1998      1793
-#   bf16  32768, 16 warps, 1 an SM, into L2    2540          1558       1431      1302
-#   bf16  the same, nothing                    2219          1323       1432      1299
-#   bf16  16384, 4 warps, 2 an SM, none        2372          1478       1508      1181
+#   fp32  16384, 4 warps, 2 an SM, none        2718          2132       2006      1795
+#   bf16  32768, 16 warps, 1 an SM, into L2    2532          1543       1413      1294
+#   bf16  the same, nothing                    2210          1504       1297      1288
+#   bf16  16384, 4 warps, 2 an SM, none        2360          1668       1503      1180
 # fp32 runs two programs a multiprocessor at 255 registers: one's load already overlaps the other's
 # wait, and the prefetch lost speed there (2457 at 4096 x 65536 in an earlier run of that log).
 SHARED_TILES = {
@@ -418,15 +418,18 @@ SHARED_TILES = {
 # holds, and reads the head again, last block first, once the row's state is known. Plain loads:
 # Triton's pipelined ones (cp.async) drop the eviction hint. Heads serve
 # * a row longer than all resident programs hold (past 4.3M columns on an H100): 1 x 16M, GB/s,
-#   fp32 1763 (online path 1426), bf16 1596 (online 904);
-# * few rows that would take several waves of resident programs (a read, a wait, a write each),
-#   all in one wave while one wave's heads take at most SHARED_ONE_WAVE_L2_FRACTION of L2: bf16
-#   128 x 128K / 16 x 1M / 4 x 4M (24 MB of heads) 1558 / 1431 / 1302 in waves, 1745 / 1733 /
-#   1691 in one; fp32 (48 MB of heads) 2122 / 1998 / 1793 in waves, 1921 / 1872 / 1849 in one.
-# Head blocks (same log, a second run): bf16 8192 columns, 1720 / 1720 / 1694 in one wave (4096:
+#   fp32 1753 (online path 1428), bf16 1597 (online 905);
+# * few rows that would take several waves of resident programs (a read, a wait, a write each):
+#   in at most SHARED_MAX_HEAD_WAVES waves, as few as keep one wave's heads within
+#   SHARED_HEADS_L2_FRACTION of L2. 128 x 128K / 16 x 1M / 4 x 4M: bf16 (24 MB of heads in one
+#   wave) 1543 / 1413 / 1294 in waves of held parts, 1749 / 1702 / 1680 in one; fp32 2132 / 2006 /
+#   1795 in waves, 1917 / 1863 / 1844 in one (48 MB of heads), 2129 / 2152 / 1994 in two (17 MB a
+#   wave). Three waves gave the same as two (softmax_waves_tune.log).
+# Head blocks (the same log, another run): bf16 8192 columns, 1720 / 1720 / 1694 in one wave (4096:
 # 1655 / 1592 / 1572; 16384: 1664 / 1662 / 1635); fp32 4096, 1860 at 4 x 4M and 1763 at 1 x 16M
 # (2048: 1696 / 1656). Loads issued two blocks ahead instead of one gained nothing there.
-SHARED_ONE_WAVE_L2_FRACTION = 0.5
+SHARED_HEADS_L2_FRACTION = 0.5
+SHARED_MAX_HEAD_WAVES = 2
 
 
 @dataclass(frozen=True)
@@ -507,17 +510,24 @@ def _plan_shared_rows(
     """Rows held by resident programs, ``SHARED_TILES[itemsize]`` columns each: a row in as many parts
     as it needs, in waves of as many rows as the programs hold; or in parts that also stream a head,
     when one row is longer than all programs hold, or when few rows would otherwise take several
-    waves and the heads of one wave fit L2 (see SHARED_ONE_WAVE_L2_FRACTION)."""
+    waves and one or two waves' heads fit L2 (SHARED_MAX_HEAD_WAVES, SHARED_HEADS_L2_FRACTION)."""
     tile = SHARED_TILES[min(itemsize, 4)]
     info = device_info(device)
     programs = tile.programs_per_sm * info.num_sms
     parts = n_splits or triton.cdiv(n_cols, tile.cols)
     if parts > programs or triton.cdiv(n_cols, parts) > tile.cols:
         return _plan_with_heads(n_cols, min(parts, programs), tile)
-    if n_splits is None and n_rows * parts > programs >= n_rows:
-        one_wave = _plan_with_heads(n_cols, programs // n_rows, tile)
-        if n_rows * one_wave.n_splits * one_wave.head_cols * itemsize <= SHARED_ONE_WAVE_L2_FRACTION * info.l2_bytes:
-            return one_wave
+    if n_splits is None and n_rows * parts > programs:
+        # Fewer waves than the held parts alone need, each part streaming a head: as few as L2 allows.
+        plain_waves = triton.cdiv(n_rows, programs // parts)
+        for waves in range(1, min(plain_waves, SHARED_MAX_HEAD_WAVES + 1)):
+            rows_per_wave = triton.cdiv(n_rows, waves)
+            if rows_per_wave > programs:
+                continue
+            plan = _plan_with_heads(n_cols, programs // rows_per_wave, tile)
+            heads = rows_per_wave * plan.n_splits * plan.head_cols * itemsize
+            if plan.head_cols and heads <= SHARED_HEADS_L2_FRACTION * info.l2_bytes:
+                return plan
     bn = triton.next_power_of_2(triton.cdiv(n_cols, parts))  # no wider than tile.cols
     return SoftmaxPlan("fused", 1, bn, tile.num_warps, triton.cdiv(n_cols, bn), bn, prefetch=tile.prefetch)
 
@@ -573,7 +583,8 @@ def _shared_rows_launch(
     x2d: torch.Tensor, y_arg: torch.Tensor, lse_arg: torch.Tensor, slots: torch.Tensor, plan: SoftmaxPlan,
     write_y: bool, write_lse: bool,
 ) -> tuple | None:
-    """``(grid, args, meta)`` of the shared-row kernel's cooperative launch; None if a row's parts cannot all be resident.
+    """``(grid, args, meta)`` of the shared-row kernel's cooperative launch; None if a row's parts
+    cannot all be resident.
 
     The grid holds as many whole rows at once as the device keeps programs
     resident (read off the compiled kernel), and never more: a program waiting

@@ -344,16 +344,26 @@ def test_shared_rows_plan(monkeypatch):
         bf16_long = plan_softmax(1, 1 << 24, gpu, shared_rows=torch.bfloat16)  # one 16-bit program a multiprocessor
         assert bf16_long.n_splits <= 132 and bf16_long.head_cols > 0
         assert (fp32.prefetch, bf16.prefetch, bf16_long.prefetch) == (fp32_tile.prefetch, *[bf16_tile.prefetch] * 2)
-        # 16 rows of 1M: 32 parts a row, 4 rows a wave. bf16: one wave of 8 parts a row (8 x 16 <= 132),
-        # 24 MB of heads <= 25 MB; fp32 (48 MB of heads) keeps the waves.
+        # 16 rows of 1M: 32 held parts a row, 4 rows a wave. bf16: one wave of 8 parts a row (8 x 16 <= 132),
+        # 24 MB of heads <= 25 MB; fp32 (48 MB of heads in one wave): two waves of 8 rows, 32 parts a row.
         one_wave = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.bfloat16)
         assert (one_wave.n_splits, one_wave.block_n, one_wave.cols_per_split) == (8, bf16_tile.cols, 1 << 17)
-        assert 16 * one_wave.n_splits * one_wave.head_cols * 2 <= fs.SHARED_ONE_WAVE_L2_FRACTION * l2_bytes
-        waves = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32)
-        assert (waves.n_splits, waves.head_cols) == (64, 0)
+        assert 16 * one_wave.n_splits * one_wave.head_cols * 2 <= fs.SHARED_HEADS_L2_FRACTION * l2_bytes
+        two_waves = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32)
+        assert (two_waves.n_splits, two_waves.head_cols, two_waves.block_n) == (32, 16384, fp32_tile.cols)
+        assert 8 * two_waves.n_splits <= 2 * 132 < 16 * two_waves.n_splits  # 8 rows a wave, not 16
+        assert 8 * two_waves.n_splits * two_waves.head_cols * 4 <= fs.SHARED_HEADS_L2_FRACTION * l2_bytes
+        max_head_waves = fs.SHARED_MAX_HEAD_WAVES
+        monkeypatch.setattr(fs, "SHARED_MAX_HEAD_WAVES", 1)  # one wave or none: fp32 keeps its waves of held parts
+        plan_softmax.cache_clear()
+        assert plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32).head_cols == 0
+        monkeypatch.setattr(fs, "SHARED_MAX_HEAD_WAVES", max_head_waves)
+        plan_softmax.cache_clear()
         rows_128 = plan_softmax(128, 1 << 17, gpu, shared_rows=torch.bfloat16)  # one program a row, with a head
         assert (rows_128.n_splits, rows_128.head_cols) == (1, (1 << 17) - bf16_tile.cols) and rows_128.shares_rows
-        assert plan_softmax(200, 1 << 17, gpu, shared_rows=torch.bfloat16).head_cols == 0  # more rows than programs
+        two_waves = plan_softmax(200, 1 << 17, gpu, shared_rows=torch.bfloat16)  # 2 waves of 100 rows, with heads
+        assert (two_waves.n_splits, two_waves.head_cols) == (1, (1 << 17) - bf16_tile.cols)
+        assert plan_softmax(400, 1 << 17, gpu, shared_rows=torch.bfloat16).head_cols == 0  # 2 waves would not hold them
         assert plan_softmax(4, 65536, gpu).algorithm == "online"  # masked softmax: no shared-row kernel
         assert plan_softmax(4, 65536, gpu, "online", shared_rows=torch.float32).algorithm == "online"
         assert plan_softmax(4, 65536, CPU, shared_rows=torch.float32).algorithm == "online"  # interpreter
