@@ -288,12 +288,12 @@ def run_tune(args) -> None:
                 for ept in (8, 16, 32):
                     fs.FUSED_TILE_ELEMS = fs.FUSED_SHORT_TILE_ELEMS = tile
                     fs.FUSED_ELEMS_PER_THREAD = ept
-                    fs.plan_softmax.cache_clear()
+                    fs.clear_plans()
                     ms = graph_time_ms(lambda: flashlite.softmax(x, algorithm="fused"))
                     line.append(f"{tile}/{ept}:{gbs(softmax_bytes(x), ms) or 0:.0f}")
             print(f"  {str(dtype)[6:]:9} N={n:6}  " + "  ".join(line), flush=True)
     fs.FUSED_MAX_COLS = 32768
-    fs.plan_softmax.cache_clear()
+    fs.clear_plans()
     print("online: block_n/warps (whole rows | split rows) x num_stages -> GB/s")
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "online") else ():
         for shape in ((4096, 65536),) + tuple(LONG_ROWS):
@@ -304,7 +304,7 @@ def run_tune(args) -> None:
                     fs.ONLINE_BLOCK_N, fs.ONLINE_NUM_WARPS = bn, warps
                     fs.SPLIT_BLOCK_N, fs.SPLIT_NUM_WARPS = bn, warps
                     fs.ONLINE_NUM_STAGES = stages
-                    fs.plan_softmax.cache_clear()
+                    fs.clear_plans()
                     ms = graph_time_ms(lambda: flashlite.softmax(x, algorithm="online"))
                     line.append((gbs(softmax_bytes(x), ms) or 0, f"{bn}/{warps}/s{stages}"))
             line.sort(reverse=True)
@@ -318,7 +318,7 @@ def run_tune(args) -> None:
             x = torch.randn(4096, n, device="cuda", dtype=dtype)
             nbytes = softmax_bytes(x)
             fs.FUSED_TILE_ELEMS, fs.FUSED_SHORT_TILE_ELEMS, fs.FUSED_ELEMS_PER_THREAD, fs.FUSED_PERSISTENT_MAX_COLS = saved
-            fs.plan_softmax.cache_clear()
+            fs.clear_plans()
             plan = fs.plan_softmax(4096, n, x.device, "auto", shared_rows=dtype)
             now = f"{plan.block_m * plan.block_n}/w{plan.num_warps}/{'P' if n <= saved[3] else 'G'}"
             line = {"torch": graph_time_ms(lambda: torch.softmax(x, -1)), "compile": graph_time_ms(lambda: compiled(x))}
@@ -326,7 +326,7 @@ def run_tune(args) -> None:
                 for ept in (8, 16, 32):
                     fs.FUSED_TILE_ELEMS = fs.FUSED_SHORT_TILE_ELEMS = tile
                     fs.FUSED_ELEMS_PER_THREAD = ept
-                    fs.plan_softmax.cache_clear()
+                    fs.clear_plans()
                     plan = fs.plan_softmax(4096, n, x.device, "auto", shared_rows=dtype)
                     for name, max_cols in (("P", 1 << 30), ("G", 0)):
                         fs.FUSED_PERSISTENT_MAX_COLS = max_cols
@@ -337,7 +337,7 @@ def run_tune(args) -> None:
                   + "  ".join(f"{label}:{rate:.0f}" for rate, label in rates[:8]), flush=True)
             del x
     fs.FUSED_TILE_ELEMS, fs.FUSED_SHORT_TILE_ELEMS, fs.FUSED_ELEMS_PER_THREAD, fs.FUSED_PERSISTENT_MAX_COLS = saved
-    fs.plan_softmax.cache_clear()
+    fs.clear_plans()
     print("fused grid: persistent (P) or one program a tile (G) -> GB/s do_bench / CUDA graph")
     saved_max = fs.FUSED_PERSISTENT_MAX_COLS
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "grid") else ():
@@ -368,7 +368,7 @@ def run_tune(args) -> None:
             x = torch.randn(*shape, device="cuda", dtype=dtype)
             nbytes = softmax_bytes(x)
             line = [f"online:{gbs(nbytes, time_ms(lambda: flashlite.softmax(x, algorithm='online'))):.0f}"]
-            fs.plan_softmax.cache_clear()
+            fs.clear_plans()
             line.append(f"auto:{_time_plan(x, _fused_plan(x))}")
             timed = set()
             for name, tile in tiles.items():
@@ -379,7 +379,7 @@ def run_tune(args) -> None:
                         # 0: waves of held parts unless one row is too long; then as few waves as fit
                         # the fraction of L2 (at most SHARED_MAX_HEAD_WAVES); 1: (nearly) always one.
                         fs.SHARED_HEADS_L2_FRACTION = fraction
-                        fs.plan_softmax.cache_clear()
+                        fs.clear_plans()
                         plan = _fused_plan(x)
                         if plan in timed:
                             continue
@@ -392,7 +392,7 @@ def run_tune(args) -> None:
             print(f"  {str(dtype)[6:]:9} {str(shape):16} " + "  ".join(dict.fromkeys(line)), flush=True)
             del x
     fs.SHARED_TILES.update(saved)
-    fs.plan_softmax.cache_clear()
+    fs.clear_plans()
     print("host cost per call (us), 4096 x 256 fp32:")
     x = torch.randn(4096, 256, device="cuda")
     for name, fn in (("flashlite", lambda: flashlite.softmax(x)), ("torch", lambda: torch.softmax(x, -1))):

@@ -849,6 +849,16 @@ _UNSEEN = object()
 REPEATS_KEPT = 4096  # signatures remembered before the cache starts over
 
 
+def clear_plans() -> None:
+    """Forget every softmax plan and repeated launch, after changing this module's tile constants.
+
+    ``plan_softmax.cache_clear()`` alone would leave the launches that repeated
+    calls replay (``_REPEATS``), made with the old constants.
+    """
+    plan_softmax.cache_clear()
+    _REPEATS.clear()
+
+
 def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm: str):
     """``f(x) -> y``: the launch the general path just made for ``x``, for tensors of the same signature; or None."""
     if dim != x.dim() - 1 or not x.is_contiguous():

@@ -15,7 +15,7 @@ from flashlite.masked_softmax import (
     masked_softmax_forward,
 )
 from flashlite.masking import broadcast_mask
-from flashlite.softmax import FUSED_MAX_COLS, plan_softmax
+from flashlite.softmax import FUSED_MAX_COLS, clear_plans, plan_softmax
 
 from .utils import DTYPES, assert_close, masked_softmax_ref, randn
 
@@ -332,7 +332,7 @@ def test_rows_longer_than_the_on_chip_limit(monkeypatch):
     monkeypatch.setattr(softmax_module, "FUSED_MAX_COLS", 256)
     for name in ("ONLINE_BLOCK_N", "SPLIT_BLOCK_N"):  # whole-row and split-row blocks, where the planner has them
         monkeypatch.setattr(softmax_module, name, 64, raising=False)
-    plan_softmax.cache_clear()
+    clear_plans()
     try:
         x = randn(1, 1, 2, 700)
         mask = bool_mask((700,))
@@ -340,7 +340,7 @@ def test_rows_longer_than_the_on_chip_limit(monkeypatch):
         assert plan.algorithm == "online" and plan.block_n <= 64
         assert_close(masked_softmax(x, mask, causal=True), masked_softmax_ref(x, mask, causal=True))
     finally:
-        plan_softmax.cache_clear()  # no plan made with the shrunk constants outlives the test
+        clear_plans()  # no plan made with the shrunk constants outlives the test
 
 
 def test_empty_inputs():

@@ -7,7 +7,7 @@ import torch
 
 import flashlite
 from flashlite import _runtime
-from flashlite.softmax import as_rows, plan_softmax, softmax_backward, softmax_forward
+from flashlite.softmax import as_rows, clear_plans, plan_softmax, softmax_backward, softmax_forward
 
 from .utils import DTYPES, assert_close, randn, softmax_ref
 
@@ -307,6 +307,37 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_c
     torch.testing.assert_close(d_published.double(), part_d[0, :1], rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize(
+    "n_cols,head_cols,n_parts",
+    [
+        (64, 8, 4),  # a head of exactly one block
+        (52, 8, 4),  # the last part's head ragged inside its only block, no tail
+        (100, 24, 4),  # three head blocks; the row ends inside the last part's second one
+        (37, 32, 1),  # one part a row, with a head; its tail ragged
+    ],
+)
+def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts):
+    # Where the row ends inside a head or a tail, and a head of one block: as above, the other parts
+    # are published beforehand from float64 statistics.
+    n_rows, block_n, head_block_n = 3, 8, 8
+    part_cols = head_cols + block_n
+    assert math.ceil(n_cols / part_cols) == n_parts
+    x = randn(n_rows, n_cols, scale=4.0)
+    chunks = x.double().split(part_cols, dim=1)
+    part_m = torch.stack([c.max(dim=1).values for c in chunks], 1)
+    part_d = torch.stack([torch.exp(c - m[:, None]).sum(1) for c, m in zip(chunks, part_m.T)], 1)
+    y = torch.full_like(x, float("nan"))
+    lse = torch.full((n_rows,), float("nan"))
+    fs._softmax_shared_rows_kernel[(n_parts,)](
+        x, y, lse, _host_packed(part_m.flatten(), part_d.flatten()), n_rows, n_cols, n_parts, head_cols,
+        x.stride(0), x.stride(1), n_cols, BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n,
+        PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True, PREFETCH=fs.PREFETCH_NONE,
+        EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
+    )
+    assert_close(y, softmax_ref(x))
+    assert_close(lse, torch.logsumexp(x.double(), -1))
+
+
 def unpack_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """unpack_state on the host: the float32 (m, d) of packed int64 states."""
     bits = packed.numpy().view(np.uint64)
@@ -323,7 +354,7 @@ def test_shared_rows_plan(monkeypatch):
     l2_bytes = 50 << 20
     monkeypatch.setattr(fs, "shares_rows_on_chip", lambda device: device.type == "cuda")
     monkeypatch.setattr(fs, "device_info", lambda device: _runtime.DeviceInfo(132, 65536, 232448, 64, (9, 0), l2_bytes))
-    plan_softmax.cache_clear()
+    clear_plans()
     try:
         fp32 = plan_softmax(4096, 65536, gpu, shared_rows=torch.float32)
         assert (fp32.algorithm, fp32.block_n, fp32.n_splits, fp32.num_warps, fp32.head_cols) == ("fused", 16384, 4, 4, 0)
@@ -355,10 +386,10 @@ def test_shared_rows_plan(monkeypatch):
         assert 8 * two_waves.n_splits * two_waves.head_cols * 4 <= fs.SHARED_HEADS_L2_FRACTION * l2_bytes
         max_head_waves = fs.SHARED_MAX_HEAD_WAVES
         monkeypatch.setattr(fs, "SHARED_MAX_HEAD_WAVES", 1)  # one wave or none: fp32 keeps its waves of held parts
-        plan_softmax.cache_clear()
+        clear_plans()
         assert plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32).head_cols == 0
         monkeypatch.setattr(fs, "SHARED_MAX_HEAD_WAVES", max_head_waves)
-        plan_softmax.cache_clear()
+        clear_plans()
         rows_128 = plan_softmax(128, 1 << 17, gpu, shared_rows=torch.bfloat16)  # one program a row, with a head
         assert (rows_128.n_splits, rows_128.head_cols) == (1, (1 << 17) - bf16_tile.cols) and rows_128.shares_rows
         two_waves = plan_softmax(200, 1 << 17, gpu, shared_rows=torch.bfloat16)  # 2 waves of 100 rows, with heads
@@ -368,7 +399,7 @@ def test_shared_rows_plan(monkeypatch):
         assert plan_softmax(4, 65536, gpu, "online", shared_rows=torch.float32).algorithm == "online"
         assert plan_softmax(4, 65536, CPU, shared_rows=torch.float32).algorithm == "online"  # interpreter
     finally:
-        plan_softmax.cache_clear()
+        clear_plans()
 
 
 def test_shared_rows_plan_falls_back_to_streaming_where_programs_cannot_wait():
@@ -429,3 +460,8 @@ def test_repeated_calls_repeat_the_first_launch(monkeypatch):
         assert_close(flashlite.softmax(x, dim=0), softmax_ref(x, dim=0))
         assert_close(flashlite.softmax(x[:, ::2]), softmax_ref(x[:, ::2]))
     assert len(repeats) == count
+    # clear_plans forgets the repeated launches too: the next call of a seen signature plans afresh.
+    seen = randn(37, 100, scale=3.0)
+    fs.clear_plans()
+    assert_close(flashlite.softmax(seen), softmax_ref(seen))
+    assert len(repeats) == count and len(fs._REPEATS) == 1
