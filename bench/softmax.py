@@ -244,6 +244,38 @@ def run_check(args) -> None:
                    f"(fast path {'ready' if taken else 'MISSING'})",
                    (y.double() - ref).abs().max().item() if taken and ok_dtype else float("nan"), tol[x.dtype])
     del base, cases, x, y, ref
+    # Shared-row slots are not zeroed between launches (_runtime.zeroed_slots): launches of few and many
+    # slots in turn, a second stream, and a captured CUDA graph replayed on new data between eager calls.
+    few, many = torch.randn(2, 3_000_000, device="cuda"), torch.randn(4096, 40_000, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    for turn in range(3):
+        for x in (few, many, few):
+            report(f"slots turn {turn} {tuple(x.shape)}", (flashlite.softmax(x).double() - torch.softmax(x.double(), -1)).abs().max().item(),
+                   tol[x.dtype])
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y_side = flashlite.softmax(many)
+        y_main = flashlite.softmax(few)
+        torch.cuda.current_stream().wait_stream(side)
+        for x, y in ((many, y_side), (few, y_main)):
+            report(f"slots turn {turn}, two streams {tuple(x.shape)}",
+                   (y.double() - torch.softmax(x.double(), -1)).abs().max().item(), tol[x.dtype])
+    static = torch.randn(16, 1 << 20, device="cuda")
+    graph_stream = torch.cuda.Stream()
+    graph_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(graph_stream):
+        flashlite.softmax(static)
+    torch.cuda.current_stream().wait_stream(graph_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = flashlite.softmax(static)
+    for turn in range(3):
+        static.copy_(torch.randn_like(static) * (turn + 1))
+        graph.replay()
+        flashlite.softmax(few)  # an eager launch between replays
+        report(f"CUDA graph replay {turn} (16, 1 << 20)", (y_graph.double() - torch.softmax(static.double(), -1)).abs().max().item(),
+               2e-6)
+    del few, many, static, y_side, y_main, y_graph, graph
     x = torch.randn(8, 9, 300, device="cuda")
     for dim in range(3):
         report(f"dim {dim}", (flashlite.softmax(x, dim=dim) - torch.softmax(x, dim)).abs().max().item(), 2e-6)

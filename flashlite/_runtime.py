@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import numbers
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -208,6 +209,52 @@ def _launch_compiled(compiled, device: int, grid: tuple, args: tuple) -> None:
 def _current_stream(device: int):
     """The current CUDA stream of ``device``, as Triton's launches read it."""
     return triton.runtime.driver.active.get_current_stream(device)
+
+
+# ----------------------------------------------------------------------------- slots zeroed in advance
+
+# Programs that wait for each other trade flags through int64 slots that must read 0 ("not yet")
+# when their launch starts. Zeroing fresh slots before every launch costs a memset launch (about
+# 2 us of device time on an H100: scratch runs, 4.7 -> 7.2 us around a trivial cooperative
+# kernel). Instead each (device, stream) keeps a pair of buffers: a launch publishes into one and
+# zeroes the whole other one, which the previous launch on that stream published into and the
+# next one publishes into. Launches on one stream run in order, so the buffer a launch publishes
+# into was zeroed by the one before it (or allocated zeroed).
+SLOTS_ALIGN = 16  # capacities are multiples of this: every launch's n_clear specializes alike (0 too)
+
+
+@dataclass
+class _SlotPair:
+    buffers: torch.Tensor  # (2, capacity) int64
+    publish: int = 0  # the row of ``buffers`` the next launch publishes into
+
+
+_SLOT_PAIRS: dict = {}
+_SLOTS_LOCK = threading.Lock()
+
+
+def zeroed_slots(device: torch.device, n_slots: int, launch_fn):
+    """Call ``launch_fn(slots, clear, n_clear)`` with ``n_slots`` zeroed int64 slots, where the kernel
+    launched must zero ``clear[:n_clear]``; returns what ``launch_fn`` returns (False: nothing launched).
+
+    On the current stream of ``device``, from its pair of buffers (see above). While
+    a CUDA graph is being captured the slots are fresh and zeroed by a captured
+    memset (``n_clear`` 0), since every replay repeats the same arguments. The lock
+    keeps the choice of buffer and the launch together when threads share a stream.
+    """
+    if torch.cuda.is_current_stream_capturing():
+        slots = torch.zeros(max(n_slots, 1), dtype=torch.int64, device=device)
+        return launch_fn(slots, slots, 0)
+    key = (device.index, _current_stream(device.index))
+    with _SLOTS_LOCK:
+        pair = _SLOT_PAIRS.get(key)
+        if pair is None or pair.buffers.shape[1] < n_slots:
+            capacity = triton.cdiv(max(n_slots, 1), SLOTS_ALIGN) * SLOTS_ALIGN
+            pair = _SLOT_PAIRS[key] = _SlotPair(torch.zeros((2, capacity), dtype=torch.int64, device=device))
+        launched = launch_fn(pair.buffers[pair.publish], pair.buffers[1 - pair.publish], pair.buffers.shape[1])
+        if launched is not False:
+            pair.publish = 1 - pair.publish
+        return launched
 
 
 def persistent_grid(n_tiles: int, device: torch.device, key: tuple) -> tuple:

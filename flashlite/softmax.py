@@ -43,7 +43,8 @@ import triton.language as tl
 
 from ._runtime import (
     check_float_dtype, compiled_launcher, cooperative_launch_supported, device_info, is_compiling, launch,
-    launch_persistent, occupancy, persistent_grid, record_residency, runs_kernels, signature_key,
+    launch_persistent, occupancy, persistent_grid, record_residency, runs_kernels, signature_key, zeroed_slots,
+    SLOTS_ALIGN,
 )
 from .online_softmax import (
     LOG2E,
@@ -192,18 +193,29 @@ def _head_normalize(x_row, y_row, head_start, head_end, n_cols, stride_xn, m, d,
 
 
 @triton.jit
+def _clear_slots(clear_ptr, n_clear, CLEAR_BLOCK: tl.constexpr):
+    """Zero slots ``[0, n_clear)`` of ``clear_ptr``, spread over the programs: the next launch publishes there."""
+    for start in tl.range(tl.program_id(0) * CLEAR_BLOCK, n_clear, tl.num_programs(0) * CLEAR_BLOCK):
+        offsets = start + tl.arange(0, CLEAR_BLOCK)
+        tl.store(clear_ptr + offsets, tl.zeros([CLEAR_BLOCK], tl.int64), mask=offsets < n_clear)
+
+
+@triton.jit
 def _softmax_shared_rows_kernel(
-    x_ptr, y_ptr, lse_ptr, slot_ptr,
+    x_ptr, y_ptr, lse_ptr, slot_ptr, clear_ptr, n_clear,
     n_rows, n_cols, n_parts, head_cols,
     stride_xm, stride_xn, stride_ym,
     BLOCK_N: tl.constexpr, HEAD_BLOCK_N: tl.constexpr, PARTS_POW2: tl.constexpr,
     HAS_HEAD: tl.constexpr, PREFETCH: tl.constexpr, EVEN_COLS: tl.constexpr,
-    WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
+    WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr, CLEAR_BLOCK: tl.constexpr,
 ):
     # n_parts resident programs hold a row between them; program pid = k * n_parts + part takes part
     # `part` of the rows k, k + rows_at_once, ... (the grid is a multiple of n_parts). A part is
     # [head_cols streamed twice | BLOCK_N held in registers]: with head_cols = 4096 and BLOCK_N = 16384,
     # part 2 is columns [40960, 45056) streamed, then [45056, 61440) on chip.
+    # The row's slots at slot_ptr are zero (unpublished); those at clear_ptr, which the last launch
+    # published into, are zeroed for the next one (_runtime.zeroed_slots).
+    _clear_slots(clear_ptr, n_clear, CLEAR_BLOCK)
     part = tl.program_id(0) % n_parts
     row_step = tl.num_programs(0) // n_parts
     part_start = part * (head_cols + BLOCK_N)  # columns fit 32 bits; rows times strides are 64-bit below
@@ -430,6 +442,8 @@ SHARED_TILES = {
 # (2048: 1696 / 1656). Loads issued two blocks ahead instead of one gained nothing there.
 SHARED_HEADS_L2_FRACTION = 0.5
 SHARED_MAX_HEAD_WAVES = 2
+# Slots each program of a shared-row launch zeroes in one turn of _clear_slots.
+SLOTS_CLEAR_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -570,21 +584,22 @@ def _launch_shared_rows(
     """
     if not shares_rows_on_chip(x2d.device):
         return False
-    slots = torch.zeros(x2d.shape[0] * plan.n_splits, dtype=torch.int64, device=x2d.device)  # 0: not published
-    shared = _shared_rows_launch(x2d, y_arg, lse_arg, slots, plan, write_y, write_lse)
-    if shared is None:
-        return False
-    grid, args, meta = shared
-    launch(_softmax_shared_rows_kernel, grid, args, **meta)
-    return True
+
+    def launch_with(slots: torch.Tensor, clear: torch.Tensor, n_clear: int) -> bool:
+        shared = _shared_rows_launch(x2d, y_arg, lse_arg, (slots, clear, n_clear), plan, write_y, write_lse)
+        if shared is not None:
+            launch(_softmax_shared_rows_kernel, *shared[:2], **shared[2])
+        return shared is not None
+
+    return zeroed_slots(x2d.device, x2d.shape[0] * plan.n_splits, launch_with)
 
 
 def _shared_rows_launch(
-    x2d: torch.Tensor, y_arg: torch.Tensor, lse_arg: torch.Tensor, slots: torch.Tensor, plan: SoftmaxPlan,
+    x2d: torch.Tensor, y_arg: torch.Tensor, lse_arg: torch.Tensor, slots: tuple, plan: SoftmaxPlan,
     write_y: bool, write_lse: bool,
 ) -> tuple | None:
     """``(grid, args, meta)`` of the shared-row kernel's cooperative launch; None if a row's parts
-    cannot all be resident.
+    cannot all be resident. ``slots``: ``(slots, clear, n_clear)`` from ``zeroed_slots``.
 
     The grid holds as many whole rows at once as the device keeps programs
     resident (read off the compiled kernel), and never more: a program waiting
@@ -592,12 +607,12 @@ def _shared_rows_launch(
     """
     n_rows, n_cols = x2d.shape
     device = x2d.device
-    args = (x2d, y_arg, lse_arg, slots, n_rows, n_cols, plan.n_splits, plan.head_cols, x2d.stride(0), x2d.stride(1),
+    args = (x2d, y_arg, lse_arg, *slots, n_rows, n_cols, plan.n_splits, plan.head_cols, x2d.stride(0), x2d.stride(1),
             n_cols)
     meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=max(plan.head_block, 1),
                 PARTS_POW2=triton.next_power_of_2(plan.n_splits), HAS_HEAD=plan.head_cols > 0, PREFETCH=plan.prefetch,
                 EVEN_COLS=n_cols == plan.n_splits * plan.cols_per_split, WRITE_Y=write_y, WRITE_LSE=write_lse,
-                num_warps=plan.num_warps, launch_cooperative_grid=True)
+                CLEAR_BLOCK=SLOTS_CLEAR_BLOCK, num_warps=plan.num_warps, launch_cooperative_grid=True)
     # Keyed by the arguments' specialization too: n_cols % 16, say, compiles another kernel, whose
     # registers (and so residency) can differ; a grid larger than what stays resident fails to launch.
     key = (*meta.items(), *signature_key(args), device)
@@ -872,12 +887,12 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
         if not shares_rows_on_chip(x.device):
             return None
         n_slots = x2d.shape[0] * plan.n_splits
-        slots_like = torch.empty((1,), dtype=torch.int64, device=x.device)
-        shared = _shared_rows_launch(x2d, y_like, x2d, slots_like, plan, True, False)
+        slots_like = torch.empty((SLOTS_ALIGN,), dtype=torch.int64, device=x.device)
+        shared = _shared_rows_launch(x2d, y_like, x2d, (slots_like, slots_like, SLOTS_ALIGN), plan, True, False)
         if shared is None:
             return None
         kernel, (grid, args, meta) = _softmax_shared_rows_kernel, shared
-        sizes = args[4:]
+        sizes = args[6:]
     elif plan.algorithm == "fused":
         kernel = _softmax_fused_kernel
         grid, args, meta, _ = _fused_launch(x2d, y_like, x2d, out_dtype, plan, True, False)
@@ -892,7 +907,7 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
         y = torch.empty_like(x, dtype=out_dtype)  # contiguous, as x
         # The kernels read pointers only: x and y stand for their (rows, n_cols) views.
         if n_slots:
-            run((x, y, x, torch.zeros(n_slots, dtype=torch.int64, device=x.device), *sizes))
+            zeroed_slots(x.device, n_slots, lambda slots, clear, n_clear: run((x, y, x, slots, clear, n_clear, *sizes)))
         else:
             run((x, y, x, *sizes))
         return y

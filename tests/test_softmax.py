@@ -295,13 +295,15 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_c
     slots[0] = 0  # the first program publishes its own slot before waiting
     y = torch.full_like(x, float("nan"))
     lse = torch.full((n_rows,), float("nan"))
+    clear = torch.randint(1, 1 << 40, (37,))  # what an earlier launch published: zeroed for the next one
     fs._softmax_shared_rows_kernel[(n_parts,)](
-        x, y, lse, slots, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), n_cols,
+        x, y, lse, slots, clear, 35, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), n_cols,
         BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=n_parts, HAS_HEAD=head_cols > 0,
-        PREFETCH=prefetch, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True,
+        PREFETCH=prefetch, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=8,
     )
     assert_close(y, softmax_ref(x))
     assert_close(lse, torch.logsumexp(x.double(), -1))
+    assert (clear[:35] == 0).all() and (clear[35:] != 0).all()  # n_clear slots over 4 programs, 8 a turn
     m_published, d_published = unpack_host(slots[:1])  # what the first program published for row 0
     assert m_published.item() == part_m[0, 0].float().item()
     torch.testing.assert_close(d_published.double(), part_d[0, :1], rtol=1e-5, atol=0)
@@ -328,11 +330,12 @@ def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts):
     part_d = torch.stack([torch.exp(c - m[:, None]).sum(1) for c, m in zip(chunks, part_m.T)], 1)
     y = torch.full_like(x, float("nan"))
     lse = torch.full((n_rows,), float("nan"))
+    slots = _host_packed(part_m.flatten(), part_d.flatten())
     fs._softmax_shared_rows_kernel[(n_parts,)](
-        x, y, lse, _host_packed(part_m.flatten(), part_d.flatten()), n_rows, n_cols, n_parts, head_cols,
-        x.stride(0), x.stride(1), n_cols, BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n,
-        PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True, PREFETCH=fs.PREFETCH_NONE,
-        EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
+        x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), n_cols,
+        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True,
+        PREFETCH=fs.PREFETCH_NONE, EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
+        CLEAR_BLOCK=16,
     )
     assert_close(y, softmax_ref(x))
     assert_close(lse, torch.logsumexp(x.double(), -1))
@@ -465,3 +468,35 @@ def test_repeated_calls_repeat_the_first_launch(monkeypatch):
     fs.clear_plans()
     assert_close(flashlite.softmax(seen), softmax_ref(seen))
     assert len(repeats) == count and len(fs._REPEATS) == 1
+
+
+def test_zeroed_slots_alternate_a_pair_of_buffers_per_stream(monkeypatch):
+    # Host logic of _runtime.zeroed_slots, with CPU tensors: each launch must find its slots zero
+    # although none is zeroed between launches (the "kernel" below zeroes what it is told to clear
+    # and leaves its own slots published), across a capacity that grows, a launch that does not
+    # happen, and two streams.
+    stream = [7]
+    monkeypatch.setattr(_runtime, "_current_stream", lambda index: stream[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_runtime, "_SLOT_PAIRS", {})
+    seen = []
+
+    def kernel(slots, clear, n_clear):
+        assert (slots == 0).all(), "a launch found slots published by an earlier one"
+        assert n_clear % _runtime.SLOTS_ALIGN == 0 and n_clear == clear.numel() >= slots.numel()
+        slots.fill_(12345)  # published, left so
+        clear[:n_clear] = 0
+        seen.append(slots.data_ptr())
+        return True
+
+    cpu = torch.device("cpu")
+    for n_slots in (5, 5, 40, 3, 40, 17):
+        assert _runtime.zeroed_slots(cpu, n_slots, kernel) is True
+    assert seen[0] != seen[1] and seen[-1] != seen[-2]  # one buffer, then the other
+    before = list(seen)
+    assert _runtime.zeroed_slots(cpu, 8, lambda *a: False) is False  # nothing launched: the same buffer next
+    _runtime.zeroed_slots(cpu, 8, kernel)
+    assert seen[-1] != before[-1]
+    stream[0] = 8  # another stream: its own pair
+    _runtime.zeroed_slots(cpu, 8, kernel)
+    assert len(_runtime._SLOT_PAIRS) == 2
