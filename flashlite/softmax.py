@@ -14,7 +14,10 @@
   the launch is cooperative and sized from the compiled kernel. A row longer
   than the resident programs hold is still shared by them: each part first
   streams a head (loaded with ``evict_last``), holds the rest on chip, and
-  re-reads the head from L2 once the row's state is known.
+  re-reads the head from L2 once the row's state is known. Rows of an odd
+  length start anywhere inside a 16-byte vector; they are read from the
+  vector at or before their start (``_row_frame``), so that loads and stores
+  stay vectorized (4096 x 50257 on an H100: 149 -> 2373 GB/s fp32).
 * **online**: a row is streamed in blocks of ``BLOCK_N``. Pass 1 folds the
   blocks into running states ``(m, d)``, one per lane, with the core's
   ``online_update_lanes`` (no reduction inside the loop), then merges the lanes;
@@ -33,6 +36,7 @@ CPU tensors run these kernels through Triton's interpreter when
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -149,8 +153,50 @@ def _softmax_fused_kernel(
 
 
 @triton.jit
-def _head_statistics(x_row, head_start, head_end, n_cols, stride_xn, HEAD_BLOCK_N: tl.constexpr,
-                     EVEN_COLS: tl.constexpr):
+def _row_frame(row_start, n_cols, VEC_COLS: tl.constexpr):
+    """``(lead, lo, hi)``: where a shared row lies in the columns it is read in.
+
+    With ``VEC_COLS > 1`` (columns in one 16-byte vector; rows start anywhere) a row
+    whose first element is ``row_start`` elements into an aligned tensor is read from
+    the aligned vector at or before it, ``lead`` columns earlier: its columns are
+    ``[lead, lead + n_cols)`` of that frame, its whole vectors ``[lo, hi)``. Bounds
+    that are multiples of ``VEC_COLS`` keep masked loads and stores vectorized; the at
+    most ``2 (VEC_COLS - 1)`` columns outside ``[lo, hi)`` are ``_row_edges``. With
+    ``VEC_COLS = 1`` rows start aligned: ``(0, 0, n_cols)``.
+    """
+    if VEC_COLS > 1:
+        lead = (row_start % VEC_COLS).to(tl.int32)
+        lo = tl.cdiv(lead, VEC_COLS) * VEC_COLS
+        hi = (lead + n_cols) // VEC_COLS * VEC_COLS
+    else:
+        lead = 0
+        lo = 0
+        hi = n_cols
+    return lead, lo, hi
+
+
+@triton.jit
+def _in_row(cols, lo, hi, VEC_COLS: tl.constexpr, EVEN_COLS: tl.constexpr):
+    """Which columns ``cols`` of a row's frame lie in ``[lo, hi)`` (``_row_frame``); all with ``EVEN_COLS``."""
+    ok = (cols < hi) | EVEN_COLS
+    if VEC_COLS > 1:
+        ok = ok & (cols >= lo)
+    return ok
+
+
+@triton.jit
+def _row_edges(lead, lo, hi, n_cols, VEC_COLS: tl.constexpr):
+    """``(cols, ok)`` [1, 2 VEC_COLS]: the columns of a row's frame outside its whole vectors, the first
+    vector's (before ``lo``) then the one at ``hi``; ``ok`` marks those in the row."""
+    lanes = tl.arange(0, 2 * VEC_COLS)[None, :]
+    cols = tl.where(lanes < VEC_COLS, lanes, hi + lanes - VEC_COLS)
+    ok = (cols >= lead) & (cols < lead + n_cols) & ((cols < lo) | (cols >= hi))
+    return cols, ok
+
+
+@triton.jit
+def _head_statistics(x_row, head_start, head_end, lo, hi, stride_xn, HEAD_BLOCK_N: tl.constexpr,
+                     VEC_COLS: tl.constexpr, EVEN_COLS: tl.constexpr):
     """The state ``(m, d)`` [1] of columns ``[head_start, head_end)`` of a row (whole blocks), read with
     ``evict_last``: ``_head_normalize`` reads them again, from L2 if they are still there.
 
@@ -161,35 +207,36 @@ def _head_statistics(x_row, head_start, head_end, n_cols, stride_xn, HEAD_BLOCK_
     lane_m = tl.full([1, HEAD_BLOCK_N], float("-inf"), tl.float32)
     lane_d = tl.zeros([1, HEAD_BLOCK_N], tl.float32)
     cols = head_start + tl.arange(0, HEAD_BLOCK_N)[None, :]
-    x_next = tl.load(x_row + cols * stride_xn, mask=(cols < n_cols) | EVEN_COLS, other=float("-inf"),
+    x_next = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, lo, hi, VEC_COLS, EVEN_COLS), other=float("-inf"),
                      eviction_policy="evict_last")
     for start in tl.range(head_start + HEAD_BLOCK_N, head_end + HEAD_BLOCK_N, HEAD_BLOCK_N, num_stages=1):
         x_block = x_next
         cols = start + tl.arange(0, HEAD_BLOCK_N)[None, :]  # past head_end on the last turn: nothing loaded
-        x_next = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & ((cols < n_cols) | EVEN_COLS),
+        x_next = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, lo, hi, VEC_COLS, EVEN_COLS),
                          other=float("-inf"), eviction_policy="evict_last")
         lane_m, lane_d = online_update_lanes(lane_m, lane_d, x_block.to(tl.float32), LOG2E)
     return merge_partial_states(lane_m, lane_d, LOG2E)
 
 
 @triton.jit
-def _head_normalize(x_row, y_row, head_start, head_end, n_cols, stride_xn, m, d, HEAD_BLOCK_N: tl.constexpr,
-                    EVEN_COLS: tl.constexpr):
+def _head_normalize(x_row, y_row, head_start, head_end, lo, hi, stride_xn, m, d, HEAD_BLOCK_N: tl.constexpr,
+                    VEC_COLS: tl.constexpr, EVEN_COLS: tl.constexpr):
     """Write the softmax of columns ``[head_start, head_end)`` (whole blocks) under the row's final state
     ``(m, d)`` [1], reading them again last block first (the likeliest still in L2), two blocks in flight."""
     n_blocks = (head_end - head_start) // HEAD_BLOCK_N
     cols = head_end - HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
-    x_next = tl.load(x_row + cols * stride_xn, mask=(cols < n_cols) | EVEN_COLS, other=float("-inf"),
+    x_next = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, lo, hi, VEC_COLS, EVEN_COLS), other=float("-inf"),
                      eviction_policy="evict_first")
     for k in tl.range(0, n_blocks, num_stages=1):
         x_block = x_next
         block_cols = head_end - (k + 1) * HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
         cols = block_cols - HEAD_BLOCK_N  # before head_start on the last turn: nothing loaded
-        x_next = tl.load(x_row + cols * stride_xn, mask=(cols >= head_start) & ((cols < n_cols) | EVEN_COLS),
+        x_next = tl.load(x_row + cols * stride_xn,
+                         mask=(cols >= head_start) & _in_row(cols, lo, hi, VEC_COLS, EVEN_COLS),
                          other=float("-inf"), eviction_policy="evict_first")
         y_block = final_weights(x_block.to(tl.float32), m, d, LOG2E, False)
-        tl.store(y_row + block_cols, y_block.to(y_row.dtype.element_ty), mask=(block_cols < n_cols) | EVEN_COLS,
-                 eviction_policy="evict_first")
+        tl.store(y_row + block_cols, y_block.to(y_row.dtype.element_ty),
+                 mask=_in_row(block_cols, lo, hi, VEC_COLS, EVEN_COLS), eviction_policy="evict_first")
 
 
 @triton.jit
@@ -206,13 +253,15 @@ def _softmax_shared_rows_kernel(
     n_rows, n_cols, n_parts, head_cols,
     stride_xm, stride_xn, stride_ym,
     BLOCK_N: tl.constexpr, HEAD_BLOCK_N: tl.constexpr, PARTS_POW2: tl.constexpr,
-    HAS_HEAD: tl.constexpr, PREFETCH: tl.constexpr, EVEN_COLS: tl.constexpr,
+    HAS_HEAD: tl.constexpr, PREFETCH: tl.constexpr, VEC_COLS: tl.constexpr, EVEN_COLS: tl.constexpr,
     WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr, CLEAR_BLOCK: tl.constexpr,
 ):
     # n_parts resident programs hold a row between them; program pid = k * n_parts + part takes part
     # `part` of the rows k, k + rows_at_once, ... (the grid is a multiple of n_parts). A part is
     # [head_cols streamed twice | BLOCK_N held in registers]: with head_cols = 4096 and BLOCK_N = 16384,
-    # part 2 is columns [40960, 45056) streamed, then [45056, 61440) on chip.
+    # part 2 is columns [40960, 45056) streamed, then [45056, 61440) on chip. Columns are those of the
+    # row's frame (_row_frame): with VEC_COLS > 1 (rows that start unaligned: stride_xm = stride_ym,
+    # stride_xn = 1) a row is read from the aligned vector before it, and part 0 also takes its edges.
     # The row's slots at slot_ptr are zero (unpublished); those at clear_ptr, which the last launch
     # published into, are zeroed for the next one (_runtime.zeroed_slots).
     _clear_slots(clear_ptr, n_clear, CLEAR_BLOCK)
@@ -222,17 +271,26 @@ def _softmax_shared_rows_kernel(
     head_end = part_start + head_cols
     # Every tile is [1, COLS], the core's layout: offsets, data and stores share one register layout.
     tail_cols = head_end + tl.arange(0, BLOCK_N)[None, :]
-    tail_ok = (tail_cols < n_cols) | EVEN_COLS  # every part inside the row: the masks fold away
     for row in tl.range(tl.program_id(0) // n_parts, n_rows, row_step):
         row = tl.cast(row, tl.int64)
         rows = row + tl.arange(0, 1)
+        lead, lo, hi = _row_frame(row * stride_xm, n_cols, VEC_COLS)
+        tail_ok = _in_row(tail_cols, lo, hi, VEC_COLS, EVEN_COLS)  # every part inside the row: folds away
         x_row = x_ptr + row * stride_xm
+        if VEC_COLS > 1:
+            x_row = x_ptr + tl.multiple_of(row * stride_xm - lead, VEC_COLS)
         if PREFETCH == PREFETCH_L2:  # the first BLOCK_N columns of the next row's part travel to L2
             if row + row_step < n_rows:
                 _prefetch_to_l2(x_row + row_step * stride_xm, part_start, n_cols, stride_xn, BLOCK_N)
         m_head, d_head = empty_state(1)
         if HAS_HEAD:
-            m_head, d_head = _head_statistics(x_row, part_start, head_end, n_cols, stride_xn, HEAD_BLOCK_N, EVEN_COLS)
+            m_head, d_head = _head_statistics(x_row, part_start, head_end, lo, hi, stride_xn, HEAD_BLOCK_N, VEC_COLS,
+                                              EVEN_COLS)
+        if VEC_COLS > 1:  # part 0 takes the row's edges (masks from tl.where: the interpreter's scalar & is int32)
+            edge_cols, edge_ok = _row_edges(lead, lo, hi, n_cols, VEC_COLS)
+            edge_ok = tl.where(part == 0, edge_ok, False)
+            x_edge = tl.load(x_row + edge_cols, mask=edge_ok, other=float("-inf")).to(tl.float32)
+            m_head, d_head, _, _ = online_update(m_head, d_head, x_edge, LOG2E)
         x = tl.load(x_row + tail_cols * stride_xn, mask=tail_ok, other=float("-inf"), eviction_policy="evict_first")
         m_part, d_part, p, _ = online_update(m_head, d_head, x.to(tl.float32), LOG2E)
         # p = e^(x - m_part) stays on chip while the parts meet; it then needs e^(m_part - m_row).
@@ -242,11 +300,15 @@ def _softmax_shared_rows_kernel(
                 tl.store(lse_ptr + rows, state_logsumexp(m_row, d_row, LOG2E))
         if WRITE_Y:
             y_row = y_ptr + row * stride_ym
+            if VEC_COLS > 1:
+                y_row = y_ptr + tl.multiple_of(row * stride_ym - lead, VEC_COLS)
+                y_edge = final_weights(x_edge, m_row, d_row, LOG2E, False)
+                tl.store(y_row + edge_cols, y_edge.to(y_ptr.dtype.element_ty), mask=edge_ok)
             y = normalize(p * rescale_factor(m_part, m_row, LOG2E)[:, None], d_row, False)
             tl.store(y_row + tail_cols, y.to(y_ptr.dtype.element_ty), mask=tail_ok, eviction_policy="evict_first")
             if HAS_HEAD:
-                _head_normalize(x_row, y_row, part_start, head_end, n_cols, stride_xn, m_row, d_row, HEAD_BLOCK_N,
-                                EVEN_COLS)
+                _head_normalize(x_row, y_row, part_start, head_end, lo, hi, stride_xn, m_row, d_row, HEAD_BLOCK_N,
+                                VEC_COLS, EVEN_COLS)
 
 
 @triton.jit
@@ -424,6 +486,16 @@ SHARED_TILES = {
     4: SharedRowTile(16384, 4, 2, PREFETCH_NONE.value, 4096),
     2: SharedRowTile(32768, 16, 1, PREFETCH_L2.value, 8192),
 }
+# Rows neither aligned nor in a frame that aligns them (row_vectors() = 0: a strided view with an odd
+# row length, an unaligned base) are read one element a load: every element then has its own 64-bit
+# address, and the tiles above spilled to local memory (4096 x 50257 fp32 / bf16 147 / 78 GB/s).
+# H100, GB/s (do_bench), bench/results/h100/softmax_unaligned_tune.log, 4096 x 50257 / 128 x 131071 / 1 x 16777215:
+#   fp32  8192, 4 warps    1841 / 1633 / 1002      8192, 8 warps   1592 / 1331 / 1547
+#   bf16  8192, 4 warps    1264 /  895 /  648      8192, 8 warps   1118 / 1179 /  981
+SHARED_TILES_UNALIGNED = {
+    4: SharedRowTile(8192, 4, 2, PREFETCH_NONE.value, 2048),
+    2: SharedRowTile(8192, 8, 1, PREFETCH_L2.value, 8192),
+}
 # More than the resident programs hold at once is still taken in one read of memory where L2
 # allows: every program streams a head of its part (blocks of head_block columns, loaded with
 # evict_last, the next block's loads issued before a block is folded in) before the columns it
@@ -459,11 +531,32 @@ class SoftmaxPlan:
     head_cols: int = 0  # fused with shared rows: columns of each part streamed twice before the block_n held
     prefetch: int = 0  # fused with shared rows: PREFETCH_NONE or PREFETCH_L2 (the next part into L2)
     head_block: int = 0  # fused with shared rows and heads: columns of one streamed head block
+    vec_cols: int = 1  # shared rows: row_vectors() of the rows planned for (> 1: read in the frame of _row_frame)
 
     @property
     def shares_rows(self) -> bool:
         """True if resident programs share rows (the shared-row kernel): parts, or a part with a head."""
         return self.algorithm == "fused" and (self.n_splits > 1 or self.head_cols > 0)
+
+
+def row_vectors(x2d: torch.Tensor, out_dtype: torch.dtype) -> int:
+    """How the shared-row kernel reads the rows of ``x2d`` (n_rows, n_cols) and writes a contiguous output.
+
+    1: every row starts 16-byte aligned in both, as Triton sees it (row stride and
+    length multiples of 16 elements): vector loads and stores. The columns of one
+    16-byte vector (> 1): rows start anywhere, but ``x2d`` is contiguous from an
+    aligned address, so each row is read from the vector at or before its start
+    (``_row_frame``). 0: neither (an unaligned base, a strided view of odd rows):
+    one element a load, in ``SHARED_TILES_UNALIGNED``.
+    """
+    n_rows, n_cols = x2d.shape
+    if x2d.stride(1) != 1 or x2d.data_ptr() % 16:
+        return 0
+    if n_cols % 16 == 0 and x2d.stride(0) % 16 == 0:
+        return 1
+    if x2d.stride(0) == n_cols or n_rows == 1:
+        return 16 // min(x2d.element_size(), torch.empty((), dtype=out_dtype).element_size())
+    return 0
 
 
 def shares_rows_on_chip(device: torch.device) -> bool:
@@ -479,6 +572,7 @@ def shares_rows_on_chip(device: torch.device) -> bool:
 def plan_softmax(
     n_rows: int, n_cols: int, device: torch.device, algorithm: str = "auto",
     block_n: int | None = None, n_splits: int | None = None, shared_rows: torch.dtype | None = None,
+    vec_cols: int = 1,
 ) -> SoftmaxPlan:
     """Choose the regime and tile sizes for a (n_rows, n_cols) softmax; ``block_n``/``n_splits`` force them (tests).
 
@@ -491,7 +585,7 @@ def plan_softmax(
     """
     shared = shared_rows is not None and algorithm in ("auto", "fused") and shares_rows_on_chip(device)
     if n_cols > FUSED_MAX_COLS and shared:
-        return _plan_shared_rows(n_rows, n_cols, device, shared_rows.itemsize, n_splits)
+        return _plan_shared_rows(n_rows, n_cols, device, shared_rows.itemsize, n_splits, vec_cols)
     if algorithm == "auto":
         algorithm = "fused" if n_cols <= FUSED_MAX_COLS else "online"
     if algorithm == "fused":
@@ -519,13 +613,24 @@ def plan_softmax(
 
 
 def _plan_shared_rows(
-    n_rows: int, n_cols: int, device: torch.device, itemsize: int, n_splits: int | None,
+    n_rows: int, n_cols: int, device: torch.device, itemsize: int, n_splits: int | None, vec_cols: int,
 ) -> SoftmaxPlan:
     """Rows held by resident programs, ``SHARED_TILES[itemsize]`` columns each: a row in as many parts
     as it needs, in waves of as many rows as the programs hold; or in parts that also stream a head,
     when one row is longer than all programs hold, or when few rows would otherwise take several
-    waves and one or two waves' heads fit L2 (SHARED_MAX_HEAD_WAVES, SHARED_HEADS_L2_FRACTION)."""
-    tile = SHARED_TILES[min(itemsize, 4)]
+    waves and one or two waves' heads fit L2 (SHARED_MAX_HEAD_WAVES, SHARED_HEADS_L2_FRACTION).
+    ``vec_cols`` (``row_vectors``): rows read in a frame ``vec_cols - 1`` columns wider, or with the
+    unaligned tiles."""
+    tiles = SHARED_TILES if vec_cols else SHARED_TILES_UNALIGNED
+    plan = _plan_shared_parts(n_rows, n_cols + max(vec_cols - 1, 0), device, itemsize, n_splits,
+                              tiles[min(itemsize, 4)])
+    return dataclasses.replace(plan, vec_cols=vec_cols)
+
+
+def _plan_shared_parts(
+    n_rows: int, n_cols: int, device: torch.device, itemsize: int, n_splits: int | None, tile: SharedRowTile,
+) -> SoftmaxPlan:
+    """``_plan_shared_rows`` for rows of ``n_cols`` columns (of their frame) and one tile."""
     info = device_info(device)
     programs = tile.programs_per_sm * info.num_sms
     parts = n_splits or triton.cdiv(n_cols, tile.cols)
@@ -611,7 +716,9 @@ def _shared_rows_launch(
             n_cols)
     meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=max(plan.head_block, 1),
                 PARTS_POW2=triton.next_power_of_2(plan.n_splits), HAS_HEAD=plan.head_cols > 0, PREFETCH=plan.prefetch,
-                EVEN_COLS=n_cols == plan.n_splits * plan.cols_per_split, WRITE_Y=write_y, WRITE_LSE=write_lse,
+                VEC_COLS=max(plan.vec_cols, 1),
+                EVEN_COLS=plan.vec_cols <= 1 and n_cols == plan.n_splits * plan.cols_per_split,
+                WRITE_Y=write_y, WRITE_LSE=write_lse,
                 CLEAR_BLOCK=SLOTS_CLEAR_BLOCK, num_warps=plan.num_warps, launch_cooperative_grid=True)
     # Keyed by the arguments' specialization too: n_cols % 16, say, compiles another kernel, whose
     # registers (and so residency) can differ; a grid larger than what stays resident fails to launch.
@@ -745,7 +852,8 @@ def from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
 def _softmax_as_rows(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm: str) -> tuple:
     """``(y2d, plan)``: the softmax of ``x`` viewed as rows along ``dim``, and the plan it ran with."""
     x2d = as_rows(x, dim)
-    plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm, shared_rows=x.dtype)
+    plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm, shared_rows=x.dtype,
+                        vec_cols=row_vectors(x2d, out_dtype))
     y2d, _ = softmax_forward(x2d, out_dtype, plan)
     return y2d, plan
 
@@ -764,7 +872,7 @@ def reduced_shape(x: torch.Tensor, dim: int) -> tuple:
 def logsumexp_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Log-sum-exp of checked, non-empty ``x`` along ``dim`` (made non-negative) on the kernels, in ``x``'s dtype."""
     x2d = as_rows(x, dim)
-    plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, shared_rows=x.dtype)
+    plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, shared_rows=x.dtype, vec_cols=row_vectors(x2d, x.dtype))
     _, lse = softmax_forward(x2d, x.dtype, plan, write_y=False, write_lse=True)
     return lse.to(x.dtype).view(reduced_shape(x, dim))
 
@@ -880,7 +988,8 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
         return None
     n_cols = x.shape[-1]
     x2d = x.view(-1, n_cols)
-    plan = plan_softmax(x2d.shape[0], n_cols, x.device, algorithm, shared_rows=x.dtype)
+    plan = plan_softmax(x2d.shape[0], n_cols, x.device, algorithm, shared_rows=x.dtype,
+                        vec_cols=row_vectors(x2d, out_dtype))
     y_like = torch.empty((1,), dtype=out_dtype, device=x.device)  # the output's dtype and alignment
     n_slots = 0
     if plan.shares_rows:

@@ -1,5 +1,6 @@
 """flashlite.softmax / logsumexp against float64 torch, through the Triton interpreter."""
 
+import dataclasses
 import math
 
 import pytest
@@ -299,7 +300,7 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_c
     fs._softmax_shared_rows_kernel[(n_parts,)](
         x, y, lse, slots, clear, 35, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), n_cols,
         BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=n_parts, HAS_HEAD=head_cols > 0,
-        PREFETCH=prefetch, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=8,
+        PREFETCH=prefetch, VEC_COLS=1, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=8,
     )
     assert_close(y, softmax_ref(x))
     assert_close(lse, torch.logsumexp(x.double(), -1))
@@ -334,11 +335,74 @@ def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts):
     fs._softmax_shared_rows_kernel[(n_parts,)](
         x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), n_cols,
         BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True,
-        PREFETCH=fs.PREFETCH_NONE, EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
+        PREFETCH=fs.PREFETCH_NONE, VEC_COLS=1, EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
         CLEAR_BLOCK=16,
     )
     assert_close(y, softmax_ref(x))
     assert_close(lse, torch.logsumexp(x.double(), -1))
+
+
+def _frame_part_states(x: torch.Tensor, part_cols: int, n_parts: int, vec_cols: int) -> tuple:
+    """float64 ``(part_m, part_d)`` [rows, parts] of each part of each row in the frame of ``_row_frame``
+    (x contiguous from an aligned address): its whole vectors by frame column, the edges part 0's."""
+    n_rows, n_cols = x.shape
+    part_m = torch.full((n_rows, n_parts), float("-inf"), dtype=torch.float64)
+    part_d = torch.zeros((n_rows, n_parts), dtype=torch.float64)
+    for row in range(n_rows):
+        lead = row * n_cols % vec_cols
+        lo, hi = -(-lead // vec_cols) * vec_cols, (lead + n_cols) // vec_cols * vec_cols
+        frame = torch.arange(n_cols) + lead
+        whole = (frame >= lo) & (frame < hi)
+        for part in range(n_parts):
+            values = x[row, (whole & (frame // part_cols == part)) | (~whole if part == 0 else False)].double()
+            if values.numel():
+                part_m[row, part] = values.max()
+                part_d[row, part] = torch.exp(values - values.max().nan_to_num(neginf=0.0)).sum()
+    return part_m, part_d
+
+
+@pytest.mark.parametrize("dtype,vec_cols", [(torch.float32, 4), (torch.bfloat16, 8)])
+@pytest.mark.parametrize("n_cols,head_cols", [(45, 0), (61, 16), (99, 8)])
+def test_shared_rows_kernel_reads_unaligned_rows_from_the_vector_before(dtype, vec_cols, n_cols, head_cols):
+    # Contiguous rows of an odd length start anywhere inside a 16-byte vector: each row is read from
+    # the vector at or before its start (lead columns earlier), its whole vectors by the parts, its
+    # edges by part 0. y gets rows 16 columns apart (the same lead each row), the 16 between them
+    # poisoned: every write must stay inside its row.
+    n_rows, block_n, head_block_n, gap = 5, 16, 8, 16
+    part_cols = head_cols + block_n
+    n_parts = math.ceil((n_cols + vec_cols - 1) / part_cols)
+    x = randn(n_rows, n_cols, dtype=dtype, scale=4.0)
+    x[1, 3] = 30.0  # the maximum on a head edge (row 1 starts mid-vector)
+    x[2, n_cols - 1] = float("nan")  # NaN on a tail edge: the whole row NaN
+    x[3] = float("-inf")  # a row of -inf: NaN, as torch.softmax
+    assert len({row * n_cols % vec_cols for row in range(n_rows)}) > 2 and x.data_ptr() % 16 == 0
+    part_m, part_d = _frame_part_states(x, part_cols, n_parts, vec_cols)
+    slots = _host_packed(part_m.flatten().float(), part_d.flatten().float())
+    slots[0] = 0  # the first program publishes its own slot before waiting
+    y = torch.full((n_rows, n_cols + gap), float("nan"), dtype=dtype)
+    lse = torch.full((n_rows,), float("nan"))
+    fs._softmax_shared_rows_kernel[(n_parts,)](
+        x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), y.stride(0),
+        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=triton.next_power_of_2(n_parts),
+        HAS_HEAD=head_cols > 0, PREFETCH=fs.PREFETCH_NONE, VEC_COLS=vec_cols, EVEN_COLS=False,
+        WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=16,
+    )
+    assert_close(y[:, :n_cols], softmax_ref(x))
+    assert y[:, n_cols:].isnan().all()
+    assert_close(lse, torch.logsumexp(x.double(), -1))
+
+
+def test_row_vectors():
+    # 1: rows aligned as Triton sees them; > 1: contiguous from an aligned base, rows read from the
+    # vector before them; 0: neither, one element a load.
+    assert fs.row_vectors(torch.empty(8, 64), torch.float32) == 1
+    assert fs.row_vectors(torch.empty(8, 50257), torch.float32) == 4
+    assert fs.row_vectors(torch.empty(8, 50257, dtype=torch.bfloat16), torch.bfloat16) == 8
+    assert fs.row_vectors(torch.empty(8, 50257, dtype=torch.bfloat16), torch.float32) == 8  # y's vectors too
+    assert fs.row_vectors(torch.empty(8, 40), torch.float32) == 4  # 8 vectors, but not 16 columns
+    assert fs.row_vectors(torch.empty(1, 50257), torch.float32) == 4
+    assert fs.row_vectors(torch.empty(8, 50272)[:, :50257], torch.float32) == 0  # y's rows would not align
+    assert fs.row_vectors(torch.empty(8 * 64 + 1)[1:].view(8, 64), torch.float32) == 0  # base 4 bytes past
 
 
 def unpack_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,6 +462,15 @@ def test_shared_rows_plan(monkeypatch):
         two_waves = plan_softmax(200, 1 << 17, gpu, shared_rows=torch.bfloat16)  # 2 waves of 100 rows, with heads
         assert (two_waves.n_splits, two_waves.head_cols) == (1, (1 << 17) - bf16_tile.cols)
         assert plan_softmax(400, 1 << 17, gpu, shared_rows=torch.bfloat16).head_cols == 0  # 2 waves would not hold them
+        # Unaligned rows: read in a frame vec_cols - 1 columns wider (65533 + 3 columns: the parts of 65536),
+        # or, where no frame aligns them, in the unaligned tiles.
+        framed = plan_softmax(4096, 65533, gpu, shared_rows=torch.float32, vec_cols=4)
+        assert framed == dataclasses.replace(fp32, vec_cols=4)
+        assert plan_softmax(4096, 65534, gpu, shared_rows=torch.float32, vec_cols=4).n_splits == 5
+        scalar = plan_softmax(4096, 50257, gpu, shared_rows=torch.bfloat16, vec_cols=0)
+        unaligned_tile = fs.SHARED_TILES_UNALIGNED[2]
+        assert (scalar.block_n, scalar.num_warps, scalar.n_splits, scalar.vec_cols) == (
+            unaligned_tile.cols, unaligned_tile.num_warps, math.ceil(50257 / unaligned_tile.cols), 0)
         assert plan_softmax(4, 65536, gpu).algorithm == "online"  # masked softmax: no shared-row kernel
         assert plan_softmax(4, 65536, gpu, "online", shared_rows=torch.float32).algorithm == "online"
         assert plan_softmax(4, 65536, CPU, shared_rows=torch.float32).algorithm == "online"  # interpreter
