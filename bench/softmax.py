@@ -211,9 +211,21 @@ def run_check(args) -> None:
         x = wide[:, :100_003]  # row stride 150000
         report(f"shared rows, strided view {dtype}",
                (flashlite.softmax(x).double() - torch.softmax(x.double(), -1)).abs().max().item(), tol[dtype])
-        x = torch.randn(3 * 100_003 + 1, device="cuda", dtype=dtype)[1:].view(3, 100_003)  # an unaligned base
-        report(f"shared rows, unaligned base {dtype} (row_vectors {fs.row_vectors(x, dtype)})",
-               (flashlite.softmax(x).double() - torch.softmax(x.double(), -1)).abs().max().item(), tol[dtype])
+        # Bases past a 16-byte boundary (read from it, the output as far past one), twice each: no repeated launch.
+        for n_rows, n_cols, skip in ((3, 100_003, 1), (4096, 50257, 5), (64, 65536, 3)):
+            x = torch.randn(n_rows * n_cols + skip, device="cuda", dtype=dtype)[skip:].view(n_rows, n_cols) * 3
+            ref = torch.softmax(x.double(), -1)
+            for call in ("first", "second"):
+                for out_dtype in (dtype, torch.float32):
+                    poison_allocator()
+                    y = flashlite.softmax(x, dtype=out_dtype)
+                    report(f"shared rows, base {skip} elements past, {call} call ({n_rows}, {n_cols}) "
+                           f"{dtype}->{out_dtype} (row_vectors {fs.row_vectors(x, out_dtype)})",
+                           (y.double() - ref).abs().max().item(), tol[out_dtype])
+            lse_ref = torch.logsumexp(x.double(), -1)
+            report(f"logsumexp, base {skip} elements past ({n_rows}, {n_cols}) {dtype} (relative)",
+                   ((flashlite.logsumexp(x).double() - lse_ref) / lse_ref).abs().max().item(),
+                   2e-6 if dtype == torch.float32 else 8e-3)
         x = torch.randn(9, 70_001, device="cuda", dtype=dtype) * 3
         poison_allocator()
         report(f"shared rows, odd rows {dtype} -> float32 (row_vectors {fs.row_vectors(x, torch.float32)})",

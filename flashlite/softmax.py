@@ -15,9 +15,10 @@
   than the resident programs hold is still shared by them: each part first
   streams a head (loaded with ``evict_last``), holds the rest on chip, and
   re-reads the head from L2 once the row's state is known. Rows of an odd
-  length start anywhere inside a 16-byte vector; they are read from the
-  vector at or before their start (``_row_frame``), so that loads and stores
-  stay vectorized (4096 x 50257 on an H100: 149 -> 2373 GB/s fp32).
+  length (or from an unaligned base) start anywhere inside a 16-byte vector;
+  they are read from the first vector boundary in them (``_row_frame``), so
+  that loads and stores stay vectorized (4096 x 50257 on an H100: 149 -> 2373
+  GB/s fp32).
 * **online**: a row is streamed in blocks of ``BLOCK_N``. Pass 1 folds the
   blocks into running states ``(m, d)``, one per lane, with the core's
   ``online_update_lanes`` (no reduction inside the loop), then merges the lanes;
@@ -154,49 +155,45 @@ def _softmax_fused_kernel(
 
 @triton.jit
 def _row_frame(row_start, n_cols, VEC_COLS: tl.constexpr):
-    """``(lead, lo, hi)``: where a shared row lies in the columns it is read in.
+    """``(pre, hi)``: where a shared row lies in the columns it is read in.
 
     With ``VEC_COLS > 1`` (columns in one 16-byte vector; rows start anywhere) a row
-    whose first element is ``row_start`` elements into an aligned tensor is read from
-    the aligned vector at or before it, ``lead`` columns earlier: its columns are
-    ``[lead, lead + n_cols)`` of that frame, its whole vectors ``[lo, hi)``. Bounds
-    that are multiples of ``VEC_COLS`` keep masked loads and stores vectorized; the at
-    most ``2 (VEC_COLS - 1)`` columns outside ``[lo, hi)`` are ``_row_edges``. With
-    ``VEC_COLS = 1`` rows start aligned: ``(0, 0, n_cols)``.
+    whose first element is ``row_start`` elements past an aligned address is read
+    from the first vector boundary at or after its start, ``pre`` columns in: its
+    columns are ``[-pre, n_cols - pre)`` of that frame, its whole vectors ``[0, hi)``.
+    A bound that is a multiple of ``VEC_COLS`` keeps masked loads and stores
+    vectorized; the at most ``2 (VEC_COLS - 1)`` columns outside ``[0, hi)`` are
+    ``_row_edges``. With ``VEC_COLS = 1`` rows start aligned: ``(0, n_cols)``.
     """
     if VEC_COLS > 1:
-        lead = (row_start % VEC_COLS).to(tl.int32)
-        lo = tl.cdiv(lead, VEC_COLS) * VEC_COLS
-        hi = (lead + n_cols) // VEC_COLS * VEC_COLS
+        pre = ((VEC_COLS - row_start % VEC_COLS) % VEC_COLS).to(tl.int32)
+        hi = (n_cols - pre) // VEC_COLS * VEC_COLS
     else:
-        lead = 0
-        lo = 0
+        pre = 0
         hi = n_cols
-    return lead, lo, hi
+    return pre, hi
 
 
 @triton.jit
-def _in_row(cols, lo, hi, VEC_COLS: tl.constexpr, EVEN_COLS: tl.constexpr):
-    """Which columns ``cols`` of a row's frame lie in ``[lo, hi)`` (``_row_frame``); all with ``EVEN_COLS``."""
-    ok = (cols < hi) | EVEN_COLS
-    if VEC_COLS > 1:
-        ok = ok & (cols >= lo)
-    return ok
+def _in_row(cols, hi, EVEN_COLS: tl.constexpr):
+    """Which columns ``cols`` of a row's frame lie in its whole vectors ``[0, hi)`` (``_row_frame``); all with
+    ``EVEN_COLS``."""
+    return (cols < hi) | EVEN_COLS
 
 
 @triton.jit
-def _row_edges(lead, lo, hi, n_cols, VEC_COLS: tl.constexpr):
-    """``(cols, ok)`` [1, 2 VEC_COLS]: the columns of a row's frame outside its whole vectors, the first
-    vector's (before ``lo``) then the one at ``hi``; ``ok`` marks those in the row."""
+def _row_edges(pre, hi, n_cols, VEC_COLS: tl.constexpr):
+    """``(cols, ok)`` [1, 2 VEC_COLS]: the columns of a row's frame outside its whole vectors, the vector
+    before 0 then the one at ``hi``; ``ok`` marks those in the row."""
     lanes = tl.arange(0, 2 * VEC_COLS)[None, :]
-    cols = tl.where(lanes < VEC_COLS, lanes, hi + lanes - VEC_COLS)
-    ok = (cols >= lead) & (cols < lead + n_cols) & ((cols < lo) | (cols >= hi))
+    cols = tl.where(lanes < VEC_COLS, lanes - VEC_COLS, hi + lanes - VEC_COLS)
+    ok = (cols >= -pre) & (cols < n_cols - pre) & ((cols < 0) | (cols >= hi))
     return cols, ok
 
 
 @triton.jit
-def _head_statistics(x_row, head_start, head_end, lo, hi, stride_xn, HEAD_BLOCK_N: tl.constexpr,
-                     VEC_COLS: tl.constexpr, EVEN_COLS: tl.constexpr):
+def _head_statistics(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N: tl.constexpr,
+                     EVEN_COLS: tl.constexpr):
     """The state ``(m, d)`` [1] of columns ``[head_start, head_end)`` of a row (whole blocks), read with
     ``evict_last``: ``_head_normalize`` reads them again, from L2 if they are still there.
 
@@ -207,36 +204,36 @@ def _head_statistics(x_row, head_start, head_end, lo, hi, stride_xn, HEAD_BLOCK_
     lane_m = tl.full([1, HEAD_BLOCK_N], float("-inf"), tl.float32)
     lane_d = tl.zeros([1, HEAD_BLOCK_N], tl.float32)
     cols = head_start + tl.arange(0, HEAD_BLOCK_N)[None, :]
-    x_next = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, lo, hi, VEC_COLS, EVEN_COLS), other=float("-inf"),
+    x_next = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, hi, EVEN_COLS), other=float("-inf"),
                      eviction_policy="evict_last")
     for start in tl.range(head_start + HEAD_BLOCK_N, head_end + HEAD_BLOCK_N, HEAD_BLOCK_N, num_stages=1):
         x_block = x_next
         cols = start + tl.arange(0, HEAD_BLOCK_N)[None, :]  # past head_end on the last turn: nothing loaded
-        x_next = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, lo, hi, VEC_COLS, EVEN_COLS),
+        x_next = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, hi, EVEN_COLS),
                          other=float("-inf"), eviction_policy="evict_last")
         lane_m, lane_d = online_update_lanes(lane_m, lane_d, x_block.to(tl.float32), LOG2E)
     return merge_partial_states(lane_m, lane_d, LOG2E)
 
 
 @triton.jit
-def _head_normalize(x_row, y_row, head_start, head_end, lo, hi, stride_xn, m, d, HEAD_BLOCK_N: tl.constexpr,
-                    VEC_COLS: tl.constexpr, EVEN_COLS: tl.constexpr):
+def _head_normalize(x_row, y_row, head_start, head_end, hi, stride_xn, m, d, HEAD_BLOCK_N: tl.constexpr,
+                    EVEN_COLS: tl.constexpr):
     """Write the softmax of columns ``[head_start, head_end)`` (whole blocks) under the row's final state
     ``(m, d)`` [1], reading them again last block first (the likeliest still in L2), two blocks in flight."""
     n_blocks = (head_end - head_start) // HEAD_BLOCK_N
     cols = head_end - HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
-    x_next = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, lo, hi, VEC_COLS, EVEN_COLS), other=float("-inf"),
+    x_next = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, hi, EVEN_COLS), other=float("-inf"),
                      eviction_policy="evict_first")
     for k in tl.range(0, n_blocks, num_stages=1):
         x_block = x_next
         block_cols = head_end - (k + 1) * HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
         cols = block_cols - HEAD_BLOCK_N  # before head_start on the last turn: nothing loaded
         x_next = tl.load(x_row + cols * stride_xn,
-                         mask=(cols >= head_start) & _in_row(cols, lo, hi, VEC_COLS, EVEN_COLS),
+                         mask=(cols >= head_start) & _in_row(cols, hi, EVEN_COLS),
                          other=float("-inf"), eviction_policy="evict_first")
         y_block = final_weights(x_block.to(tl.float32), m, d, LOG2E, False)
         tl.store(y_row + block_cols, y_block.to(y_row.dtype.element_ty),
-                 mask=_in_row(block_cols, lo, hi, VEC_COLS, EVEN_COLS), eviction_policy="evict_first")
+                 mask=_in_row(block_cols, hi, EVEN_COLS), eviction_policy="evict_first")
 
 
 @triton.jit
@@ -250,7 +247,7 @@ def _clear_slots(clear_ptr, n_clear, CLEAR_BLOCK: tl.constexpr):
 @triton.jit
 def _softmax_shared_rows_kernel(
     x_ptr, y_ptr, lse_ptr, slot_ptr, clear_ptr, n_clear,
-    n_rows, n_cols, n_parts, head_cols,
+    n_rows, n_cols, n_parts, head_cols, base_lead,
     stride_xm, stride_xn, stride_ym,
     BLOCK_N: tl.constexpr, HEAD_BLOCK_N: tl.constexpr, PARTS_POW2: tl.constexpr,
     HAS_HEAD: tl.constexpr, PREFETCH: tl.constexpr, VEC_COLS: tl.constexpr, EVEN_COLS: tl.constexpr,
@@ -261,7 +258,8 @@ def _softmax_shared_rows_kernel(
     # [head_cols streamed twice | BLOCK_N held in registers]: with head_cols = 4096 and BLOCK_N = 16384,
     # part 2 is columns [40960, 45056) streamed, then [45056, 61440) on chip. Columns are those of the
     # row's frame (_row_frame): with VEC_COLS > 1 (rows that start unaligned: stride_xm = stride_ym,
-    # stride_xn = 1) a row is read from the aligned vector before it, and part 0 also takes its edges.
+    # stride_xn = 1) a row is read from the first vector boundary in it, and part 0 also takes its edges;
+    # x_ptr and y_ptr are then 16-byte aligned, base_lead elements before row 0 of x and of y.
     # The row's slots at slot_ptr are zero (unpublished); those at clear_ptr, which the last launch
     # published into, are zeroed for the next one (_runtime.zeroed_slots).
     _clear_slots(clear_ptr, n_clear, CLEAR_BLOCK)
@@ -274,20 +272,19 @@ def _softmax_shared_rows_kernel(
     for row in tl.range(tl.program_id(0) // n_parts, n_rows, row_step):
         row = tl.cast(row, tl.int64)
         rows = row + tl.arange(0, 1)
-        lead, lo, hi = _row_frame(row * stride_xm, n_cols, VEC_COLS)
-        tail_ok = _in_row(tail_cols, lo, hi, VEC_COLS, EVEN_COLS)  # every part inside the row: folds away
+        pre, hi = _row_frame(base_lead + row * stride_xm, n_cols, VEC_COLS)
+        tail_ok = _in_row(tail_cols, hi, EVEN_COLS)  # every part inside the row: folds away
         x_row = x_ptr + row * stride_xm
         if VEC_COLS > 1:
-            x_row = x_ptr + tl.multiple_of(row * stride_xm - lead, VEC_COLS)
+            x_row = x_ptr + tl.multiple_of(base_lead + row * stride_xm + pre, VEC_COLS)
         if PREFETCH == PREFETCH_L2:  # the first BLOCK_N columns of the next row's part travel to L2
             if row + row_step < n_rows:
                 _prefetch_to_l2(x_row + row_step * stride_xm, part_start, n_cols, stride_xn, BLOCK_N)
         m_head, d_head = empty_state(1)
         if HAS_HEAD:
-            m_head, d_head = _head_statistics(x_row, part_start, head_end, lo, hi, stride_xn, HEAD_BLOCK_N, VEC_COLS,
-                                              EVEN_COLS)
+            m_head, d_head = _head_statistics(x_row, part_start, head_end, hi, stride_xn, HEAD_BLOCK_N, EVEN_COLS)
         if VEC_COLS > 1:  # part 0 takes the row's edges (masks from tl.where: the interpreter's scalar & is int32)
-            edge_cols, edge_ok = _row_edges(lead, lo, hi, n_cols, VEC_COLS)
+            edge_cols, edge_ok = _row_edges(pre, hi, n_cols, VEC_COLS)
             edge_ok = tl.where(part == 0, edge_ok, False)
             x_edge = tl.load(x_row + edge_cols, mask=edge_ok, other=float("-inf")).to(tl.float32)
             m_head, d_head, _, _ = online_update(m_head, d_head, x_edge, LOG2E)
@@ -301,14 +298,14 @@ def _softmax_shared_rows_kernel(
         if WRITE_Y:
             y_row = y_ptr + row * stride_ym
             if VEC_COLS > 1:
-                y_row = y_ptr + tl.multiple_of(row * stride_ym - lead, VEC_COLS)
+                y_row = y_ptr + tl.multiple_of(base_lead + row * stride_ym + pre, VEC_COLS)
                 y_edge = final_weights(x_edge, m_row, d_row, LOG2E, False)
                 tl.store(y_row + edge_cols, y_edge.to(y_ptr.dtype.element_ty), mask=edge_ok)
             y = normalize(p * rescale_factor(m_part, m_row, LOG2E)[:, None], d_row, False)
             tl.store(y_row + tail_cols, y.to(y_ptr.dtype.element_ty), mask=tail_ok, eviction_policy="evict_first")
             if HAS_HEAD:
-                _head_normalize(x_row, y_row, part_start, head_end, lo, hi, stride_xn, m_row, d_row, HEAD_BLOCK_N,
-                                VEC_COLS, EVEN_COLS)
+                _head_normalize(x_row, y_row, part_start, head_end, hi, stride_xn, m_row, d_row, HEAD_BLOCK_N,
+                                EVEN_COLS)
 
 
 @triton.jit
@@ -487,8 +484,8 @@ SHARED_TILES = {
     2: SharedRowTile(32768, 16, 1, PREFETCH_L2.value, 8192),
 }
 # Rows neither aligned nor in a frame that aligns them (row_vectors() = 0: a strided view with an odd
-# row length, an unaligned base) are read one element a load: every element then has its own 64-bit
-# address, and the tiles above spilled to local memory (4096 x 50257 fp32 / bf16 147 / 78 GB/s).
+# row length) are read one element a load: every element then has its own 64-bit address, and the
+# tiles above spilled to local memory (4096 x 50257 fp32 / bf16 147 / 78 GB/s, before frames).
 # H100, GB/s (do_bench), bench/results/h100/softmax_unaligned_tune.log, 4096 x 50257 / 128 x 131071 / 1 x 16777215:
 #   fp32  8192, 4 warps    1841 / 1633 / 1002      8192, 8 warps   1592 / 1331 / 1547
 #   bf16  8192, 4 warps    1264 /  895 /  648      8192, 8 warps   1118 / 1179 /  981
@@ -542,21 +539,39 @@ class SoftmaxPlan:
 def row_vectors(x2d: torch.Tensor, out_dtype: torch.dtype) -> int:
     """How the shared-row kernel reads the rows of ``x2d`` (n_rows, n_cols) and writes a contiguous output.
 
-    1: every row starts 16-byte aligned in both, as Triton sees it (row stride and
-    length multiples of 16 elements): vector loads and stores. The columns of one
-    16-byte vector (> 1): rows start anywhere, but ``x2d`` is contiguous from an
-    aligned address, so each row is read from the vector at or before its start
-    (``_row_frame``). 0: neither (an unaligned base, a strided view of odd rows):
-    one element a load, in ``SHARED_TILES_UNALIGNED``.
+    1: every row starts 16-byte aligned in both, as Triton sees it (an aligned
+    base, row stride and length multiples of 16 elements): vector loads and
+    stores. The columns of one 16-byte vector (> 1): rows start anywhere, but
+    ``x2d`` is contiguous, so each row is read from the vector at or before its
+    start (``_row_frame``; the output starts as far past a vector as ``x2d``:
+    ``rows_output``). 0: neither (a strided view of odd rows): one element a
+    load, in ``SHARED_TILES_UNALIGNED``.
     """
     n_rows, n_cols = x2d.shape
-    if x2d.stride(1) != 1 or x2d.data_ptr() % 16:
+    if x2d.stride(1) != 1:
         return 0
-    if n_cols % 16 == 0 and x2d.stride(0) % 16 == 0:
+    if x2d.data_ptr() % 16 == 0 and n_cols % 16 == 0 and x2d.stride(0) % 16 == 0:
         return 1
-    if x2d.stride(0) == n_cols or n_rows == 1:
+    in_storage = x2d.data_ptr() - x2d.data_ptr() % 16 >= x2d.untyped_storage().data_ptr()  # aligned_frame's start
+    if (x2d.stride(0) == n_cols or n_rows == 1) and x2d.data_ptr() % x2d.element_size() == 0 and in_storage:
         return 16 // min(x2d.element_size(), torch.empty((), dtype=out_dtype).element_size())
     return 0
+
+
+def aligned_frame(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(view, lead)``: ``t`` viewed from the 16-byte boundary at or before its first element, ``lead`` elements
+    before it (``row_vectors`` checked that the boundary lies inside ``t``'s storage)."""
+    lead = t.data_ptr() % 16 // t.element_size()
+    if lead == 0:
+        return t, 0
+    return t.as_strided(t.shape, t.stride(), t.storage_offset() - lead), lead
+
+
+def rows_output(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device, lead: int) -> tuple:
+    """``(y, frame)``: a contiguous (n_rows, n_cols) output that starts ``lead`` elements past a 16-byte
+    boundary, as its input does (``aligned_frame``), and the same rows viewed from that boundary."""
+    storage = torch.empty(n_rows * n_cols + lead, dtype=dtype, device=device)
+    return storage[lead:].view(n_rows, n_cols), storage[:n_rows * n_cols].view(n_rows, n_cols)
 
 
 def shares_rows_on_chip(device: torch.device) -> bool:
@@ -619,18 +634,17 @@ def _plan_shared_rows(
     as it needs, in waves of as many rows as the programs hold; or in parts that also stream a head,
     when one row is longer than all programs hold, or when few rows would otherwise take several
     waves and one or two waves' heads fit L2 (SHARED_MAX_HEAD_WAVES, SHARED_HEADS_L2_FRACTION).
-    ``vec_cols`` (``row_vectors``): rows read in a frame ``vec_cols - 1`` columns wider, or with the
-    unaligned tiles."""
+    ``vec_cols`` (``row_vectors``): 0 takes the unaligned tiles; a row's frame (``_row_frame``) needs
+    no more columns than the row."""
     tiles = SHARED_TILES if vec_cols else SHARED_TILES_UNALIGNED
-    plan = _plan_shared_parts(n_rows, n_cols + max(vec_cols - 1, 0), device, itemsize, n_splits,
-                              tiles[min(itemsize, 4)])
+    plan = _plan_shared_parts(n_rows, n_cols, device, itemsize, n_splits, tiles[min(itemsize, 4)])
     return dataclasses.replace(plan, vec_cols=vec_cols)
 
 
 def _plan_shared_parts(
     n_rows: int, n_cols: int, device: torch.device, itemsize: int, n_splits: int | None, tile: SharedRowTile,
 ) -> SoftmaxPlan:
-    """``_plan_shared_rows`` for rows of ``n_cols`` columns (of their frame) and one tile."""
+    """``_plan_shared_rows`` with one tile."""
     info = device_info(device)
     programs = tile.programs_per_sm * info.num_sms
     parts = n_splits or triton.cdiv(n_cols, tile.cols)
@@ -704,7 +718,8 @@ def _shared_rows_launch(
     write_y: bool, write_lse: bool,
 ) -> tuple | None:
     """``(grid, args, meta)`` of the shared-row kernel's cooperative launch; None if a row's parts
-    cannot all be resident. ``slots``: ``(slots, clear, n_clear)`` from ``zeroed_slots``.
+    cannot all be resident. ``slots``: ``(slots, clear, n_clear)`` from ``zeroed_slots``. With
+    ``plan.vec_cols > 1``, ``y_arg`` is the output's frame (``rows_output``).
 
     The grid holds as many whole rows at once as the device keeps programs
     resident (read off the compiled kernel), and never more: a program waiting
@@ -712,8 +727,9 @@ def _shared_rows_launch(
     """
     n_rows, n_cols = x2d.shape
     device = x2d.device
-    args = (x2d, y_arg, lse_arg, *slots, n_rows, n_cols, plan.n_splits, plan.head_cols, x2d.stride(0), x2d.stride(1),
-            n_cols)
+    x_arg, base_lead = aligned_frame(x2d) if plan.vec_cols > 1 else (x2d, 0)
+    args = (x_arg, y_arg, lse_arg, *slots, n_rows, n_cols, plan.n_splits, plan.head_cols, base_lead, x2d.stride(0),
+            x2d.stride(1), n_cols)
     meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=max(plan.head_block, 1),
                 PARTS_POW2=triton.next_power_of_2(plan.n_splits), HAS_HEAD=plan.head_cols > 0, PREFETCH=plan.prefetch,
                 VEC_COLS=max(plan.vec_cols, 1),
@@ -759,12 +775,13 @@ def softmax_forward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Softmax (and/or log-sum-exp) of each row of ``x2d`` (n_rows, n_cols), column stride 1 or not."""
     n_rows, n_cols = x2d.shape
-    y = torch.empty_like(x2d, dtype=out_dtype, memory_format=torch.contiguous_format) if write_y else None
+    base_lead = aligned_frame(x2d)[1] if plan.shares_rows and plan.vec_cols > 1 else 0
+    y, y_frame = rows_output(n_rows, n_cols, out_dtype, x2d.device, base_lead) if write_y else (None, None)
     lse = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device) if write_lse else None
     y_arg = y if y is not None else x2d  # a pointer the kernel never writes through
     lse_arg = lse if lse is not None else x2d
     if plan.shares_rows:
-        if _launch_shared_rows(x2d, y_arg, lse_arg, plan, write_y, write_lse):
+        if _launch_shared_rows(x2d, y_frame if y is not None else x2d, lse_arg, plan, write_y, write_lse):
             return y, lse
         plan = plan_softmax(n_rows, n_cols, x2d.device, "online")  # the row's parts cannot all be resident
     if plan.algorithm == "fused":
@@ -993,7 +1010,7 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
     y_like = torch.empty((1,), dtype=out_dtype, device=x.device)  # the output's dtype and alignment
     n_slots = 0
     if plan.shares_rows:
-        if not shares_rows_on_chip(x.device):
+        if not shares_rows_on_chip(x.device) or aligned_frame(x2d)[1]:  # another base may lie elsewhere in a vector
             return None
         n_slots = x2d.shape[0] * plan.n_splits
         slots_like = torch.empty((SLOTS_ALIGN,), dtype=torch.int64, device=x.device)

@@ -298,7 +298,7 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_c
     lse = torch.full((n_rows,), float("nan"))
     clear = torch.randint(1, 1 << 40, (37,))  # what an earlier launch published: zeroed for the next one
     fs._softmax_shared_rows_kernel[(n_parts,)](
-        x, y, lse, slots, clear, 35, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), n_cols,
+        x, y, lse, slots, clear, 35, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
         BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=n_parts, HAS_HEAD=head_cols > 0,
         PREFETCH=prefetch, VEC_COLS=1, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=8,
     )
@@ -333,7 +333,7 @@ def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts):
     lse = torch.full((n_rows,), float("nan"))
     slots = _host_packed(part_m.flatten(), part_d.flatten())
     fs._softmax_shared_rows_kernel[(n_parts,)](
-        x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), n_cols,
+        x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
         BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True,
         PREFETCH=fs.PREFETCH_NONE, VEC_COLS=1, EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
         CLEAR_BLOCK=16,
@@ -342,17 +342,18 @@ def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts):
     assert_close(lse, torch.logsumexp(x.double(), -1))
 
 
-def _frame_part_states(x: torch.Tensor, part_cols: int, n_parts: int, vec_cols: int) -> tuple:
+def _frame_part_states(x: torch.Tensor, part_cols: int, n_parts: int, vec_cols: int, base_lead: int) -> tuple:
     """float64 ``(part_m, part_d)`` [rows, parts] of each part of each row in the frame of ``_row_frame``
-    (x contiguous from an aligned address): its whole vectors by frame column, the edges part 0's."""
+    (x contiguous, ``base_lead`` elements past an aligned address): its whole vectors by frame column, the
+    edges part 0's."""
     n_rows, n_cols = x.shape
     part_m = torch.full((n_rows, n_parts), float("-inf"), dtype=torch.float64)
     part_d = torch.zeros((n_rows, n_parts), dtype=torch.float64)
     for row in range(n_rows):
-        lead = row * n_cols % vec_cols
-        lo, hi = -(-lead // vec_cols) * vec_cols, (lead + n_cols) // vec_cols * vec_cols
-        frame = torch.arange(n_cols) + lead
-        whole = (frame >= lo) & (frame < hi)
+        pre = -(base_lead + row * n_cols) % vec_cols  # columns before the first vector boundary in the row
+        hi = (n_cols - pre) // vec_cols * vec_cols
+        frame = torch.arange(n_cols) - pre
+        whole = (frame >= 0) & (frame < hi)
         for part in range(n_parts):
             values = x[row, (whole & (frame // part_cols == part)) | (~whole if part == 0 else False)].double()
             if values.numel():
@@ -362,33 +363,37 @@ def _frame_part_states(x: torch.Tensor, part_cols: int, n_parts: int, vec_cols: 
 
 
 @pytest.mark.parametrize("dtype,vec_cols", [(torch.float32, 4), (torch.bfloat16, 8)])
-@pytest.mark.parametrize("n_cols,head_cols", [(45, 0), (61, 16), (99, 8)])
-def test_shared_rows_kernel_reads_unaligned_rows_from_the_vector_before(dtype, vec_cols, n_cols, head_cols):
-    # Contiguous rows of an odd length start anywhere inside a 16-byte vector: each row is read from
-    # the vector at or before its start (lead columns earlier), its whole vectors by the parts, its
-    # edges by part 0. y gets rows 16 columns apart (the same lead each row), the 16 between them
-    # poisoned: every write must stay inside its row.
+@pytest.mark.parametrize("n_cols,head_cols,base_lead", [(45, 0, 0), (61, 16, 0), (99, 8, 0), (61, 16, 3), (64, 8, 1)])
+def test_shared_rows_kernel_reads_unaligned_rows_from_the_vector_before(dtype, vec_cols, n_cols, head_cols, base_lead):
+    # Contiguous rows of an odd length (or from a base base_lead elements past a 16-byte boundary) start
+    # anywhere inside a 16-byte vector: each row is read from the first vector boundary in it, its whole
+    # vectors by the parts, its edges by part 0. The kernel gets x and y from the boundary before x;
+    # y gets rows 16 columns apart (the same alignment each row), the 16 between them poisoned, as is
+    # what lies before y's first row: every write must stay inside its row.
     n_rows, block_n, head_block_n, gap = 5, 16, 8, 16
     part_cols = head_cols + block_n
-    n_parts = math.ceil((n_cols + vec_cols - 1) / part_cols)
-    x = randn(n_rows, n_cols, dtype=dtype, scale=4.0)
+    n_parts = math.ceil(n_cols / part_cols)  # the whole vectors never need more columns than the row
+    x_frame = randn(n_rows * n_cols + base_lead, dtype=dtype, scale=4.0)
+    x = x_frame[base_lead:].view(n_rows, n_cols)
     x[1, 3] = 30.0  # the maximum on a head edge (row 1 starts mid-vector)
     x[2, n_cols - 1] = float("nan")  # NaN on a tail edge: the whole row NaN
     x[3] = float("-inf")  # a row of -inf: NaN, as torch.softmax
-    assert len({row * n_cols % vec_cols for row in range(n_rows)}) > 2 and x.data_ptr() % 16 == 0
-    part_m, part_d = _frame_part_states(x, part_cols, n_parts, vec_cols)
+    assert x_frame.data_ptr() % 16 == 0  # leads vary from row to row, but for n_cols = 64 (all base_lead)
+    part_m, part_d = _frame_part_states(x, part_cols, n_parts, vec_cols, base_lead)
     slots = _host_packed(part_m.flatten().float(), part_d.flatten().float())
     slots[0] = 0  # the first program publishes its own slot before waiting
-    y = torch.full((n_rows, n_cols + gap), float("nan"), dtype=dtype)
+    y_frame = torch.full((base_lead + n_rows * (n_cols + gap),), float("nan"), dtype=dtype)
+    y = y_frame[base_lead:].view(n_rows, n_cols + gap)
     lse = torch.full((n_rows,), float("nan"))
     fs._softmax_shared_rows_kernel[(n_parts,)](
-        x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, x.stride(0), x.stride(1), y.stride(0),
+        x_frame, y_frame, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, base_lead, x.stride(0),
+        x.stride(1), y.stride(0),
         BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=triton.next_power_of_2(n_parts),
         HAS_HEAD=head_cols > 0, PREFETCH=fs.PREFETCH_NONE, VEC_COLS=vec_cols, EVEN_COLS=False,
         WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=16,
     )
     assert_close(y[:, :n_cols], softmax_ref(x))
-    assert y[:, n_cols:].isnan().all()
+    assert y[:, n_cols:].isnan().all() and y_frame[:base_lead].isnan().all()
     assert_close(lse, torch.logsumexp(x.double(), -1))
 
 
@@ -402,7 +407,24 @@ def test_row_vectors():
     assert fs.row_vectors(torch.empty(8, 40), torch.float32) == 4  # 8 vectors, but not 16 columns
     assert fs.row_vectors(torch.empty(1, 50257), torch.float32) == 4
     assert fs.row_vectors(torch.empty(8, 50272)[:, :50257], torch.float32) == 0  # y's rows would not align
-    assert fs.row_vectors(torch.empty(8 * 64 + 1)[1:].view(8, 64), torch.float32) == 0  # base 4 bytes past
+    assert fs.row_vectors(torch.empty(8 * 64 + 1)[1:].view(8, 64), torch.float32) == 4  # base 4 bytes past
+    assert fs.row_vectors(torch.empty(8 * 64 + 1, dtype=torch.bfloat16)[1:].view(8, 64), torch.bfloat16) == 8
+    assert fs.row_vectors(torch.empty(8, 128)[:, 1:65], torch.float32) == 0  # rows 128 apart, 64 long
+
+
+def test_aligned_frame_and_rows_output():
+    # The view from the 16-byte boundary before a tensor's first element, and an output that starts as
+    # far past one: the shared-row kernel's frame for rows whose base is not aligned.
+    storage = torch.randn(3 * 50 + 3)
+    x = storage[3:].view(3, 50)
+    frame, lead = fs.aligned_frame(x)
+    assert lead == 3 and frame.data_ptr() == storage.data_ptr() and frame.shape == x.shape
+    aligned = storage[:8].view(2, 4)
+    assert fs.aligned_frame(aligned)[0] is aligned and fs.aligned_frame(aligned)[1] == 0
+    for dtype in (torch.float32, torch.bfloat16):
+        y, y_frame = fs.rows_output(3, 50, dtype, CPU, lead)
+        assert y.shape == y_frame.shape == (3, 50) and y.is_contiguous() and y.dtype == dtype
+        assert y.data_ptr() - y_frame.data_ptr() == lead * y.element_size() and y_frame.data_ptr() % 16 == 0
 
 
 def unpack_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -462,11 +484,11 @@ def test_shared_rows_plan(monkeypatch):
         two_waves = plan_softmax(200, 1 << 17, gpu, shared_rows=torch.bfloat16)  # 2 waves of 100 rows, with heads
         assert (two_waves.n_splits, two_waves.head_cols) == (1, (1 << 17) - bf16_tile.cols)
         assert plan_softmax(400, 1 << 17, gpu, shared_rows=torch.bfloat16).head_cols == 0  # 2 waves would not hold them
-        # Unaligned rows: read in a frame vec_cols - 1 columns wider (65533 + 3 columns: the parts of 65536),
+        # Unaligned rows: read from the first vector boundary in each (no more parts than aligned rows),
         # or, where no frame aligns them, in the unaligned tiles.
         framed = plan_softmax(4096, 65533, gpu, shared_rows=torch.float32, vec_cols=4)
         assert framed == dataclasses.replace(fp32, vec_cols=4)
-        assert plan_softmax(4096, 65534, gpu, shared_rows=torch.float32, vec_cols=4).n_splits == 5
+        assert plan_softmax(4096, 65536, gpu, shared_rows=torch.float32, vec_cols=4) == framed  # an unaligned base
         scalar = plan_softmax(4096, 50257, gpu, shared_rows=torch.bfloat16, vec_cols=0)
         unaligned_tile = fs.SHARED_TILES_UNALIGNED[2]
         assert (scalar.block_n, scalar.num_warps, scalar.n_splits, scalar.vec_cols) == (
