@@ -967,7 +967,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
     if torch.is_grad_enabled() and x.requires_grad:
         return _Softmax.apply(x, dim, algorithm, out_dtype)
     key = (x.shape, x.stride(), x.dtype, out_dtype, dim, algorithm, x.device,
-           torch.cuda.current_device() if x.is_cuda else None, x.data_ptr() % 16 == 0)
+           torch.cuda.current_device() if x.is_cuda else None, x.data_ptr() % 16)
     repeat = _REPEATS.get(key, _UNSEEN)
     if repeat is _UNSEEN:
         y = softmax_rows(x, dim, out_dtype, algorithm)
@@ -979,7 +979,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
 
 
 # Repeated calls: a second call with the same shape, strides, dtypes, dim, algorithm, device and
-# 16-byte alignment of x repeats the first one's launch directly, when that was one launch of the
+# address of x modulo 16 repeats the first one's launch directly, when that was one launch of the
 # fused or the shared-row kernel on a contiguous x over its last dim: the host cost decides small
 # softmaxes (4096 x 256 bf16 runs 8 us on the H100, while the general path took 45 us of its host's
 # time a call, this one 20, torch.softmax 8-11; bench/results/h100/host_overhead.log), and do_bench
@@ -1009,9 +1009,11 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
                         vec_cols=row_vectors(x2d, out_dtype))
     y_like = torch.empty((1,), dtype=out_dtype, device=x.device)  # the output's dtype and alignment
     n_slots = 0
+    lead = 0  # rows read in frames from an unaligned base: x[1:] of odd rows, say (the key holds data_ptr % 16)
     if plan.shares_rows:
-        if not shares_rows_on_chip(x.device) or aligned_frame(x2d)[1]:  # another base may lie elsewhere in a vector
+        if not shares_rows_on_chip(x.device):
             return None
+        lead = aligned_frame(x2d)[1] if plan.vec_cols > 1 else 0
         n_slots = x2d.shape[0] * plan.n_splits
         slots_like = torch.empty((SLOTS_ALIGN,), dtype=torch.int64, device=x.device)
         shared = _shared_rows_launch(x2d, y_like, x2d, (slots_like, slots_like, SLOTS_ALIGN), plan, True, False)
@@ -1030,8 +1032,14 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
         return None
 
     def repeat(x: torch.Tensor) -> torch.Tensor:
-        y = torch.empty_like(x, dtype=out_dtype)  # contiguous, as x
         # The kernels read pointers only: x and y stand for their (rows, n_cols) views.
+        if lead:
+            y, y_frame = rows_output(x.numel() // n_cols, n_cols, out_dtype, x.device, lead)
+            y, x_frame = y.view(x.shape), aligned_frame(x)[0]
+            zeroed_slots(x.device, n_slots,
+                         lambda slots, clear, n_clear: run((x_frame, y_frame, x, slots, clear, n_clear, *sizes)))
+            return y
+        y = torch.empty_like(x, dtype=out_dtype)  # contiguous, as x
         if n_slots:
             zeroed_slots(x.device, n_slots, lambda slots, clear, n_clear: run((x, y, x, slots, clear, n_clear, *sizes)))
         else:
