@@ -59,7 +59,10 @@ def _softmax_grad_torch(y: torch.Tensor, dy: torch.Tensor, dim: int, scale: floa
 def _softmax(x: torch.Tensor, dim: int, algorithm: str, dtype: torch.dtype) -> torch.Tensor:
     if x.numel() == 0 or not runs_kernels(x):
         return _empty_rows_layout(x, dim, dtype).copy_(torch.softmax(x.float(), dim))
-    return softmax_rows(x, dim, dtype, algorithm)
+    y = softmax_rows(x, dim, dtype, algorithm)
+    # Rows read from an unaligned base come out as far past a 16-byte boundary (softmax.rows_output);
+    # the fake below promises a fresh tensor, which compiled code may take as aligned.
+    return y.clone() if y.storage_offset() else y
 
 
 @_softmax.register_fake

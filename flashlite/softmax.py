@@ -269,16 +269,19 @@ def _softmax_shared_rows_kernel(
     head_end = part_start + head_cols
     # Every tile is [1, COLS], the core's layout: offsets, data and stores share one register layout.
     tail_cols = head_end + tl.arange(0, BLOCK_N)[None, :]
+    rows_prefetched = n_rows  # rows whose part is prefetched while the row before waits
+    if VEC_COLS > 1:  # a frame's prefetch reaches this row's pre past the next row: never let that be the last
+        rows_prefetched = n_rows - 1
     for row in tl.range(tl.program_id(0) // n_parts, n_rows, row_step):
         row = tl.cast(row, tl.int64)
         rows = row + tl.arange(0, 1)
         pre, hi = _row_frame(base_lead + row * stride_xm, n_cols, VEC_COLS)
-        tail_ok = _in_row(tail_cols, hi, EVEN_COLS)  # every part inside the row: folds away
+        tail_ok = _in_row(tail_cols, hi, EVEN_COLS)  # with EVEN_COLS (every part inside the row): folds away
         x_row = x_ptr + row * stride_xm
         if VEC_COLS > 1:
             x_row = x_ptr + tl.multiple_of(base_lead + row * stride_xm + pre, VEC_COLS)
         if PREFETCH == PREFETCH_L2:  # the first BLOCK_N columns of the next row's part travel to L2
-            if row + row_step < n_rows:
+            if row + row_step < rows_prefetched:
                 _prefetch_to_l2(x_row + row_step * stride_xm, part_start, n_cols, stride_xn, BLOCK_N)
         m_head, d_head = empty_state(1)
         if HAS_HEAD:
@@ -552,10 +555,14 @@ def row_vectors(x2d: torch.Tensor, out_dtype: torch.dtype) -> int:
         return 0
     if x2d.data_ptr() % 16 == 0 and n_cols % 16 == 0 and x2d.stride(0) % 16 == 0:
         return 1
-    in_storage = x2d.data_ptr() - x2d.data_ptr() % 16 >= x2d.untyped_storage().data_ptr()  # aligned_frame's start
-    if (x2d.stride(0) == n_cols or n_rows == 1) and x2d.data_ptr() % x2d.element_size() == 0 and in_storage:
-        return 16 // min(x2d.element_size(), torch.empty((), dtype=out_dtype).element_size())
+    if (x2d.stride(0) == n_cols or n_rows == 1) and _frame_in_storage(x2d):
+        return 16 // min(x2d.element_size(), out_dtype.itemsize)
     return 0
+
+
+def _frame_in_storage(t: torch.Tensor) -> bool:
+    """True if the 16-byte boundary at or before ``t``'s first element lies in its storage (``aligned_frame``)."""
+    return t.data_ptr() % t.element_size() == 0 and t.storage_offset() * t.element_size() >= t.data_ptr() % 16
 
 
 def aligned_frame(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -1034,6 +1041,8 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
     def repeat(x: torch.Tensor) -> torch.Tensor:
         # The kernels read pointers only: x and y stand for their (rows, n_cols) views.
         if lead:
+            if x.storage_offset() < lead:  # a storage that starts unaligned (from DLPack, say): no frame
+                return softmax_rows(x, x.dim() - 1, out_dtype, algorithm)
             y, y_frame = rows_output(x.numel() // n_cols, n_cols, out_dtype, x.device, lead)
             y, x_frame = y.view(x.shape), aligned_frame(x)[0]
             zeroed_slots(x.device, n_slots,

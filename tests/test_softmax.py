@@ -362,9 +362,13 @@ def _frame_part_states(x: torch.Tensor, part_cols: int, n_parts: int, vec_cols: 
     return part_m, part_d
 
 
-@pytest.mark.parametrize("dtype,vec_cols", [(torch.float32, 4), (torch.bfloat16, 8)])
+@pytest.mark.parametrize("dtype,out_dtype,vec_cols", [
+    (torch.float32, torch.float32, 4), (torch.bfloat16, torch.bfloat16, 8),
+    (torch.bfloat16, torch.float32, 8), (torch.float32, torch.bfloat16, 8),  # 16 bytes of the narrower dtype
+])
 @pytest.mark.parametrize("n_cols,head_cols,base_lead", [(45, 0, 0), (61, 16, 0), (99, 8, 0), (61, 16, 3), (64, 8, 1)])
-def test_shared_rows_kernel_reads_unaligned_rows_from_the_vector_before(dtype, vec_cols, n_cols, head_cols, base_lead):
+def test_shared_rows_kernel_reads_unaligned_rows_from_the_vector_before(dtype, out_dtype, vec_cols, n_cols, head_cols,
+                                                                        base_lead):
     # Contiguous rows of an odd length (or from a base base_lead elements past a 16-byte boundary) start
     # anywhere inside a 16-byte vector: each row is read from the first vector boundary in it, its whole
     # vectors by the parts, its edges by part 0. The kernel gets x and y from the boundary before x;
@@ -382,7 +386,7 @@ def test_shared_rows_kernel_reads_unaligned_rows_from_the_vector_before(dtype, v
     part_m, part_d = _frame_part_states(x, part_cols, n_parts, vec_cols, base_lead)
     slots = _host_packed(part_m.flatten().float(), part_d.flatten().float())
     slots[0] = 0  # the first program publishes its own slot before waiting
-    y_frame = torch.full((base_lead + n_rows * (n_cols + gap),), float("nan"), dtype=dtype)
+    y_frame = torch.full((base_lead + n_rows * (n_cols + gap),), float("nan"), dtype=out_dtype)
     y = y_frame[base_lead:].view(n_rows, n_cols + gap)
     lse = torch.full((n_rows,), float("nan"))
     fs._softmax_shared_rows_kernel[(n_parts,)](
@@ -410,6 +414,11 @@ def test_row_vectors():
     assert fs.row_vectors(torch.empty(8 * 64 + 1)[1:].view(8, 64), torch.float32) == 4  # base 4 bytes past
     assert fs.row_vectors(torch.empty(8 * 64 + 1, dtype=torch.bfloat16)[1:].view(8, 64), torch.bfloat16) == 8
     assert fs.row_vectors(torch.empty(8, 128)[:, 1:65], torch.float32) == 0  # rows 128 apart, 64 long
+    buffer = np.zeros(8 * 50 * 4 + 32, dtype=np.uint8)
+    offset = (4 - buffer.ctypes.data) % 16
+    from_buffer = torch.frombuffer(buffer, dtype=torch.float32, count=8 * 50, offset=offset).view(8, 50)
+    assert from_buffer.data_ptr() % 16 == 4 and from_buffer.storage_offset() == 0
+    assert fs.row_vectors(from_buffer, torch.float32) == 0  # its storage starts unaligned: no boundary before it
 
 
 def test_aligned_frame_and_rows_output():
