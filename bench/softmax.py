@@ -169,7 +169,7 @@ def run_check(args) -> None:
     tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
     # (1, 1 << 24) and (3, 5_000_001): longer than the resident programs hold, each part streams a head twice
     # Odd row lengths (7 x 100003, 4096 x 50257, ...): contiguous rows that start anywhere, read from the
-    # 16-byte vector before them (softmax.row_vectors).
+    # first 16-byte boundary in each (softmax.row_vectors).
     shapes = [(1, 1), (37, 100), (4096, 257), (3, 16384), (5, 16385), (7, 100_003), (4096, 50257), (5, 1_000_003),
               (2, 3_000_000), (1, 1 << 24), (1, (1 << 24) - 1), (3, 5_000_001)]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

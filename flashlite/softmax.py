@@ -545,8 +545,8 @@ def row_vectors(x2d: torch.Tensor, out_dtype: torch.dtype) -> int:
     1: every row starts 16-byte aligned in both, as Triton sees it (an aligned
     base, row stride and length multiples of 16 elements): vector loads and
     stores. The columns of one 16-byte vector (> 1): rows start anywhere, but
-    ``x2d`` is contiguous, so each row is read from the vector at or before its
-    start (``_row_frame``; the output starts as far past a vector as ``x2d``:
+    ``x2d`` is contiguous, so each row is read from the first vector boundary in
+    it (``_row_frame``; the output starts as far past a boundary as ``x2d``:
     ``rows_output``). 0: neither (a strided view of odd rows): one element a
     load, in ``SHARED_TILES_UNALIGNED``.
     """

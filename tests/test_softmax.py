@@ -367,8 +367,8 @@ def _frame_part_states(x: torch.Tensor, part_cols: int, n_parts: int, vec_cols: 
     (torch.bfloat16, torch.float32, 8), (torch.float32, torch.bfloat16, 8),  # 16 bytes of the narrower dtype
 ])
 @pytest.mark.parametrize("n_cols,head_cols,base_lead", [(45, 0, 0), (61, 16, 0), (99, 8, 0), (61, 16, 3), (64, 8, 1)])
-def test_shared_rows_kernel_reads_unaligned_rows_from_the_vector_before(dtype, out_dtype, vec_cols, n_cols, head_cols,
-                                                                        base_lead):
+def test_shared_rows_kernel_reads_unaligned_rows_from_their_first_boundary(dtype, out_dtype, vec_cols, n_cols,
+                                                                          head_cols, base_lead):
     # Contiguous rows of an odd length (or from a base base_lead elements past a 16-byte boundary) start
     # anywhere inside a 16-byte vector: each row is read from the first vector boundary in it, its whole
     # vectors by the parts, its edges by part 0. The kernel gets x and y from the boundary before x;
@@ -402,8 +402,8 @@ def test_shared_rows_kernel_reads_unaligned_rows_from_the_vector_before(dtype, o
 
 
 def test_row_vectors():
-    # 1: rows aligned as Triton sees them; > 1: contiguous from an aligned base, rows read from the
-    # vector before them; 0: neither, one element a load.
+    # 1: rows aligned as Triton sees them; > 1: contiguous, rows read from the first 16-byte boundary
+    # in each; 0: neither, one element a load.
     assert fs.row_vectors(torch.empty(8, 64), torch.float32) == 1
     assert fs.row_vectors(torch.empty(8, 50257), torch.float32) == 4
     assert fs.row_vectors(torch.empty(8, 50257, dtype=torch.bfloat16), torch.bfloat16) == 8
