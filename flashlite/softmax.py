@@ -565,10 +565,15 @@ def _frame_in_storage(t: torch.Tensor) -> bool:
     return t.data_ptr() % t.element_size() == 0 and t.storage_offset() * t.element_size() >= t.data_ptr() % 16
 
 
+def frame_lead(t: torch.Tensor) -> int:
+    """Elements between the 16-byte boundary at or before ``t``'s first element and that element."""
+    return t.data_ptr() % 16 // t.element_size()
+
+
 def aligned_frame(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``(view, lead)``: ``t`` viewed from the 16-byte boundary at or before its first element, ``lead`` elements
     before it (``row_vectors`` checked that the boundary lies inside ``t``'s storage)."""
-    lead = t.data_ptr() % 16 // t.element_size()
+    lead = frame_lead(t)
     if lead == 0:
         return t, 0
     return t.as_strided(t.shape, t.stride(), t.storage_offset() - lead), lead
@@ -782,7 +787,7 @@ def softmax_forward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Softmax (and/or log-sum-exp) of each row of ``x2d`` (n_rows, n_cols), column stride 1 or not."""
     n_rows, n_cols = x2d.shape
-    base_lead = aligned_frame(x2d)[1] if plan.shares_rows and plan.vec_cols > 1 else 0
+    base_lead = frame_lead(x2d) if plan.shares_rows and plan.vec_cols > 1 else 0
     y, y_frame = rows_output(n_rows, n_cols, out_dtype, x2d.device, base_lead) if write_y else (None, None)
     lse = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device) if write_lse else None
     y_arg = y if y is not None else x2d  # a pointer the kernel never writes through
@@ -973,8 +978,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
         return torch.softmax(x.float(), dim).to(out_dtype)
     if torch.is_grad_enabled() and x.requires_grad:
         return _Softmax.apply(x, dim, algorithm, out_dtype)
-    key = (x.shape, x.stride(), x.dtype, out_dtype, dim, algorithm, x.device,
-           torch.cuda.current_device() if x.is_cuda else None, x.data_ptr() % 16)
+    key = repeat_key(x, dim, out_dtype, algorithm)
     repeat = _REPEATS.get(key, _UNSEEN)
     if repeat is _UNSEEN:
         y = softmax_rows(x, dim, out_dtype, algorithm)
@@ -994,6 +998,12 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
 _REPEATS: dict = {}
 _UNSEEN = object()
 REPEATS_KEPT = 4096  # signatures remembered before the cache starts over
+
+
+def repeat_key(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm: str) -> tuple:
+    """The signature under which ``_REPEATS`` keeps the launch of a softmax of ``x`` (``dim`` non-negative)."""
+    return (x.shape, x.stride(), x.dtype, out_dtype, dim, algorithm, x.device,
+            torch.cuda.current_device() if x.is_cuda else None, x.data_ptr() % 16)
 
 
 def clear_plans() -> None:
@@ -1020,7 +1030,7 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
     if plan.shares_rows:
         if not shares_rows_on_chip(x.device):
             return None
-        lead = aligned_frame(x2d)[1] if plan.vec_cols > 1 else 0
+        lead = frame_lead(x2d) if plan.vec_cols > 1 else 0
         n_slots = x2d.shape[0] * plan.n_splits
         slots_like = torch.empty((SLOTS_ALIGN,), dtype=torch.int64, device=x.device)
         shared = _shared_rows_launch(x2d, y_like, x2d, (slots_like, slots_like, SLOTS_ALIGN), plan, True, False)
@@ -1043,16 +1053,16 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
         if lead:
             if x.storage_offset() < lead:  # a storage that starts unaligned (from DLPack, say): no frame
                 return softmax_rows(x, x.dim() - 1, out_dtype, algorithm)
-            y, y_frame = rows_output(x.numel() // n_cols, n_cols, out_dtype, x.device, lead)
-            y, x_frame = y.view(x.shape), aligned_frame(x)[0]
-            zeroed_slots(x.device, n_slots,
-                         lambda slots, clear, n_clear: run((x_frame, y_frame, x, slots, clear, n_clear, *sizes)))
-            return y
-        y = torch.empty_like(x, dtype=out_dtype)  # contiguous, as x
-        if n_slots:
-            zeroed_slots(x.device, n_slots, lambda slots, clear, n_clear: run((x, y, x, slots, clear, n_clear, *sizes)))
+            y, y_arg = rows_output(x.numel() // n_cols, n_cols, out_dtype, x.device, lead)
+            y, x_arg = y.view(x.shape), aligned_frame(x)[0]
         else:
-            run((x, y, x, *sizes))
+            y = y_arg = torch.empty_like(x, dtype=out_dtype)  # contiguous, as x
+            x_arg = x
+        if n_slots:
+            zeroed_slots(x.device, n_slots,
+                         lambda slots, clear, n_clear: run((x_arg, y_arg, x, slots, clear, n_clear, *sizes)))
+        else:
+            run((x_arg, y_arg, x, *sizes))
         return y
 
     return repeat
