@@ -197,21 +197,30 @@ def _head_statistics(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N: t
     """The state ``(m, d)`` [1] of columns ``[head_start, head_end)`` of a row (whole blocks), read with
     ``evict_last``: ``_head_normalize`` reads them again, from L2 if they are still there.
 
-    Lanes keep their own state over the blocks (no reduction in the loop), merged once. The next
-    block's loads are issued before a block is folded in: two blocks in flight without Triton's
-    pipelined loads (cp.async), which would drop the eviction hint.
+    Lanes keep their own state over the blocks (no reduction in the loop), merged once. Two blocks
+    are in flight, in two buffers taken in turn: a buffer is loaded again as soon as it is folded
+    in, while the other one's loads are still on their way. (One buffer handed on to the next turn,
+    ``x_block = x_next``, compiles to register moves that wait for the loads: one block in flight.)
+    Plain loads: Triton's pipelined ones (cp.async) would drop the eviction hint.
     """
     lane_m = tl.full([1, HEAD_BLOCK_N], float("-inf"), tl.float32)
     lane_d = tl.zeros([1, HEAD_BLOCK_N], tl.float32)
     cols = head_start + tl.arange(0, HEAD_BLOCK_N)[None, :]
-    x_next = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, hi, EVEN_COLS), other=float("-inf"),
+    x_even = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, hi, EVEN_COLS), other=float("-inf"),
                      eviction_policy="evict_last")
-    for start in tl.range(head_start + HEAD_BLOCK_N, head_end + HEAD_BLOCK_N, HEAD_BLOCK_N, num_stages=1):
-        x_block = x_next
+    cols += HEAD_BLOCK_N  # past head_end when the head is one block: nothing loaded, folded as -inf
+    x_odd = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, hi, EVEN_COLS),
+                    other=float("-inf"), eviction_policy="evict_last")
+    for start in tl.range(head_start + 2 * HEAD_BLOCK_N, head_end + 2 * HEAD_BLOCK_N, 2 * HEAD_BLOCK_N,
+                          num_stages=1):
+        lane_m, lane_d = online_update_lanes(lane_m, lane_d, x_even.to(tl.float32), LOG2E)
         cols = start + tl.arange(0, HEAD_BLOCK_N)[None, :]  # past head_end on the last turn: nothing loaded
-        x_next = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, hi, EVEN_COLS),
+        x_even = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, hi, EVEN_COLS),
                          other=float("-inf"), eviction_policy="evict_last")
-        lane_m, lane_d = online_update_lanes(lane_m, lane_d, x_block.to(tl.float32), LOG2E)
+        lane_m, lane_d = online_update_lanes(lane_m, lane_d, x_odd.to(tl.float32), LOG2E)
+        cols += HEAD_BLOCK_N
+        x_odd = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, hi, EVEN_COLS),
+                        other=float("-inf"), eviction_policy="evict_last")
     return merge_partial_states(lane_m, lane_d, LOG2E)
 
 
@@ -219,21 +228,30 @@ def _head_statistics(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N: t
 def _head_normalize(x_row, y_row, head_start, head_end, hi, stride_xn, m, d, HEAD_BLOCK_N: tl.constexpr,
                     EVEN_COLS: tl.constexpr):
     """Write the softmax of columns ``[head_start, head_end)`` (whole blocks) under the row's final state
-    ``(m, d)`` [1], reading them again last block first (the likeliest still in L2), two blocks in flight."""
-    n_blocks = (head_end - head_start) // HEAD_BLOCK_N
+    ``(m, d)`` [1], reading them again last block first (the likeliest still in L2), two blocks in flight
+    in two buffers taken in turn, as ``_head_statistics``. Block k (from the end) is columns
+    ``[head_end - (k + 1) HEAD_BLOCK_N, head_end - k HEAD_BLOCK_N)``."""
     cols = head_end - HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
-    x_next = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, hi, EVEN_COLS), other=float("-inf"),
+    x_even = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, hi, EVEN_COLS), other=float("-inf"),
                      eviction_policy="evict_first")
-    for k in tl.range(0, n_blocks, num_stages=1):
-        x_block = x_next
-        block_cols = head_end - (k + 1) * HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
-        cols = block_cols - HEAD_BLOCK_N  # before head_start on the last turn: nothing loaded
-        x_next = tl.load(x_row + cols * stride_xn,
-                         mask=(cols >= head_start) & _in_row(cols, hi, EVEN_COLS),
+    cols -= HEAD_BLOCK_N  # before head_start when the head is one block: nothing loaded or stored
+    x_odd = tl.load(x_row + cols * stride_xn, mask=(cols >= head_start) & _in_row(cols, hi, EVEN_COLS),
+                    other=float("-inf"), eviction_policy="evict_first")
+    for k in tl.range(0, (head_end - head_start) // HEAD_BLOCK_N, 2, num_stages=1):
+        cols = head_end - (k + 1) * HEAD_BLOCK_N + tl.arange(0, HEAD_BLOCK_N)[None, :]
+        y_block = final_weights(x_even.to(tl.float32), m, d, LOG2E, False)
+        tl.store(y_row + cols, y_block.to(y_row.dtype.element_ty), mask=_in_row(cols, hi, EVEN_COLS),
+                 eviction_policy="evict_first")
+        ahead = cols - 2 * HEAD_BLOCK_N  # before head_start on the last turns: nothing loaded
+        x_even = tl.load(x_row + ahead * stride_xn, mask=(ahead >= head_start) & _in_row(ahead, hi, EVEN_COLS),
                          other=float("-inf"), eviction_policy="evict_first")
-        y_block = final_weights(x_block.to(tl.float32), m, d, LOG2E, False)
-        tl.store(y_row + block_cols, y_block.to(y_row.dtype.element_ty),
-                 mask=_in_row(block_cols, hi, EVEN_COLS), eviction_policy="evict_first")
+        cols -= HEAD_BLOCK_N  # block k + 1: before head_start when the head has an odd number of blocks
+        y_block = final_weights(x_odd.to(tl.float32), m, d, LOG2E, False)
+        tl.store(y_row + cols, y_block.to(y_row.dtype.element_ty),
+                 mask=(cols >= head_start) & _in_row(cols, hi, EVEN_COLS), eviction_policy="evict_first")
+        ahead = cols - 2 * HEAD_BLOCK_N
+        x_odd = tl.load(x_row + ahead * stride_xn, mask=(ahead >= head_start) & _in_row(ahead, hi, EVEN_COLS),
+                        other=float("-inf"), eviction_policy="evict_first")
 
 
 @triton.jit
@@ -498,7 +516,7 @@ SHARED_TILES_UNALIGNED = {
 }
 # More than the resident programs hold at once is still taken in one read of memory where L2
 # allows: every program streams a head of its part (blocks of head_block columns, loaded with
-# evict_last, the next block's loads issued before a block is folded in) before the columns it
+# evict_last, two blocks in flight in two buffers taken in turn) before the columns it
 # holds, and reads the head again, last block first, once the row's state is known. Plain loads:
 # Triton's pipelined ones (cp.async) drop the eviction hint. Heads serve
 # * a row longer than all resident programs hold (past 4.3M columns on an H100): 1 x 16M, GB/s,
@@ -511,7 +529,10 @@ SHARED_TILES_UNALIGNED = {
 #   wave). Three waves gave the same as two (softmax_waves_tune.log).
 # Head blocks (the same log, another run): bf16 8192 columns, 1720 / 1720 / 1694 in one wave (4096:
 # 1655 / 1592 / 1572; 16384: 1664 / 1662 / 1635); fp32 4096, 1860 at 4 x 4M and 1763 at 1 x 16M
-# (2048: 1696 / 1656). Loads issued two blocks ahead instead of one gained nothing there.
+# (2048: 1696 / 1656). One buffer handed from turn to turn kept one block in flight (its register
+# moves wait for the loads); two taken in turn: bf16 16 x 1M / 1 x 16M 1864 / 1720 -> 1879 / 1762, fp32
+# even (softmax_head_buffers_ab.log). Blocks asked into L2 further ahead (prefetch.global.L2::evict_last,
+# 2-8 blocks) only lost speed: fp32 128 x 128K 2330 -> 1976 at 2 blocks (softmax_head_prefetch.log).
 SHARED_HEADS_L2_FRACTION = 0.5
 SHARED_MAX_HEAD_WAVES = 2
 # Slots each program of a shared-row launch zeroes in one turn of _clear_slots.

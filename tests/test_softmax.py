@@ -316,6 +316,7 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_c
         (64, 8, 4),  # a head of exactly one block
         (52, 8, 4),  # the last part's head ragged inside its only block, no tail
         (100, 24, 4),  # three head blocks; the row ends inside the last part's second one
+        (180, 40, 4),  # five head blocks (the loops take two a turn); the last part's head ragged in its fourth
         (37, 32, 1),  # one part a row, with a head; its tail ragged
     ],
 )
