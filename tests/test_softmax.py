@@ -275,6 +275,7 @@ def test_packed_states_round_trip_and_are_never_zero():
         (50, 0, False, fs.PREFETCH_NONE),  # parts of 16 held on chip, the last one ragged (2 columns)
         (100, 16, False, fs.PREFETCH_NONE),  # parts of 16 streamed twice + 16 on chip; the last tail is past the row
         (128, 16, True, fs.PREFETCH_NONE),  # every part inside the row: no masks
+        (150, 24, False, fs.PREFETCH_NONE),  # heads of three blocks: the loops (two a turn) fold a padding block of -inf
     ],
 )
 def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_cols, even, prefetch):
