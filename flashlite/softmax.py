@@ -600,6 +600,12 @@ def aligned_frame(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t.as_strided(t.shape, t.stride(), t.storage_offset() - lead), lead
 
 
+def output_lead(x2d: torch.Tensor, plan: SoftmaxPlan) -> int:
+    """Elements past a 16-byte boundary at which the output of ``x2d`` under ``plan`` starts (``rows_output``):
+    ``frame_lead(x2d)`` where the shared-row kernel reads the rows in frames, else 0."""
+    return frame_lead(x2d) if plan.shares_rows and plan.vec_cols > 1 else 0
+
+
 def rows_output(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device, lead: int) -> tuple:
     """``(y, frame)``: a contiguous (n_rows, n_cols) output that starts ``lead`` elements past a 16-byte
     boundary, as its input does (``aligned_frame``), and the same rows viewed from that boundary."""
@@ -808,8 +814,7 @@ def softmax_forward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Softmax (and/or log-sum-exp) of each row of ``x2d`` (n_rows, n_cols), column stride 1 or not."""
     n_rows, n_cols = x2d.shape
-    base_lead = frame_lead(x2d) if plan.shares_rows and plan.vec_cols > 1 else 0
-    y, y_frame = rows_output(n_rows, n_cols, out_dtype, x2d.device, base_lead) if write_y else (None, None)
+    y, y_frame = rows_output(n_rows, n_cols, out_dtype, x2d.device, output_lead(x2d, plan)) if write_y else (None, None)
     lse = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device) if write_lse else None
     y_arg = y if y is not None else x2d  # a pointer the kernel never writes through
     lse_arg = lse if lse is not None else x2d
@@ -1051,7 +1056,7 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
     if plan.shares_rows:
         if not shares_rows_on_chip(x.device):
             return None
-        lead = frame_lead(x2d) if plan.vec_cols > 1 else 0
+        lead = output_lead(x2d, plan)
         n_slots = x2d.shape[0] * plan.n_splits
         slots_like = torch.empty((SLOTS_ALIGN,), dtype=torch.int64, device=x.device)
         shared = _shared_rows_launch(x2d, y_like, x2d, (slots_like, slots_like, SLOTS_ALIGN), plan, True, False)
