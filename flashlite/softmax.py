@@ -192,36 +192,77 @@ def _row_edges(pre, hi, n_cols, VEC_COLS: tl.constexpr):
 
 
 @triton.jit
+def _head_block(x_row, start, head_end, hi, stride_xn, HEAD_BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr,
+                EVEN_COLS: tl.constexpr, FIRST: tl.constexpr):
+    """Columns ``[start, start + HEAD_BLOCK_N)`` of a row, loaded with ``evict_last``, -inf past ``head_end``
+    (not checked for the ``FIRST`` block): ``[1, HEAD_BLOCK_N]`` lanes with ``GROUP_N = 1``, else
+    ``[HEAD_BLOCK_N / GROUP_N, GROUP_N]`` groups of adjacent columns."""
+    if GROUP_N == 1:
+        cols = start + tl.arange(0, HEAD_BLOCK_N)[None, :]
+    else:
+        cols = start + tl.arange(0, HEAD_BLOCK_N // GROUP_N)[:, None] * GROUP_N + tl.arange(0, GROUP_N)[None, :]
+    ok = _in_row(cols, hi, EVEN_COLS)
+    if not FIRST:
+        ok = ok & (cols < head_end)
+    return tl.load(x_row + cols * stride_xn, mask=ok, other=float("-inf"), eviction_policy="evict_last")
+
+
+@triton.jit
+def _fold_head_block(group_m, group_d, x_block, GROUP_N: tl.constexpr):
+    """Fold a head block (``_head_block``) into its groups' states ``(m, d)`` (``_head_states``): per lane
+    with ``GROUP_N = 1`` (``online_update_lanes``: one exponential a value), else per group
+    (``online_update``: the group's maximum first, reduced within the thread that loaded it)."""
+    if GROUP_N == 1:
+        group_m, group_d = online_update_lanes(group_m, group_d, x_block, LOG2E)
+    else:
+        group_m, group_d, _, _ = online_update(group_m, group_d, x_block, LOG2E)
+    return group_m, group_d
+
+
+@triton.jit
+def _head_states(HEAD_BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
+    """Empty states of a head block's groups: ``[1, HEAD_BLOCK_N]`` lanes with ``GROUP_N = 1``, else
+    ``[HEAD_BLOCK_N / GROUP_N]`` groups."""
+    if GROUP_N == 1:
+        m = tl.full([1, HEAD_BLOCK_N], float("-inf"), tl.float32)
+        d = tl.zeros([1, HEAD_BLOCK_N], tl.float32)
+    else:
+        m, d = empty_state(HEAD_BLOCK_N // GROUP_N)
+    return m, d
+
+
+@triton.jit
 def _head_statistics(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N: tl.constexpr,
-                     EVEN_COLS: tl.constexpr):
+                     GROUP_N: tl.constexpr, EVEN_COLS: tl.constexpr):
     """The state ``(m, d)`` [1] of columns ``[head_start, head_end)`` of a row (whole blocks), read with
     ``evict_last``: ``_head_normalize`` reads them again, from L2 if they are still there.
 
-    Lanes keep their own state over the blocks (no reduction in the loop), merged once. Two blocks
-    are in flight, in two buffers taken in turn: a buffer is loaded again as soon as it is folded
-    in, while the other one's loads are still on their way. (One buffer handed on to the next turn,
-    ``x_block = x_next``, compiles to register moves that wait for the loads: one block in flight.)
-    Plain loads: Triton's pipelined ones (cp.async) would drop the eviction hint.
+    A block is ``[HEAD_BLOCK_N / GROUP_N, GROUP_N]`` groups of adjacent columns (``_head_block``), each
+    keeping its own state over the blocks (``_fold_head_block``: no exchange between threads in the
+    loop); the groups are merged once. Two blocks are in flight, in two buffers taken in turn: a
+    buffer is loaded again as soon as it is folded in, while the other one's loads are still on their
+    way. (One buffer handed on to the next turn, ``x_block = x_next``, compiles to register moves that
+    wait for the loads: one block in flight.) Plain loads: Triton's pipelined ones (cp.async) would
+    drop the eviction hint.
     """
-    lane_m = tl.full([1, HEAD_BLOCK_N], float("-inf"), tl.float32)
-    lane_d = tl.zeros([1, HEAD_BLOCK_N], tl.float32)
-    cols = head_start + tl.arange(0, HEAD_BLOCK_N)[None, :]
-    x_even = tl.load(x_row + cols * stride_xn, mask=_in_row(cols, hi, EVEN_COLS), other=float("-inf"),
-                     eviction_policy="evict_last")
-    cols += HEAD_BLOCK_N  # past head_end when the head is one block: nothing loaded, folded as -inf
-    x_odd = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, hi, EVEN_COLS),
-                    other=float("-inf"), eviction_policy="evict_last")
+    group_m, group_d = _head_states(HEAD_BLOCK_N, GROUP_N)
+    x_even = _head_block(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS, True)
+    # Past head_end when the head is one block: nothing loaded, folded as -inf.
+    x_odd = _head_block(x_row, head_start + HEAD_BLOCK_N, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS,
+                        False)
     for start in tl.range(head_start + 2 * HEAD_BLOCK_N, head_end + 2 * HEAD_BLOCK_N, 2 * HEAD_BLOCK_N,
                           num_stages=1):
-        lane_m, lane_d = online_update_lanes(lane_m, lane_d, x_even.to(tl.float32), LOG2E)
-        cols = start + tl.arange(0, HEAD_BLOCK_N)[None, :]  # past head_end on the last turn: nothing loaded
-        x_even = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, hi, EVEN_COLS),
-                         other=float("-inf"), eviction_policy="evict_last")
-        lane_m, lane_d = online_update_lanes(lane_m, lane_d, x_odd.to(tl.float32), LOG2E)
-        cols += HEAD_BLOCK_N
-        x_odd = tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, hi, EVEN_COLS),
-                        other=float("-inf"), eviction_policy="evict_last")
-    return merge_partial_states(lane_m, lane_d, LOG2E)
+        group_m, group_d = _fold_head_block(group_m, group_d, x_even.to(tl.float32), GROUP_N)
+        # Past head_end on the last turn: nothing loaded.
+        x_even = _head_block(x_row, start, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS, False)
+        group_m, group_d = _fold_head_block(group_m, group_d, x_odd.to(tl.float32), GROUP_N)
+        x_odd = _head_block(x_row, start + HEAD_BLOCK_N, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS,
+                            False)
+    if GROUP_N == 1:
+        m, d = merge_partial_states(group_m, group_d, LOG2E)
+    else:
+        m, d = merge_partial_states(group_m[None, :], group_d[None, :], LOG2E)
+    return m, d
 
 
 @triton.jit
@@ -267,7 +308,7 @@ def _softmax_shared_rows_kernel(
     x_ptr, y_ptr, lse_ptr, slot_ptr, clear_ptr, n_clear,
     n_rows, n_cols, n_parts, head_cols, base_lead,
     stride_xm, stride_xn, stride_ym,
-    BLOCK_N: tl.constexpr, HEAD_BLOCK_N: tl.constexpr, PARTS_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_BLOCK_N: tl.constexpr, HEAD_GROUP_N: tl.constexpr, PARTS_POW2: tl.constexpr,
     HAS_HEAD: tl.constexpr, PREFETCH: tl.constexpr, VEC_COLS: tl.constexpr, EVEN_COLS: tl.constexpr,
     WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr, CLEAR_BLOCK: tl.constexpr,
 ):
@@ -303,7 +344,8 @@ def _softmax_shared_rows_kernel(
                 _prefetch_to_l2(x_row + row_step * stride_xm, part_start, n_cols, stride_xn, BLOCK_N)
         m_head, d_head = empty_state(1)
         if HAS_HEAD:
-            m_head, d_head = _head_statistics(x_row, part_start, head_end, hi, stride_xn, HEAD_BLOCK_N, EVEN_COLS)
+            m_head, d_head = _head_statistics(x_row, part_start, head_end, hi, stride_xn, HEAD_BLOCK_N, HEAD_GROUP_N,
+                                              EVEN_COLS)
         if VEC_COLS > 1:  # part 0 takes the row's edges (masks from tl.where: the interpreter's scalar & is int32)
             edge_cols, edge_ok = _row_edges(pre, hi, n_cols, VEC_COLS)
             edge_ok = tl.where(part == 0, edge_ok, False)
@@ -490,6 +532,7 @@ class SharedRowTile:
     programs_per_sm: int  # resident at once
     prefetch: int  # what a program fetches of its next row's part while the parts wait: PREFETCH_NONE / _L2
     head_block: int  # columns of one streamed head block (HEAD_BLOCK_N)
+    head_group: int = 1  # columns of a head block that keep one state (HEAD_GROUP_N): 1, a state per lane
 
 
 # H100, GB/s (do_bench), bench/results/h100/softmax_shared_tune.log (`--tune shared`):
@@ -502,7 +545,7 @@ class SharedRowTile:
 # wait, and the prefetch lost speed there (2457 at 4096 x 65536 in an earlier run of that log).
 SHARED_TILES = {
     4: SharedRowTile(16384, 4, 2, PREFETCH_NONE.value, 4096),
-    2: SharedRowTile(32768, 16, 1, PREFETCH_L2.value, 8192),
+    2: SharedRowTile(32768, 16, 1, PREFETCH_L2.value, 8192, head_group=8),
 }
 # Rows neither aligned nor in a frame that aligns them (row_vectors() = 0: a strided view with an odd
 # row length) are read one element a load: every element then has its own 64-bit address, and the
@@ -533,6 +576,13 @@ SHARED_TILES_UNALIGNED = {
 # moves wait for the loads); two taken in turn: bf16 16 x 1M / 1 x 16M 1864 / 1720 -> 1879 / 1762, fp32
 # even (softmax_head_buffers_ab.log). Blocks asked into L2 further ahead (prefetch.global.L2::evict_last,
 # 2-8 blocks) only lost speed: fp32 128 x 128K 2330 -> 1976 at 2 blocks (softmax_head_prefetch.log).
+# Head states (head_group; softmax_head_groups_ab.log, same process, CUDA-graph GB/s at 128 x 128K / 16 x 1M
+# / 4 x 4M / 1 x 16M / 16 x 1000003): bf16 in groups of the 8 columns a thread loads at once (16 bytes;
+# 29% fewer instructions in the loop) 1841 / 1780 / 1759 / 1689 / 1546 a lane -> 1866 / 1800 / 1783 /
+# 1735 / 1665; fp32 in groups of 4: 2291 / 2208 / 2010 / 1806 / 1955 -> 2206 / 2198 / 2003 / 1820 / 2003,
+# so fp32 keeps a state per lane; groups of 32 bytes were slower for both. Holding 65536 bf16 columns
+# a multiprocessor as input (weights worked out again after the parts meet) instead of 32768 as fp32
+# weights lost at every shape: 4096 x 65536 2543 -> 1950, 1 x 16M 1697 -> 1560 (softmax_hold_input_ab.log).
 SHARED_HEADS_L2_FRACTION = 0.5
 SHARED_MAX_HEAD_WAVES = 2
 # Slots each program of a shared-row launch zeroes in one turn of _clear_slots.
@@ -552,6 +602,7 @@ class SoftmaxPlan:
     head_cols: int = 0  # fused with shared rows: columns of each part streamed twice before the block_n held
     prefetch: int = 0  # fused with shared rows: PREFETCH_NONE or PREFETCH_L2 (the next part into L2)
     head_block: int = 0  # fused with shared rows and heads: columns of one streamed head block
+    head_group: int = 1  # fused with shared rows and heads: columns of a head block that keep one state
     vec_cols: int = 1  # shared rows: row_vectors() of the rows planned for (> 1: read in the frame of _row_frame)
 
     @property
@@ -708,7 +759,7 @@ def _plan_with_heads(n_cols: int, parts: int, tile: SharedRowTile) -> SoftmaxPla
     """A row in at most ``parts`` parts, each [a head of whole head blocks | tile.cols held on chip]."""
     part_cols = max(triton.cdiv(triton.cdiv(n_cols, parts), tile.head_block) * tile.head_block, tile.cols)
     return SoftmaxPlan("fused", 1, tile.cols, tile.num_warps, triton.cdiv(n_cols, part_cols), part_cols,
-                       part_cols - tile.cols, tile.prefetch, tile.head_block)
+                       part_cols - tile.cols, tile.prefetch, tile.head_block, tile.head_group)
 
 
 def launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device: torch.device, args: tuple, **meta) -> None:
@@ -769,7 +820,7 @@ def _shared_rows_launch(
     x_arg, base_lead = aligned_frame(x2d) if plan.vec_cols > 1 else (x2d, 0)
     args = (x_arg, y_arg, lse_arg, *slots, n_rows, n_cols, plan.n_splits, plan.head_cols, base_lead, x2d.stride(0),
             x2d.stride(1), n_cols)
-    meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=max(plan.head_block, 1),
+    meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=max(plan.head_block, 1), HEAD_GROUP_N=plan.head_group,
                 PARTS_POW2=triton.next_power_of_2(plan.n_splits), HAS_HEAD=plan.head_cols > 0, PREFETCH=plan.prefetch,
                 VEC_COLS=max(plan.vec_cols, 1),
                 EVEN_COLS=plan.vec_cols <= 1 and n_cols == plan.n_splits * plan.cols_per_split,

@@ -268,7 +268,8 @@ def test_packed_states_round_trip_and_are_never_zero():
     assert (packed != 0).all()  # 0 is "not published yet": no real state packs to it
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# head_group_n: head states per lane, or per group of adjacent columns
+@pytest.mark.parametrize("dtype,head_group_n", [(torch.float32, 1), (torch.bfloat16, 4)])
 @pytest.mark.parametrize(
     "n_cols,head_cols,even,prefetch",
     [
@@ -278,7 +279,7 @@ def test_packed_states_round_trip_and_are_never_zero():
         (150, 24, False, fs.PREFETCH_NONE),  # heads of three blocks: the loops (two a turn) fold a padding block of -inf
     ],
 )
-def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_cols, even, prefetch):
+def test_shared_rows_kernel_with_the_other_parts_published(dtype, head_group_n, n_cols, head_cols, even, prefetch):
     # The interpreter runs programs one at a time, so the other parts of each row are published
     # beforehand (from float64 statistics of their chunks); the kernel's program for every part
     # still publishes its own, waits for the row's slots, merges and normalises its part.
@@ -300,7 +301,8 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_c
     clear = torch.randint(1, 1 << 40, (37,))  # what an earlier launch published: zeroed for the next one
     fs._softmax_shared_rows_kernel[(n_parts,)](
         x, y, lse, slots, clear, 35, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
-        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=n_parts, HAS_HEAD=head_cols > 0,
+        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, PARTS_POW2=n_parts,
+        HAS_HEAD=head_cols > 0,
         PREFETCH=prefetch, VEC_COLS=1, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=8,
     )
     assert_close(y, softmax_ref(x))
@@ -321,7 +323,8 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, n_cols, head_c
         (37, 32, 1),  # one part a row, with a head; its tail ragged
     ],
 )
-def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts):
+@pytest.mark.parametrize("head_group_n", [1, 4])  # head states per lane, or per group of 4 columns
+def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts, head_group_n):
     # Where the row ends inside a head or a tail, and a head of one block: as above, the other parts
     # are published beforehand from float64 statistics.
     n_rows, block_n, head_block_n = 3, 8, 8
@@ -336,7 +339,8 @@ def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts):
     slots = _host_packed(part_m.flatten(), part_d.flatten())
     fs._softmax_shared_rows_kernel[(n_parts,)](
         x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
-        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True,
+        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n,
+        PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True,
         PREFETCH=fs.PREFETCH_NONE, VEC_COLS=1, EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
         CLEAR_BLOCK=16,
     )
@@ -364,13 +368,13 @@ def _frame_part_states(x: torch.Tensor, part_cols: int, n_parts: int, vec_cols: 
     return part_m, part_d
 
 
-@pytest.mark.parametrize("dtype,out_dtype,vec_cols", [
-    (torch.float32, torch.float32, 4), (torch.bfloat16, torch.bfloat16, 8),
-    (torch.bfloat16, torch.float32, 8), (torch.float32, torch.bfloat16, 8),  # 16 bytes of the narrower dtype
+@pytest.mark.parametrize("dtype,out_dtype,vec_cols,head_group_n", [
+    (torch.float32, torch.float32, 4, 1), (torch.bfloat16, torch.bfloat16, 8, 8),
+    (torch.bfloat16, torch.float32, 8, 1), (torch.float32, torch.bfloat16, 8, 4),  # 16 bytes of the narrower dtype
 ])
 @pytest.mark.parametrize("n_cols,head_cols,base_lead", [(45, 0, 0), (61, 16, 0), (99, 8, 0), (61, 16, 3), (64, 8, 1)])
-def test_shared_rows_kernel_reads_unaligned_rows_from_their_first_boundary(dtype, out_dtype, vec_cols, n_cols,
-                                                                          head_cols, base_lead):
+def test_shared_rows_kernel_reads_unaligned_rows_from_their_first_boundary(dtype, out_dtype, vec_cols, head_group_n,
+                                                                          n_cols, head_cols, base_lead):
     # Contiguous rows of an odd length (or from a base base_lead elements past a 16-byte boundary) start
     # anywhere inside a 16-byte vector: each row is read from the first vector boundary in it, its whole
     # vectors by the parts, its edges by part 0. The kernel gets x and y from the boundary before x;
@@ -394,7 +398,8 @@ def test_shared_rows_kernel_reads_unaligned_rows_from_their_first_boundary(dtype
     fs._softmax_shared_rows_kernel[(n_parts,)](
         x_frame, y_frame, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, base_lead, x.stride(0),
         x.stride(1), y.stride(0),
-        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, PARTS_POW2=triton.next_power_of_2(n_parts),
+        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n,
+        PARTS_POW2=triton.next_power_of_2(n_parts),
         HAS_HEAD=head_cols > 0, PREFETCH=fs.PREFETCH_NONE, VEC_COLS=vec_cols, EVEN_COLS=False,
         WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=16,
     )
@@ -481,6 +486,7 @@ def test_shared_rows_plan(monkeypatch):
         bf16_long = plan_softmax(1, 1 << 24, gpu, shared_rows=torch.bfloat16)  # one 16-bit program a multiprocessor
         assert bf16_long.n_splits <= 132 and bf16_long.head_cols > 0
         assert (fp32.prefetch, bf16.prefetch, bf16_long.prefetch) == (fp32_tile.prefetch, *[bf16_tile.prefetch] * 2)
+        assert (plan.head_group, bf16_long.head_group) == (fp32_tile.head_group, bf16_tile.head_group) == (1, 8)
         # 16 rows of 1M: 32 held parts a row, 4 rows a wave. bf16: one wave of 8 parts a row (8 x 16 <= 132),
         # 24 MB of heads <= 25 MB; fp32 (48 MB of heads in one wave): two waves of 8 rows, 32 parts a row.
         one_wave = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.bfloat16)
