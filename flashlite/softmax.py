@@ -193,18 +193,16 @@ def _row_edges(pre, hi, n_cols, VEC_COLS: tl.constexpr):
 
 @triton.jit
 def _head_block(x_row, start, head_end, hi, stride_xn, HEAD_BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr,
-                EVEN_COLS: tl.constexpr, FIRST: tl.constexpr):
-    """Columns ``[start, start + HEAD_BLOCK_N)`` of a row, loaded with ``evict_last``, -inf past ``head_end``
-    (not checked for the ``FIRST`` block): ``[1, HEAD_BLOCK_N]`` lanes with ``GROUP_N = 1``, else
-    ``[HEAD_BLOCK_N / GROUP_N, GROUP_N]`` groups of adjacent columns."""
+                EVEN_COLS: tl.constexpr):
+    """Columns ``[start, start + HEAD_BLOCK_N)`` of a row, loaded with ``evict_last``, -inf past ``head_end``:
+    ``[1, HEAD_BLOCK_N]`` lanes with ``GROUP_N = 1``, else ``[HEAD_BLOCK_N / GROUP_N, GROUP_N]`` groups of
+    adjacent columns."""
     if GROUP_N == 1:
         cols = start + tl.arange(0, HEAD_BLOCK_N)[None, :]
     else:
         cols = start + tl.arange(0, HEAD_BLOCK_N // GROUP_N)[:, None] * GROUP_N + tl.arange(0, GROUP_N)[None, :]
-    ok = _in_row(cols, hi, EVEN_COLS)
-    if not FIRST:
-        ok = ok & (cols < head_end)
-    return tl.load(x_row + cols * stride_xn, mask=ok, other=float("-inf"), eviction_policy="evict_last")
+    return tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, hi, EVEN_COLS), other=float("-inf"),
+                   eviction_policy="evict_last")
 
 
 @triton.jit
@@ -246,18 +244,16 @@ def _head_statistics(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N: t
     drop the eviction hint.
     """
     group_m, group_d = _head_states(HEAD_BLOCK_N, GROUP_N)
-    x_even = _head_block(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS, True)
+    x_even = _head_block(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS)
     # Past head_end when the head is one block: nothing loaded, folded as -inf.
-    x_odd = _head_block(x_row, head_start + HEAD_BLOCK_N, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS,
-                        False)
+    x_odd = _head_block(x_row, head_start + HEAD_BLOCK_N, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS)
     for start in tl.range(head_start + 2 * HEAD_BLOCK_N, head_end + 2 * HEAD_BLOCK_N, 2 * HEAD_BLOCK_N,
                           num_stages=1):
         group_m, group_d = _fold_head_block(group_m, group_d, x_even.to(tl.float32), GROUP_N)
         # Past head_end on the last turn: nothing loaded.
-        x_even = _head_block(x_row, start, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS, False)
+        x_even = _head_block(x_row, start, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS)
         group_m, group_d = _fold_head_block(group_m, group_d, x_odd.to(tl.float32), GROUP_N)
-        x_odd = _head_block(x_row, start + HEAD_BLOCK_N, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS,
-                            False)
+        x_odd = _head_block(x_row, start + HEAD_BLOCK_N, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS)
     if GROUP_N == 1:
         m, d = merge_partial_states(group_m, group_d, LOG2E)
     else:
