@@ -579,6 +579,11 @@ SHARED_TILES_UNALIGNED = {
 # so fp32 keeps a state per lane; groups of 32 bytes were slower for both. Holding 65536 bf16 columns
 # a multiprocessor as input (weights worked out again after the parts meet) instead of 32768 as fp32
 # weights lost at every shape: 4096 x 65536 2543 -> 1950, 1 x 16M 1697 -> 1560 (softmax_hold_input_ab.log).
+# A Gluon prototype that also held part of each program's columns in shared memory (cp.async; 96 KB a program fp32,
+# 192 KB bf16: every long-row shape on chip in bf16) was correct but slower for bf16 everywhere (1 x 16M 1758 -> 1248)
+# and for fp32 gained only at 1 x 16M (+3%) and 3 x 5000000 (+9%), losing up to 15% on the other long rows
+# (softmax_smem_ab.log): presumably L1 already keeps the heads where they fit. Many rows
+# in fewer parts, each streaming a head, gained 1-2% for aligned fp32 only and lost elsewhere (softmax_head_rows_ab.log).
 SHARED_HEADS_L2_FRACTION = 0.5
 SHARED_MAX_HEAD_WAVES = 2
 # Slots each program of a shared-row launch zeroes in one turn of _clear_slots.
