@@ -59,7 +59,7 @@ def _compiled_softmax():
 
 def _fused_plan(x: torch.Tensor):
     """The plan flashlite makes for ``x`` under algorithm="auto": fused (one program or shared rows), or online."""
-    return fs.plan_softmax(x.shape[0], x.shape[1], x.device, shared_rows=x.dtype, vec_cols=fs.row_vectors(x, x.dtype))
+    return fs.plan_rows(x, x.dtype)
 
 
 def providers(compiled) -> dict:

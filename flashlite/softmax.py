@@ -718,6 +718,13 @@ def plan_softmax(
     return SoftmaxPlan("online", 1, bn, warps, n_splits, cols_per_split)
 
 
+def plan_rows(x2d: torch.Tensor, out_dtype: torch.dtype, algorithm: str = "auto") -> SoftmaxPlan:
+    """``plan_softmax`` for a softmax of the rows of ``x2d`` written in ``out_dtype``: shared rows planned
+    for how the kernel reads them (``row_vectors``)."""
+    return plan_softmax(x2d.shape[0], x2d.shape[1], x2d.device, algorithm, shared_rows=x2d.dtype,
+                        vec_cols=row_vectors(x2d, out_dtype))
+
+
 def _plan_shared_rows(
     n_rows: int, n_cols: int, device: torch.device, itemsize: int, n_splits: int | None, vec_cols: int,
 ) -> SoftmaxPlan:
@@ -959,8 +966,7 @@ def from_rows(rows: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
 def _softmax_as_rows(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm: str) -> tuple:
     """``(y2d, plan)``: the softmax of ``x`` viewed as rows along ``dim``, and the plan it ran with."""
     x2d = as_rows(x, dim)
-    plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, algorithm, shared_rows=x.dtype,
-                        vec_cols=row_vectors(x2d, out_dtype))
+    plan = plan_rows(x2d, out_dtype, algorithm)
     y2d, _ = softmax_forward(x2d, out_dtype, plan)
     return y2d, plan
 
@@ -979,7 +985,7 @@ def reduced_shape(x: torch.Tensor, dim: int) -> tuple:
 def logsumexp_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Log-sum-exp of checked, non-empty ``x`` along ``dim`` (made non-negative) on the kernels, in ``x``'s dtype."""
     x2d = as_rows(x, dim)
-    plan = plan_softmax(x2d.shape[0], x2d.shape[1], x.device, shared_rows=x.dtype, vec_cols=row_vectors(x2d, x.dtype))
+    plan = plan_rows(x2d, x.dtype)
     _, lse = softmax_forward(x2d, x.dtype, plan, write_y=False, write_lse=True)
     return lse.to(x.dtype).view(reduced_shape(x, dim))
 
@@ -1100,8 +1106,7 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
         return None
     n_cols = x.shape[-1]
     x2d = x.view(-1, n_cols)
-    plan = plan_softmax(x2d.shape[0], n_cols, x.device, algorithm, shared_rows=x.dtype,
-                        vec_cols=row_vectors(x2d, out_dtype))
+    plan = plan_rows(x2d, out_dtype, algorithm)
     y_like = torch.empty((1,), dtype=out_dtype, device=x.device)  # the output's dtype and alignment
     n_slots = 0
     lead = 0  # rows read in frames from an unaligned base: x[1:] of odd rows, say (the key holds data_ptr % 16)
