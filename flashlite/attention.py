@@ -702,6 +702,9 @@ def flash_attention(
         attn_mask: broadcastable to (B, H, Lq, Lk). Boolean (True = keep) or float
             (added to the scaled scores, natural-log units). Broadcast dims are never
             expanded; a key-padding mask (B, 1, 1, Lk) is read once per key tile.
+            Hide whole rows with False or -inf: under a huge finite value (-1e9,
+            ``torch.finfo(dtype).min``) such a row's gradients (-1e9) or output
+            (finfo.min of fp32/bf16) differ from PyTorch's (README, Limits).
         return_lse: also return the log-sum-exp of each row's scaled, masked scores.
         num_splits: split-K/V decoding (``flashlite.split_kv``, FlashDecoding): each
             query tile's keys are cut into this many parts, run by separate programs
