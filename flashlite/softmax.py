@@ -1134,7 +1134,7 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
     def repeat(x: torch.Tensor) -> torch.Tensor:
         # The kernels read pointers only: x and y stand for their (rows, n_cols) views.
         if lead:
-            if x.storage_offset() < lead:  # a storage that starts unaligned (from DLPack, say): no frame
+            if not _frame_in_storage(x):  # a storage that starts unaligned (from DLPack, say): no frame
                 return softmax_rows(x, x.dim() - 1, out_dtype, algorithm)
             y, y_arg = rows_output(x.numel() // n_cols, n_cols, out_dtype, x.device, lead)
             y, x_arg = y.view(x.shape), aligned_frame(x)[0]
