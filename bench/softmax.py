@@ -422,12 +422,13 @@ def run_tune(args) -> None:
             print(f"  {str(dtype)[6:]:9} 4096 x {n:<6} " + "  ".join(line), flush=True)
             del x
     fs.FUSED_PERSISTENT_MAX_COLS = saved_max
-    print("shared rows: tiles (cols/warps/programs a multiprocessor/prefetch of the next part), waves of held parts, "
-          "fewer waves with heads, or one wave; head block -> GB/s do_bench / CUDA graph; 'auto' is flashlite's plan")
-    saved = dict(fs.SHARED_TILES)
+    print("shared rows: tiles (cols/warps/programs a multiprocessor/prefetch of the next part; each tried as both "
+          "SHARED_TILES and SHARED_WAVE_TILES), waves of held parts, fewer waves with heads, or one wave; head block -> "
+          "GB/s do_bench / CUDA graph; 'auto' is flashlite's plan")
+    saved, saved_waves = dict(fs.SHARED_TILES), dict(fs.SHARED_WAVE_TILES)
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "shared") else ():
         size = dtype.itemsize
-        tiles = {"now": saved[size]}
+        tiles = {"now": saved[size], "wave tile now": saved_waves[size]}
         if size == 2:  # the fp32 shape, and two bf16 programs a multiprocessor
             tiles |= {"16384/4/2/none": fs.SharedRowTile(16384, 4, 2, fs.PREFETCH_NONE.value, 4096),
                       "16384/8/2/none": fs.SharedRowTile(16384, 8, 2, fs.PREFETCH_NONE.value, 4096),
@@ -440,9 +441,8 @@ def run_tune(args) -> None:
             line.append(f"auto:{_time_plan(x, _fused_plan(x))}")
             timed = set()
             for name, tile in tiles.items():
-                fs.SHARED_TILES[size] = tile
                 for head_block in sorted({tile.head_block, 4096, 8192}):
-                    fs.SHARED_TILES[size] = dataclasses.replace(tile, head_block=head_block)
+                    fs.SHARED_TILES[size] = fs.SHARED_WAVE_TILES[size] = dataclasses.replace(tile, head_block=head_block)
                     for wave_label, fraction in (("waves", 0.0), ("heads", HEADS_FRACTION), ("one wave", 1.0)):
                         # 0: waves of held parts unless one row is too long; then as few waves as fit
                         # the fraction of L2 (at most SHARED_MAX_HEAD_WAVES); 1: (nearly) always one.
@@ -455,11 +455,12 @@ def run_tune(args) -> None:
                         label = f"{name}/{wave_label if plan.head_cols else 'waves'}"
                         label += f"/head {plan.n_splits}x{plan.head_cols}+{plan.block_n} in {head_block}s" if plan.head_cols else ""
                         line.append(f"{label}:{_time_plan(x, plan)}")
-                fs.SHARED_TILES[size] = saved[size]
+                fs.SHARED_TILES[size], fs.SHARED_WAVE_TILES[size] = saved[size], saved_waves[size]
             fs.SHARED_HEADS_L2_FRACTION = HEADS_FRACTION
             print(f"  {str(dtype)[6:]:9} {str(shape):16} " + "  ".join(dict.fromkeys(line)), flush=True)
             del x
     fs.SHARED_TILES.update(saved)
+    fs.SHARED_WAVE_TILES.update(saved_waves)
     fs.clear_plans()
     print("host cost per call (us), 4096 x 256 fp32:")
     x = torch.randn(4096, 256, device="cuda")

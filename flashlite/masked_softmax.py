@@ -53,6 +53,7 @@ CPU tensors run the kernels through Triton's interpreter under
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -79,10 +80,15 @@ from .softmax import (
     _tile_rows,
     _work_item,
     as_rows,
+    fused_warps,
     launch_online,
     plan_softmax,
 )
 
+# Elements a thread of the fused masked kernels holds. Plain softmax moved to 64 (half the warps from 8192
+# columns); causal masked rows lost 4-10% there (H100, do_bench GB/s, same process, 32 -> 64: bf16 1 x 16 x 8192^2
+# 3335 -> 3211, fp32 1 x 4 x 16384^2 3411 -> 3205, bf16 1 x 8 x 16384^2 2505 -> 2268; softmax_fused_warps_ab.log).
+MASKED_ELEMS_PER_THREAD = 32
 # Additive masks are in the same natural-log units as the scores here.
 NATURAL_UNITS = tl.constexpr(1.0)
 # Causal loads stop at a multiple of this many keys: 16 bytes of a bool mask, 32 of bf16, 64 of fp32,
@@ -326,8 +332,12 @@ def batch_layout(x: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[int],
 def _plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str, block_n: int | None,
           n_splits: int | None) -> SoftmaxPlan:
     # Plain softmax's regimes, limits and block sizes (tuned on an H100 for softmax), not re-tuned for
-    # the mask tile: bench/masked_softmax.py measures the fused regime (L <= 4096) only.
-    return plan_softmax(n_rows, seqlen_k, device, algorithm, block_n, n_splits)
+    # the mask tile: bench/masked_softmax.py measures the fused regime (L <= 4096) only. Wide fused rows
+    # keep the warps of MASKED_ELEMS_PER_THREAD.
+    plan = plan_softmax(n_rows, seqlen_k, device, algorithm, block_n, n_splits)
+    if plan.algorithm == "fused":
+        plan = dataclasses.replace(plan, num_warps=fused_warps(plan.block_m * plan.block_n, MASKED_ELEMS_PER_THREAD))
+    return plan
 
 
 def _launch_forward(

@@ -481,14 +481,18 @@ def _softmax_bwd_online_kernel(
 # fused fp32 2.81 TB/s at N = 32768, but 2.12 TB/s at 65536 where it spills.
 FUSED_MAX_COLS = 32768
 # Elements in one fused tile when rows are short: 16 rows of 256, 4 of 1024, ...
-# With 32 elements a thread (so 4 warps for a 4096 tile) this gave the best
+# With 4 warps for a 4096 tile this gave the best
 # fp32 mix on the H100: 0.96 / 2.14 / 2.63 / 2.80 TB/s at N = 256 / 1024 / 4096 / 16384.
 FUSED_TILE_ELEMS = 4096
 # Rows of at most FUSED_SHORT_MAX_COLS take smaller tiles (more programs, more loads in flight,
 # and the kernel is latency-bound there): measured in softmax_short_rows_tune.log (`--tune short`).
 FUSED_SHORT_MAX_COLS, FUSED_SHORT_TILE_ELEMS = 512, 1024
-# Elements a thread of the fused kernel holds; sets num_warps from the tile size.
-FUSED_ELEMS_PER_THREAD = 32
+# Elements a thread of the fused kernel holds; sets num_warps from the tile size (at least 4, at most 16).
+# Tiles of up to 8192 elements get 4 warps either way; wider rows got half the warps of 32 elements a thread
+# (softmax_fused_warps_ab.log, same process, do_bench / CUDA graph GB/s): fp32 4096 x 16384 2904 / 2894 ->
+# 2921 / 2910, 2048 x 16384 2791 / 2791 -> 2828 / 2813, bf16 4096 x 8192 2658 / 2670 -> 2679 / 2673; the
+# other wide shapes within 0.3% (bf16 4096 x 16384 2835 / 2815 -> 2829 / 2815).
+FUSED_ELEMS_PER_THREAD = 64
 # Tiles wider than this get one program each instead of a persistent grid. H100, M = 4096, GB/s
 # persistent -> one program a tile (bench/results/h100/softmax_grid_tune.log, `--tune grid`):
 # fp32 at 4096 / 8192 / 16384 / 32768 columns 2851 / 2742 / 2805 / 2812 -> 2899 / 2854 / 2903 / 2929,
@@ -529,6 +533,7 @@ class SharedRowTile:
     prefetch: int  # what a program fetches of its next row's part while the parts wait: PREFETCH_NONE / _L2
     head_block: int  # columns of one streamed head block (HEAD_BLOCK_N)
     head_group: int = 1  # columns of a head block that keep one state (HEAD_GROUP_N): 1, a state per lane
+    wave_head: int = 0  # many rows in waves (SHARED_WAVE_TILES): columns of head each part streams before its held ones
 
 
 # H100, GB/s (do_bench), bench/results/h100/softmax_shared_tune.log (`--tune shared`):
@@ -542,6 +547,24 @@ class SharedRowTile:
 SHARED_TILES = {
     4: SharedRowTile(16384, 4, 2, PREFETCH_NONE.value, 4096),
     2: SharedRowTile(32768, 16, 1, PREFETCH_L2.value, 8192, head_group=8),
+}
+# Many rows, taken in waves of held parts (more parts than the resident programs, and no wave of heads
+# fits L2; 4096 x 65536, say), get tiles of their own. H100, GB/s, CUDA graph / do_bench, same process,
+# against the tiles above (softmax_wave_tiles_ab.log):
+# * fp32: parts that hold 16384 columns after streaming a head as long: half as many parts a row wait
+#   for each other. 4096 x 65536 2716 / 2699 -> 2753 / 2754, 1024 x 131072 2591 / 2567 -> 2650 / 2658,
+#   2048 x 98304 2655 / 2647 -> 2707 / 2712, 512 x 262144 2489 / 2476 -> 2606 / 2616; 4096 x 40000
+#   (heads of 4096) 2657 / 2655 -> 2641 / 2640. Rows read in frames lost (4096 x 50257: 2404 / 2377 ->
+#   2307 / 2315), so they keep their parts without heads.
+# * bf16: 16384 columns, 4 warps, 2 an SM, the next part asked into L2: 4096 x 65536 2539 / 2506 ->
+#   2575 / 2558, 2048 x 131072 2414 / 2394 -> 2509 / 2490, 4096 x 50257 2092 / 2088 -> 2223 / 2189,
+#   4096 x 40000 (2 parts of 32768 a third empty before) 2014 / 1968 -> 2541 / 2487. With heads, or
+#   without the prefetch, it lost; where rows take heads (few rows) the 32768-column tile stays ahead
+#   (bf16 1 x 16M 1745 / 1859 against 1629 / 1715). Narrower parts (8192 columns, 3-4 programs an SM), 8 warps,
+#   longer fp32 heads and the prefetch for fp32 led nowhere, or gained on one shape and lost on another (run 3).
+SHARED_WAVE_TILES = {
+    4: SharedRowTile(16384, 4, 2, PREFETCH_NONE.value, 4096, wave_head=16384),
+    2: SharedRowTile(16384, 4, 2, PREFETCH_L2.value, 8192, head_group=8),
 }
 # Rows neither aligned nor in a frame that aligns them (row_vectors() = 0: a strided view with an odd
 # row length) are read one element a load: every element then has its own 64-bit address, and the
@@ -674,6 +697,11 @@ def shares_rows_on_chip(device: torch.device) -> bool:
     return device.type == "cuda" and cooperative_launch_supported()
 
 
+def fused_warps(tile_elems: int, elems_per_thread: int = FUSED_ELEMS_PER_THREAD) -> int:
+    """Warps of a fused program holding ``tile_elems`` elements, ``elems_per_thread`` a thread: 4 to 16."""
+    return min(16, max(4, tile_elems // (32 * elems_per_thread)))
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_softmax(
     n_rows: int, n_cols: int, device: torch.device, algorithm: str = "auto",
@@ -703,8 +731,7 @@ def plan_softmax(
         bn = triton.next_power_of_2(n_cols)
         tile = FUSED_SHORT_TILE_ELEMS if bn <= FUSED_SHORT_MAX_COLS else FUSED_TILE_ELEMS
         bm = max(1, min(tile // bn, triton.next_power_of_2(n_rows)))
-        warps = min(16, max(4, bm * bn // (32 * FUSED_ELEMS_PER_THREAD)))
-        return SoftmaxPlan("fused", bm, bn, warps)
+        return SoftmaxPlan("fused", bm, bn, fused_warps(bm * bn))
 
     if n_splits is None:
         n_sms = device_info(device).num_sms
@@ -732,17 +759,22 @@ def _plan_shared_rows(
     as it needs, in waves of as many rows as the programs hold; or in parts that also stream a head,
     when one row is longer than all programs hold, or when few rows would otherwise take several
     waves and one or two waves' heads fit L2 (SHARED_MAX_HEAD_WAVES, SHARED_HEADS_L2_FRACTION).
-    ``vec_cols`` (``row_vectors``): 0 takes the unaligned tiles; a row's frame (``_row_frame``) needs
-    no more columns than the row."""
-    tiles = SHARED_TILES if vec_cols else SHARED_TILES_UNALIGNED
-    plan = _plan_shared_parts(n_rows, n_cols, device, itemsize, n_splits, tiles[min(itemsize, 4)])
+    Rows left to plain waves of parts take ``SHARED_WAVE_TILES`` (fp32 parts there stream a head too,
+    unless read in frames). ``vec_cols`` (``row_vectors``): 0 takes the unaligned tiles; a row's frame
+    (``_row_frame``) needs no more columns than the row."""
+    tiles, wave_tiles = (SHARED_TILES, SHARED_WAVE_TILES) if vec_cols else (SHARED_TILES_UNALIGNED,) * 2
+    wave_tile = wave_tiles[min(itemsize, 4)]
+    if vec_cols > 1:
+        wave_tile = dataclasses.replace(wave_tile, wave_head=0)  # heads lost on rows read in frames
+    plan = _plan_shared_parts(n_rows, n_cols, device, itemsize, n_splits, tiles[min(itemsize, 4)], wave_tile)
     return dataclasses.replace(plan, vec_cols=vec_cols)
 
 
 def _plan_shared_parts(
     n_rows: int, n_cols: int, device: torch.device, itemsize: int, n_splits: int | None, tile: SharedRowTile,
+    wave_tile: SharedRowTile | None = None,
 ) -> SoftmaxPlan:
-    """``_plan_shared_rows`` with one tile."""
+    """``_plan_shared_rows`` with one tile, and ``wave_tile`` (default: ``tile``) for many rows in waves."""
     info = device_info(device)
     programs = tile.programs_per_sm * info.num_sms
     parts = n_splits or triton.cdiv(n_cols, tile.cols)
@@ -759,6 +791,10 @@ def _plan_shared_parts(
             heads = rows_per_wave * plan.n_splits * plan.head_cols * itemsize
             if plan.head_cols and heads <= SHARED_HEADS_L2_FRACTION * info.l2_bytes:
                 return plan
+        tile = wave_tile or tile
+        if tile.wave_head:
+            return _plan_with_heads(n_cols, triton.cdiv(n_cols, tile.cols + tile.wave_head), tile)
+        parts = triton.cdiv(n_cols, tile.cols)
     bn = triton.next_power_of_2(triton.cdiv(n_cols, parts))  # no wider than tile.cols
     return SoftmaxPlan("fused", 1, bn, tile.num_warps, triton.cdiv(n_cols, bn), bn, prefetch=tile.prefetch)
 

@@ -460,7 +460,8 @@ def unpack_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_shared_rows_plan(monkeypatch):
     # On a (stand-in) GPU, rows past FUSED_MAX_COLS stay fused across programs, tiles by element size;
     # rows longer than the resident programs hold add a head, streamed twice, to every part; so do
-    # few rows that would take several waves, while one wave's heads fit half of L2.
+    # few rows that would take several waves, while one wave's heads fit half of L2. Many rows go in
+    # waves of SHARED_WAVE_TILES parts (fp32 ones stream a head as long as they hold, unless framed).
     gpu = torch.device("cuda", 0)
     l2_bytes = 50 << 20
     monkeypatch.setattr(fs, "shares_rows_on_chip", lambda device: device.type == "cuda")
@@ -468,7 +469,13 @@ def test_shared_rows_plan(monkeypatch):
     clear_plans()
     try:
         fp32 = plan_softmax(4096, 65536, gpu, shared_rows=torch.float32)
-        assert (fp32.algorithm, fp32.block_n, fp32.n_splits, fp32.num_warps, fp32.head_cols) == ("fused", 16384, 4, 4, 0)
+        assert (fp32.algorithm, fp32.block_n, fp32.n_splits, fp32.num_warps, fp32.head_cols) == ("fused", 16384, 2, 4, 16384)
+        assert fp32.cols_per_split == 32768 and fp32.head_block == fs.SHARED_WAVE_TILES[4].head_block
+        bf16_waves, bf16_wave_tile = plan_softmax(4096, 65536, gpu, shared_rows=torch.bfloat16), fs.SHARED_WAVE_TILES[2]
+        assert (bf16_waves.block_n, bf16_waves.n_splits, bf16_waves.num_warps, bf16_waves.head_cols, bf16_waves.prefetch) == (
+            bf16_wave_tile.cols, 4, bf16_wave_tile.num_warps, 0, bf16_wave_tile.prefetch)
+        one_wave_of_parts = plan_softmax(64, 65536, gpu, shared_rows=torch.bfloat16)  # 128 parts: no waves
+        assert (one_wave_of_parts.block_n, one_wave_of_parts.n_splits) == (fs.SHARED_TILES[2].cols, 2)
         bf16 = plan_softmax(7, 100_003, gpu, "fused", shared_rows=torch.bfloat16)
         assert (bf16.block_n, bf16.n_splits, bf16.num_warps) == (32768, 4, 16)  # ragged last part
         odd = plan_softmax(3, 40_000, gpu, shared_rows=torch.float32)  # 3 parts of 13334 -> 3 of 16384
@@ -497,20 +504,24 @@ def test_shared_rows_plan(monkeypatch):
         assert 8 * two_waves.n_splits <= 2 * 132 < 16 * two_waves.n_splits  # 8 rows a wave, not 16
         assert 8 * two_waves.n_splits * two_waves.head_cols * 4 <= fs.SHARED_HEADS_L2_FRACTION * l2_bytes
         max_head_waves = fs.SHARED_MAX_HEAD_WAVES
-        monkeypatch.setattr(fs, "SHARED_MAX_HEAD_WAVES", 1)  # one wave or none: fp32 keeps its waves of held parts
+        monkeypatch.setattr(fs, "SHARED_MAX_HEAD_WAVES", 1)  # one wave or none: fp32 goes in waves of parts
         clear_plans()
-        assert plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32).head_cols == 0
+        framed_waves = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32, vec_cols=4)
+        assert (framed_waves.n_splits, framed_waves.head_cols) == (64, 0)
+        waves = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32)  # each part with a wave head
+        assert (waves.n_splits, waves.head_cols) == (32, fs.SHARED_WAVE_TILES[4].wave_head)
         monkeypatch.setattr(fs, "SHARED_MAX_HEAD_WAVES", max_head_waves)
         clear_plans()
         rows_128 = plan_softmax(128, 1 << 17, gpu, shared_rows=torch.bfloat16)  # one program a row, with a head
         assert (rows_128.n_splits, rows_128.head_cols) == (1, (1 << 17) - bf16_tile.cols) and rows_128.shares_rows
         two_waves = plan_softmax(200, 1 << 17, gpu, shared_rows=torch.bfloat16)  # 2 waves of 100 rows, with heads
         assert (two_waves.n_splits, two_waves.head_cols) == (1, (1 << 17) - bf16_tile.cols)
-        assert plan_softmax(400, 1 << 17, gpu, shared_rows=torch.bfloat16).head_cols == 0  # 2 waves would not hold them
+        many = plan_softmax(400, 1 << 17, gpu, shared_rows=torch.bfloat16)  # 2 waves would not hold their heads
+        assert (many.head_cols, many.block_n, many.n_splits) == (0, bf16_wave_tile.cols, 8)
         # Unaligned rows: read from the first vector boundary in each (no more parts than aligned rows),
         # or, where no frame aligns them, in the unaligned tiles.
-        framed = plan_softmax(4096, 65533, gpu, shared_rows=torch.float32, vec_cols=4)
-        assert framed == dataclasses.replace(fp32, vec_cols=4)
+        framed = plan_softmax(4096, 65533, gpu, shared_rows=torch.float32, vec_cols=4)  # in waves, without heads
+        assert (framed.block_n, framed.n_splits, framed.head_cols, framed.vec_cols) == (16384, 4, 0, 4)
         assert plan_softmax(4096, 65536, gpu, shared_rows=torch.float32, vec_cols=4) == framed  # an unaligned base
         scalar = plan_softmax(4096, 50257, gpu, shared_rows=torch.bfloat16, vec_cols=0)
         unaligned_tile = fs.SHARED_TILES_UNALIGNED[2]
