@@ -697,9 +697,10 @@ def shares_rows_on_chip(device: torch.device) -> bool:
     return device.type == "cuda" and cooperative_launch_supported()
 
 
-def fused_warps(tile_elems: int, elems_per_thread: int = FUSED_ELEMS_PER_THREAD) -> int:
-    """Warps of a fused program holding ``tile_elems`` elements, ``elems_per_thread`` a thread: 4 to 16."""
-    return min(16, max(4, tile_elems // (32 * elems_per_thread)))
+def fused_warps(tile_elems: int, elems_per_thread: int | None = None) -> int:
+    """Warps of a fused program holding ``tile_elems`` elements, ``elems_per_thread`` a thread (default
+    ``FUSED_ELEMS_PER_THREAD``, read at the call: bench/softmax.py --tune sets it): 4 to 16."""
+    return min(16, max(4, tile_elems // (32 * (elems_per_thread or FUSED_ELEMS_PER_THREAD))))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,5 +1,6 @@
 """flashlite.masked_softmax against the float64 masked_fill + softmax reference, through the Triton interpreter."""
 
+import dataclasses
 import importlib
 
 import numpy as np
@@ -410,3 +411,15 @@ def test_key_strides_past_2_31(part):
     else:
         keep = _far_apart(keep[0], stride)[None]
     assert_close(masked_softmax(x, keep), masked_softmax_ref(x, keep))
+
+
+def test_wide_fused_rows_keep_their_warps():
+    # Plain softmax gives wide fused rows half the warps (64 elements a thread); masked rows keep 32 a
+    # thread (they lost 4-10% at 64: softmax_fused_warps_ab.log). Rows of up to 8192 keys agree.
+    masked_module = importlib.import_module("flashlite.masked_softmax")
+    for seqlen_k, masked_warps in ((1024, 4), (4096, 4), (8192, 8), (16384, 16)):
+        plain = plan_softmax(8, seqlen_k, CPU)
+        masked = masked_module._plan(8, seqlen_k, CPU, "auto", None, None)
+        assert masked.num_warps == masked_warps
+        assert masked == dataclasses.replace(plain, num_warps=masked_warps)
+    assert plan_softmax(8, 16384, CPU).num_warps == 8
