@@ -773,9 +773,9 @@ def _plan_shared_rows(
 
 def _plan_shared_parts(
     n_rows: int, n_cols: int, device: torch.device, itemsize: int, n_splits: int | None, tile: SharedRowTile,
-    wave_tile: SharedRowTile | None = None,
+    wave_tile: SharedRowTile,
 ) -> SoftmaxPlan:
-    """``_plan_shared_rows`` with one tile, and ``wave_tile`` (default: ``tile``) for many rows in waves."""
+    """``_plan_shared_rows`` with one tile, and ``wave_tile`` for many rows in plain waves of parts."""
     info = device_info(device)
     programs = tile.programs_per_sm * info.num_sms
     parts = n_splits or triton.cdiv(n_cols, tile.cols)
@@ -792,7 +792,7 @@ def _plan_shared_parts(
             heads = rows_per_wave * plan.n_splits * plan.head_cols * itemsize
             if plan.head_cols and heads <= SHARED_HEADS_L2_FRACTION * info.l2_bytes:
                 return plan
-        tile = wave_tile or tile
+        tile = wave_tile
         if tile.wave_head:
             return _plan_with_heads(n_cols, triton.cdiv(n_cols, tile.cols + tile.wave_head), tile)
         parts = triton.cdiv(n_cols, tile.cols)
