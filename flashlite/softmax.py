@@ -13,12 +13,11 @@
   the part it still holds. Waiting needs all of a row's programs resident, so
   the launch is cooperative and sized from the compiled kernel. A row longer
   than the resident programs hold is still shared by them: each part first
-  streams a head (loaded with ``evict_last``), holds the rest on chip, and
-  re-reads the head from L2 once the row's state is known. Rows of an odd
-  length (or from an unaligned base) start anywhere inside a 16-byte vector;
-  they are read from the first vector boundary in them (``_row_frame``), so
-  that loads and stores stay vectorized (4096 x 50257 on an H100: 149 -> 2373
-  GB/s fp32).
+  streams a head, holds the rest on chip, and re-reads the head from L2 once
+  the row's state is known. Rows of an odd length (or from an unaligned base)
+  start anywhere inside a 16-byte vector; they are read from the first vector
+  boundary in them (``_row_frame``), so that loads and stores stay vectorized
+  (4096 x 50257 on an H100: 149 -> 2373 GB/s fp32).
 * **online**: a row is streamed in blocks of ``BLOCK_N``. Pass 1 folds the
   blocks into running states ``(m, d)``, one per lane, with the core's
   ``online_update_lanes`` (no reduction inside the loop), then merges the lanes;
@@ -193,16 +192,16 @@ def _row_edges(pre, hi, n_cols, VEC_COLS: tl.constexpr):
 
 @triton.jit
 def _head_block(x_row, start, head_end, hi, stride_xn, HEAD_BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr,
-                EVEN_COLS: tl.constexpr):
-    """Columns ``[start, start + HEAD_BLOCK_N)`` of a row, loaded with ``evict_last``, -inf past ``head_end``:
-    ``[1, HEAD_BLOCK_N]`` lanes with ``GROUP_N = 1``, else ``[HEAD_BLOCK_N / GROUP_N, GROUP_N]`` groups of
-    adjacent columns."""
+                EVEN_COLS: tl.constexpr, EVICTION: tl.constexpr):
+    """Columns ``[start, start + HEAD_BLOCK_N)`` of a row, loaded with the L2 eviction hint ``EVICTION``
+    ("" for none, or "evict_last"), -inf past ``head_end``: ``[1, HEAD_BLOCK_N]`` lanes with
+    ``GROUP_N = 1``, else ``[HEAD_BLOCK_N / GROUP_N, GROUP_N]`` groups of adjacent columns."""
     if GROUP_N == 1:
         cols = start + tl.arange(0, HEAD_BLOCK_N)[None, :]
     else:
         cols = start + tl.arange(0, HEAD_BLOCK_N // GROUP_N)[:, None] * GROUP_N + tl.arange(0, GROUP_N)[None, :]
     return tl.load(x_row + cols * stride_xn, mask=(cols < head_end) & _in_row(cols, hi, EVEN_COLS), other=float("-inf"),
-                   eviction_policy="evict_last")
+                   eviction_policy=EVICTION)
 
 
 @triton.jit
@@ -231,9 +230,9 @@ def _head_states(HEAD_BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
 
 @triton.jit
 def _head_statistics(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N: tl.constexpr,
-                     GROUP_N: tl.constexpr, EVEN_COLS: tl.constexpr):
-    """The state ``(m, d)`` [1] of columns ``[head_start, head_end)`` of a row (whole blocks), read with
-    ``evict_last``: ``_head_normalize`` reads them again, from L2 if they are still there.
+                     GROUP_N: tl.constexpr, EVEN_COLS: tl.constexpr, EVICTION: tl.constexpr):
+    """The state ``(m, d)`` [1] of columns ``[head_start, head_end)`` of a row (whole blocks), read with the
+    eviction hint ``EVICTION``: ``_head_normalize`` reads them again, from L2 if they are still there.
 
     A block is ``[HEAD_BLOCK_N / GROUP_N, GROUP_N]`` groups of adjacent columns (``_head_block``), each
     keeping its own state over the blocks (``_fold_head_block``: no exchange between threads in the
@@ -244,16 +243,18 @@ def _head_statistics(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N: t
     drop the eviction hint.
     """
     group_m, group_d = _head_states(HEAD_BLOCK_N, GROUP_N)
-    x_even = _head_block(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS)
+    x_even = _head_block(x_row, head_start, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS, EVICTION)
     # Past head_end when the head is one block: nothing loaded, folded as -inf.
-    x_odd = _head_block(x_row, head_start + HEAD_BLOCK_N, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS)
+    x_odd = _head_block(x_row, head_start + HEAD_BLOCK_N, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS,
+                        EVICTION)
     for start in tl.range(head_start + 2 * HEAD_BLOCK_N, head_end + 2 * HEAD_BLOCK_N, 2 * HEAD_BLOCK_N,
                           num_stages=1):
         group_m, group_d = _fold_head_block(group_m, group_d, x_even.to(tl.float32), GROUP_N)
         # Past head_end on the last turn: nothing loaded.
-        x_even = _head_block(x_row, start, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS)
+        x_even = _head_block(x_row, start, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS, EVICTION)
         group_m, group_d = _fold_head_block(group_m, group_d, x_odd.to(tl.float32), GROUP_N)
-        x_odd = _head_block(x_row, start + HEAD_BLOCK_N, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS)
+        x_odd = _head_block(x_row, start + HEAD_BLOCK_N, head_end, hi, stride_xn, HEAD_BLOCK_N, GROUP_N, EVEN_COLS,
+                            EVICTION)
     if GROUP_N == 1:
         m, d = merge_partial_states(group_m, group_d, LOG2E)
     else:
@@ -304,7 +305,8 @@ def _softmax_shared_rows_kernel(
     x_ptr, y_ptr, lse_ptr, slot_ptr, clear_ptr, n_clear,
     n_rows, n_cols, n_parts, head_cols, base_lead,
     stride_xm, stride_xn, stride_ym,
-    BLOCK_N: tl.constexpr, HEAD_BLOCK_N: tl.constexpr, HEAD_GROUP_N: tl.constexpr, PARTS_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_BLOCK_N: tl.constexpr, HEAD_GROUP_N: tl.constexpr, HEAD_EVICTION: tl.constexpr,
+    PARTS_POW2: tl.constexpr,
     HAS_HEAD: tl.constexpr, PREFETCH: tl.constexpr, VEC_COLS: tl.constexpr, EVEN_COLS: tl.constexpr,
     WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr, CLEAR_BLOCK: tl.constexpr,
 ):
@@ -341,7 +343,7 @@ def _softmax_shared_rows_kernel(
         m_head, d_head = empty_state(1)
         if HAS_HEAD:
             m_head, d_head = _head_statistics(x_row, part_start, head_end, hi, stride_xn, HEAD_BLOCK_N, HEAD_GROUP_N,
-                                              EVEN_COLS)
+                                              EVEN_COLS, HEAD_EVICTION)
         if VEC_COLS > 1:  # part 0 takes the row's edges (masks from tl.where: the interpreter's scalar & is int32)
             edge_cols, edge_ok = _row_edges(pre, hi, n_cols, VEC_COLS)
             edge_ok = tl.where(part == 0, edge_ok, False)
@@ -534,6 +536,7 @@ class SharedRowTile:
     head_block: int  # columns of one streamed head block (HEAD_BLOCK_N)
     head_group: int = 1  # columns of a head block that keep one state (HEAD_GROUP_N): 1, a state per lane
     wave_head: int = 0  # many rows in waves (SHARED_WAVE_TILES): columns of head each part streams before its held ones
+    head_eviction: str = ""  # L2 eviction hint of the head loads: "" (none) or "evict_last"
 
 
 # H100, GB/s (do_bench), bench/results/h100/softmax_shared_tune.log (`--tune shared`):
@@ -562,8 +565,10 @@ SHARED_TILES = {
 #   without the prefetch, it lost; where rows take heads (few rows) the 32768-column tile stays ahead
 #   (bf16 1 x 16M 1745 / 1859 against 1629 / 1715). Narrower parts (8192 columns, 3-4 programs an SM), 8 warps,
 #   longer fp32 heads and the prefetch for fp32 led nowhere, or gained on one shape and lost on another (run 3).
+# The fp32 wave heads keep evict_last, which few rows' heads dropped (below): without it 4096 x 65536 / 1024 x 131072
+# / 512 x 262144 ran 2748 / 2645 / 2612 -> 2722 / 2628 / 2601 GB/s (CUDA graph, softmax_head_eviction_ab.log).
 SHARED_WAVE_TILES = {
-    4: SharedRowTile(16384, 4, 2, PREFETCH_NONE.value, 4096, wave_head=16384),
+    4: SharedRowTile(16384, 4, 2, PREFETCH_NONE.value, 4096, wave_head=16384, head_eviction="evict_last"),
     2: SharedRowTile(16384, 4, 2, PREFETCH_L2.value, 8192, head_group=8),
 }
 # Rows neither aligned nor in a frame that aligns them (row_vectors() = 0: a strided view with an odd
@@ -572,15 +577,15 @@ SHARED_WAVE_TILES = {
 # H100, GB/s (do_bench), bench/results/h100/softmax_unaligned_tune.log, 4096 x 50257 / 128 x 131071 / 1 x 16777215:
 #   fp32  8192, 4 warps    1841 / 1633 / 1002      8192, 8 warps   1592 / 1331 / 1547
 #   bf16  8192, 4 warps    1264 /  895 /  648      8192, 8 warps   1118 / 1179 /  981
-SHARED_TILES_UNALIGNED = {
-    4: SharedRowTile(8192, 4, 2, PREFETCH_NONE.value, 2048),
-    2: SharedRowTile(8192, 8, 1, PREFETCH_L2.value, 8192),
+SHARED_TILES_UNALIGNED = {  # heads loaded evict_last, as these tiles were measured (not since)
+    4: SharedRowTile(8192, 4, 2, PREFETCH_NONE.value, 2048, head_eviction="evict_last"),
+    2: SharedRowTile(8192, 8, 1, PREFETCH_L2.value, 8192, head_eviction="evict_last"),
 }
 # More than the resident programs hold at once is still taken in one read of memory where L2
-# allows: every program streams a head of its part (blocks of head_block columns, loaded with
-# evict_last, two blocks in flight in two buffers taken in turn) before the columns it
-# holds, and reads the head again, last block first, once the row's state is known. Plain loads:
-# Triton's pipelined ones (cp.async) drop the eviction hint. Heads serve
+# allows: every program streams a head of its part (blocks of head_block columns, two blocks in
+# flight in two buffers taken in turn) before the columns it holds, and reads the head again, last
+# block first, once the row's state is known. Plain loads: Triton's pipelined ones (cp.async) drop
+# eviction hints (the wave heads' evict_last). Heads serve
 # * a row longer than all resident programs hold (past 4.3M columns on an H100): 1 x 16M, GB/s,
 #   fp32 1753 (online path 1428), bf16 1597 (online 905);
 # * few rows that would take several waves of resident programs (a read, a wait, a write each):
@@ -607,6 +612,13 @@ SHARED_TILES_UNALIGNED = {
 # and for fp32 gained only at 1 x 16M (+3%) and 3 x 5000000 (+9%), losing up to 15% on the other long rows
 # (softmax_smem_ab.log): presumably L1 already keeps the heads where they fit. Many rows
 # in fewer parts, each streaming a head, gained 1-2% for aligned fp32 only and lost elsewhere (softmax_head_rows_ab.log).
+# Head loads carry no eviction hint (SharedRowTile.head_eviction ""); the numbers above had evict_last. After
+# do_bench's L2 flush (a memset: L2 full of dirty lines) a plain read of 32 MB ran at 2025 GB/s with evict_first,
+# 1837 without a hint and 1658 with evict_last (1x16 warps, one contiguous chunk a program). Without it, same
+# process, CUDA graph (softmax_head_eviction_ab.log, two runs), GB/s at 128 x 128K / 16 x 1M / 4 x 4M / 1 x 16M
+# / 16 x 1000003: bf16 1856 / 1827 / 1797 / 1753 / 1674 -> 1984 / 1944 / 1893 / 1857 / 1767, fp32 2231 / 2190 /
+# 2004 / 1806 / 1947 -> 2337 / 2276 / 2087 / 1884 / 2007. evict_first on the heads, or no hint on the held
+# columns' load, the heads' second read or the stores lost; so did .cg (no L1) on the heads.
 SHARED_HEADS_L2_FRACTION = 0.5
 SHARED_MAX_HEAD_WAVES = 2
 # Slots each program of a shared-row launch zeroes in one turn of _clear_slots.
@@ -627,6 +639,7 @@ class SoftmaxPlan:
     prefetch: int = 0  # fused with shared rows: PREFETCH_NONE or PREFETCH_L2 (the next part into L2)
     head_block: int = 0  # fused with shared rows and heads: columns of one streamed head block
     head_group: int = 1  # fused with shared rows and heads: columns of a head block that keep one state
+    head_eviction: str = ""  # fused with shared rows and heads: L2 eviction hint of the head loads
     vec_cols: int = 1  # shared rows: row_vectors() of the rows planned for (> 1: read in the frame of _row_frame)
 
     @property
@@ -804,7 +817,7 @@ def _plan_with_heads(n_cols: int, parts: int, tile: SharedRowTile) -> SoftmaxPla
     """A row in at most ``parts`` parts, each [a head of whole head blocks | tile.cols held on chip]."""
     part_cols = max(triton.cdiv(triton.cdiv(n_cols, parts), tile.head_block) * tile.head_block, tile.cols)
     return SoftmaxPlan("fused", 1, tile.cols, tile.num_warps, triton.cdiv(n_cols, part_cols), part_cols,
-                       part_cols - tile.cols, tile.prefetch, tile.head_block, tile.head_group)
+                       part_cols - tile.cols, tile.prefetch, tile.head_block, tile.head_group, tile.head_eviction)
 
 
 def launch_online(kernel, plan: SoftmaxPlan, n_rows: int, device: torch.device, args: tuple, **meta) -> None:
@@ -866,7 +879,8 @@ def _shared_rows_launch(
     args = (x_arg, y_arg, lse_arg, *slots, n_rows, n_cols, plan.n_splits, plan.head_cols, base_lead, x2d.stride(0),
             x2d.stride(1), n_cols)
     meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=max(plan.head_block, 1), HEAD_GROUP_N=plan.head_group,
-                PARTS_POW2=triton.next_power_of_2(plan.n_splits), HAS_HEAD=plan.head_cols > 0, PREFETCH=plan.prefetch,
+                HEAD_EVICTION=plan.head_eviction, PARTS_POW2=triton.next_power_of_2(plan.n_splits),
+                HAS_HEAD=plan.head_cols > 0, PREFETCH=plan.prefetch,
                 VEC_COLS=max(plan.vec_cols, 1),
                 EVEN_COLS=plan.vec_cols <= 1 and n_cols == plan.n_splits * plan.cols_per_split,
                 WRITE_Y=write_y, WRITE_LSE=write_lse,

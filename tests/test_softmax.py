@@ -301,7 +301,7 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, head_group_n, 
     clear = torch.randint(1, 1 << 40, (37,))  # what an earlier launch published: zeroed for the next one
     fs._softmax_shared_rows_kernel[(n_parts,)](
         x, y, lse, slots, clear, 35, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
-        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, PARTS_POW2=n_parts,
+        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="", PARTS_POW2=n_parts,
         HAS_HEAD=head_cols > 0,
         PREFETCH=prefetch, VEC_COLS=1, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=8,
     )
@@ -339,7 +339,7 @@ def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts, head_gro
     slots = _host_packed(part_m.flatten(), part_d.flatten())
     fs._softmax_shared_rows_kernel[(n_parts,)](
         x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
-        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n,
+        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="evict_last",
         PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True,
         PREFETCH=fs.PREFETCH_NONE, VEC_COLS=1, EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
         CLEAR_BLOCK=16,
@@ -398,7 +398,7 @@ def test_shared_rows_kernel_reads_unaligned_rows_from_their_first_boundary(dtype
     fs._softmax_shared_rows_kernel[(n_parts,)](
         x_frame, y_frame, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, base_lead, x.stride(0),
         x.stride(1), y.stride(0),
-        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n,
+        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="",
         PARTS_POW2=triton.next_power_of_2(n_parts),
         HAS_HEAD=head_cols > 0, PREFETCH=fs.PREFETCH_NONE, VEC_COLS=vec_cols, EVEN_COLS=False,
         WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=16,
@@ -510,6 +510,9 @@ def test_shared_rows_plan(monkeypatch):
         assert (framed_waves.n_splits, framed_waves.head_cols) == (64, 0)
         waves = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32)  # each part with a wave head
         assert (waves.n_splits, waves.head_cols) == (32, fs.SHARED_WAVE_TILES[4].wave_head)
+        # Wave heads load evict_last; the heads of few long rows carry no hint (measured on the H100).
+        assert (waves.head_eviction, fp32.head_eviction) == ("evict_last",) * 2
+        assert (two_waves.head_eviction, one_wave.head_eviction, bf16_long.head_eviction) == ("",) * 3
         monkeypatch.setattr(fs, "SHARED_MAX_HEAD_WAVES", max_head_waves)
         clear_plans()
         rows_128 = plan_softmax(128, 1 << 17, gpu, shared_rows=torch.bfloat16)  # one program a row, with a head
