@@ -565,8 +565,9 @@ SHARED_TILES = {
 #   without the prefetch, it lost; where rows take heads (few rows) the 32768-column tile stays ahead
 #   (bf16 1 x 16M 1745 / 1859 against 1629 / 1715). Narrower parts (8192 columns, 3-4 programs an SM), 8 warps,
 #   longer fp32 heads and the prefetch for fp32 led nowhere, or gained on one shape and lost on another (run 3).
-# The fp32 wave heads keep evict_last, which few rows' heads dropped (below): without it 4096 x 65536 / 1024 x 131072
-# / 512 x 262144 ran 2748 / 2645 / 2612 -> 2722 / 2628 / 2601 GB/s (CUDA graph, softmax_head_eviction_ab.log).
+# The fp32 wave heads keep evict_last, which few rows' heads dropped (below): one hint a process, without it 4096 x
+# 65536 / 1024 x 131072 / 512 x 262144 ran 2752 / 2647 / 2603 -> 2732 / 2635 / 2594 GB/s (CUDA graph,
+# softmax_head_eviction_ab.log, part 11).
 SHARED_WAVE_TILES = {
     4: SharedRowTile(16384, 4, 2, PREFETCH_NONE.value, 4096, wave_head=16384, head_eviction="evict_last"),
     2: SharedRowTile(16384, 4, 2, PREFETCH_L2.value, 8192, head_group=8),
@@ -612,13 +613,12 @@ SHARED_TILES_UNALIGNED = {  # heads loaded evict_last, as these tiles were measu
 # and for fp32 gained only at 1 x 16M (+3%) and 3 x 5000000 (+9%), losing up to 15% on the other long rows
 # (softmax_smem_ab.log): presumably L1 already keeps the heads where they fit. Many rows
 # in fewer parts, each streaming a head, gained 1-2% for aligned fp32 only and lost elsewhere (softmax_head_rows_ab.log).
-# Head loads carry no eviction hint (SharedRowTile.head_eviction ""); the numbers above had evict_last. After
-# do_bench's L2 flush (a memset: L2 full of dirty lines) a plain read of 32 MB ran at 2025 GB/s with evict_first,
-# 1837 without a hint and 1658 with evict_last (1x16 warps, one contiguous chunk a program). Without it, same
-# process, CUDA graph (softmax_head_eviction_ab.log, two runs), GB/s at 128 x 128K / 16 x 1M / 4 x 4M / 1 x 16M
-# / 16 x 1000003: bf16 1856 / 1827 / 1797 / 1753 / 1674 -> 1984 / 1944 / 1893 / 1857 / 1767, fp32 2231 / 2190 /
-# 2004 / 1806 / 1947 -> 2337 / 2276 / 2087 / 1884 / 2007. evict_first on the heads, or no hint on the held
-# columns' load, the heads' second read or the stores lost; so did .cg (no L1) on the heads.
+# Head loads carry no eviction hint (SharedRowTile.head_eviction ""); the numbers above had evict_last. One hint a
+# process, CUDA graph GB/s (softmax_head_eviction_ab.log, part 11): bf16 even (128 x 128K 1868 -> 1871), fp32
+# 128 x 128K 2216 -> 2229, 1 x 16M 1807 -> 1830. Lines loaded evict_last also outlive the call: do_bench's memset
+# flush leaves them in L2, where they served whatever read the same addresses next (timed in one process, the
+# other hint looked 4-7% faster for it). evict_first on the heads, no hint on the held columns' load or the heads'
+# second read, .cg head loads, streaming stores, or the heads written before the held columns lost or tied.
 SHARED_HEADS_L2_FRACTION = 0.5
 SHARED_MAX_HEAD_WAVES = 2
 # Slots each program of a shared-row launch zeroes in one turn of _clear_slots.
