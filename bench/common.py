@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 import torch
 import triton
+import triton.language as tl
 
 
 def gpu_slug() -> str:
@@ -40,6 +41,36 @@ def environment() -> dict:
 def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of ``fn`` (device events, L2 flushed between runs by do_bench)."""
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+L2_LINE_BYTES = 128
+DEMOTE_LINES = 1024  # L2 lines one program of _demote_l2_kernel resets
+
+
+@triton.jit
+def _demote_l2_kernel(base_ptr, n_lines, LINES: tl.constexpr):
+    """Give lines ``[0, n_lines)`` of 128 bytes from ``base_ptr`` normal L2 eviction priority (inline PTX, GPU only)."""
+    lines = tl.program_id(0) * LINES + tl.arange(0, LINES)
+    line_ptrs = base_ptr + tl.minimum(lines, n_lines - 1).to(tl.int64) * 128
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tapplypriority.global.L2::evict_normal [$1], 128;", "=r,l",
+                              [line_ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def fresh_copy(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``x`` for one provider to be timed on, none of whose L2 lines keeps ``evict_last`` priority.
+
+    do_bench's flush is a memset, which evicts normal lines first: lines a provider
+    loads with ``evict_last`` (torch.compile's kernels do) outlive it and serve the
+    next provider timed on the same addresses (bench/results/h100/
+    softmax_head_eviction_ab.log, parts 11-12). Keep each provider's copy alive until
+    all are timed, so that no two share addresses; lines left at the copy's addresses
+    by tensors freed before are reset to normal priority here, so the flush evicts them.
+    """
+    copy = x.contiguous().clone()
+    storage = copy.view(-1).view(torch.uint8)
+    n_lines = triton.cdiv(storage.numel(), L2_LINE_BYTES)
+    _demote_l2_kernel[(triton.cdiv(n_lines, DEMOTE_LINES),)](storage, n_lines, LINES=DEMOTE_LINES)
+    return copy
 
 
 def graph_time_ms(fn: Callable[[], object]) -> float:

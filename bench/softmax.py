@@ -31,8 +31,8 @@ import flashlite  # noqa: E402
 fs = importlib.import_module("flashlite.softmax")  # the module (flashlite.softmax is the function)
 from baselines import naive_softmax, textbook_fused_softmax, textbook_online_softmax  # noqa: E402
 from common import (  # noqa: E402
-    copy_bandwidth_gbs, environment, gbs, graph_time_ms, plot_lines, poison_allocator, results_dir, time_ms,
-    try_time_ms, write_results,
+    copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, poison_allocator, results_dir,
+    time_ms, try_time_ms, write_results,
 )
 
 WIDE_N = [256, 1024, 4096, 8192, 16384, 32768, 65536]  # with M = 4096 rows
@@ -82,15 +82,21 @@ def providers(compiled) -> dict:
 def measure(shape, dtype, provs) -> dict:
     x = torch.randn(*shape, device="cuda", dtype=dtype)
     row = {"dtype": str(dtype).replace("torch.", ""), "M": shape[0], "N": shape[1], "elements": x.numel()}
+    # Each provider is timed on a copy of its own (common.fresh_copy): lines torch.compile's kernels load with
+    # evict_last outlive do_bench's flush, and served every provider timed after it on one shared tensor
+    # (bf16 4096 x 4096: flashlite 2434 -> 2770 GB/s once compile had run on it; softmax_head_eviction_ab.log).
+    copies = []
     for name, fn in provs.items():
-        if fn(x) is None:
+        copies.append(fresh_copy(x))
+        if fn(copies[-1]) is None:
             row[name] = None
             continue
-        row[name] = gbs(softmax_bytes(x), try_time_ms(functools.partial(fn, x)))
+        row[name] = gbs(softmax_bytes(x), try_time_ms(functools.partial(fn, copies[-1])))
     # The same call replayed from a CUDA graph: device time alone. Where it is well above the column
     # "flashlite", the call was host-bound (a launch costs ~50 us of host time; do_bench hides less).
-    row["flashlite_graph"] = gbs(softmax_bytes(x), graph_time_ms(functools.partial(provs["flashlite"], x)))
-    del x
+    copies.append(fresh_copy(x))
+    row["flashlite_graph"] = gbs(softmax_bytes(x), graph_time_ms(functools.partial(provs["flashlite"], copies[-1])))
+    del x, copies
     torch.cuda.empty_cache()
     return row
 
@@ -117,7 +123,8 @@ def run_bench(args) -> None:
             rows.append(row)
             print(f"{dname} {shape}: flashlite {row['flashlite']:.0f} GB/s ({row['frac_copy']:.0%} of copy), "
                   f"x{row['x_best_peer']:.2f} best peer  [{time.time() - t0:.1f}s]", flush=True)
-    meta = environment() | {"copy_gbs": copy, "flashlite_fused_max_cols": fs.FUSED_MAX_COLS}
+    meta = environment() | {"copy_gbs": copy, "flashlite_fused_max_cols": fs.FUSED_MAX_COLS,
+                            "inputs": "a fresh copy a provider (common.fresh_copy)"}
     out = results_dir(args.out)
     cols = ["dtype", "M", "N", "flashlite", "flashlite_graph", "fused", "online", "torch", "compile", "naive", "textbook_fused",
             "textbook_online", "copy_same_size", "frac_copy", "frac_copy_same_size", "x_best_peer"]
