@@ -48,10 +48,11 @@ DEMOTE_LINES = 1024  # L2 lines one program of _demote_l2_kernel resets
 
 
 @triton.jit
-def _demote_l2_kernel(base_ptr, n_lines, LINES: tl.constexpr):
-    """Give lines ``[0, n_lines)`` of 128 bytes from ``base_ptr`` normal L2 eviction priority (inline PTX, GPU only)."""
+def _demote_l2_kernel(base_ptr, n_lines, LINES: tl.constexpr, LINE_BYTES: tl.constexpr):
+    """Give lines ``[0, n_lines)`` of ``LINE_BYTES`` (128, as applypriority requires) from ``base_ptr`` normal L2
+    eviction priority (inline PTX, GPU only)."""
     lines = tl.program_id(0) * LINES + tl.arange(0, LINES)
-    line_ptrs = base_ptr + tl.minimum(lines, n_lines - 1).to(tl.int64) * 128
+    line_ptrs = base_ptr + tl.minimum(lines, n_lines - 1).to(tl.int64) * LINE_BYTES
     tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tapplypriority.global.L2::evict_normal [$1], 128;", "=r,l",
                               [line_ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
@@ -69,7 +70,8 @@ def fresh_copy(x: torch.Tensor) -> torch.Tensor:
     copy = x.contiguous().clone()
     storage = copy.view(-1).view(torch.uint8)
     n_lines = triton.cdiv(storage.numel(), L2_LINE_BYTES)
-    _demote_l2_kernel[(triton.cdiv(n_lines, DEMOTE_LINES),)](storage, n_lines, LINES=DEMOTE_LINES)
+    _demote_l2_kernel[(triton.cdiv(n_lines, DEMOTE_LINES),)](storage, n_lines, LINES=DEMOTE_LINES,
+                                                             LINE_BYTES=L2_LINE_BYTES)
     return copy
 
 
