@@ -199,18 +199,27 @@ def run_check(args) -> None:
                 y = flashlite.softmax(x, algorithm=algo)
                 ref = torch.softmax(x.double(), -1)
                 report(f"softmax {dtype} {shape} {algo}", (y.double() - ref).abs().max().item(), tol[dtype])
-        x = torch.randn(64, 3000, device="cuda", dtype=dtype, requires_grad=True)
-        dy = torch.randn_like(x)
+        # Backward: rows on chip and streamed, of lengths that are multiples of 16 and odd ones (read in
+        # frames, softmax.backward_vectors), and the gradient of an odd-length dim taken from a strided view.
+        for shape in ((64, 3000), (64, 3001), (37, 30001), (3, 200_000), (3, 200_003), (5, 7, 1001)):
+            x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+            dy = torch.randn_like(x)
+            poison_allocator()
+            (dx,) = torch.autograd.grad(flashlite.softmax(x), x, dy)
+            x64 = x.detach().double().requires_grad_()
+            (ref,) = torch.autograd.grad(torch.softmax(x64, -1), x64, dy.double())
+            rows_like = dy.view(-1, shape[-1])  # y's layout: contiguous, from a fresh allocation
+            vectors = fs.backward_vectors(rows_like, rows_like, dtype, _fused_plan(rows_like))
+            # Relative to the largest gradient (about 1 / n_cols): an absolute bound would pass zeros.
+            report(f"backward {dtype} {shape} (vectors {vectors}, relative)",
+                   ((dx.double() - ref).abs().max() / ref.abs().max()).item(), 4 * tol[dtype])
+        x = torch.randn(40, 3001, device="cuda", dtype=dtype, requires_grad=True)
+        dy = torch.randn(40, 3100, device="cuda", dtype=dtype)[:, :3001]
         (dx,) = torch.autograd.grad(flashlite.softmax(x), x, dy)
         x64 = x.detach().double().requires_grad_()
         (ref,) = torch.autograd.grad(torch.softmax(x64, -1), x64, dy.double())
-        report(f"backward {dtype}", (dx.double() - ref).abs().max().item(), 4 * tol[dtype])
-        xl = torch.randn(3, 200_000, device="cuda", dtype=dtype, requires_grad=True)
-        dyl = torch.randn_like(xl)
-        (dxl,) = torch.autograd.grad(flashlite.softmax(xl), xl, dyl)
-        x64 = xl.detach().double().requires_grad_()
-        (ref,) = torch.autograd.grad(torch.softmax(x64, -1), x64, dyl.double())
-        report(f"backward long rows {dtype}", (dxl.double() - ref).abs().max().item(), 4 * tol[dtype])
+        report(f"backward {dtype} (40, 3001), dy a strided view (relative)",
+               ((dx.double() - ref).abs().max() / ref.abs().max()).item(), 4 * tol[dtype])
         x = torch.randn(6, 70_000, device="cuda", dtype=dtype) * 10
         report_logsumexp(f"logsumexp {dtype}", x)  # about 60
         # Rows shared by resident programs (on an H100): special rows, a row stride that is not the
@@ -330,6 +339,27 @@ def run_check(args) -> None:
         tail = torch.softmax(x[-3:].double(), -1)
         report(f"> 2^31 elements {shape}", (y[-3:].double() - tail).abs().max().item(), 8e-3)
         del x, y
+        torch.cuda.empty_cache()
+    # ... rows of odd lengths, read in frames: on chip (forward and backward) and streamed (online). Errors
+    # relative to the largest value of the last rows (about 1 / n_cols): bf16 rounding is 4e-3 of that.
+    for shape, algo in (((2**31 // 4095 + 1, 4095), "auto"), ((2**31 // 30001 + 1, 30001), "auto"),
+                        ((2**31 // 50257 + 1, 50257), "online")):
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        poison_allocator()
+        y = flashlite.softmax(x, algorithm=algo)
+        tail = torch.softmax(x[-3:].double(), -1)
+        report(f"> 2^31 elements {shape} {algo} (relative)",
+               ((y[-3:].double() - tail).abs().max() / tail.abs().max()).item(), 8e-3)
+        del x
+        dy = torch.randn_like(y)
+        poison_allocator()
+        dx = fs.softmax_backward(y, dy, y.dtype, fs.plan_rows(y, y.dtype, algo))
+        yd, dyd = y[-3:].double(), dy[-3:].double()
+        tail = yd * (dyd - (yd * dyd).sum(-1, keepdim=True))
+        vectors = fs.backward_vectors(y, dy, y.dtype, fs.plan_rows(y, y.dtype, algo))
+        report(f"> 2^31 elements {shape} {algo} backward (relative, vectors {vectors})",
+               ((dx[-3:].double() - tail).abs().max() / tail.abs().max()).item(), 8e-3)
+        del y, dy, dx
         torch.cuda.empty_cache()
     print(f"\n{failures} failure(s)")
 

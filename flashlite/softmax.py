@@ -17,7 +17,10 @@
   the row's state is known. Rows of an odd length (or from an unaligned base)
   start anywhere inside a 16-byte vector; they are read from the first vector
   boundary in them (``_row_frame``), so that loads and stores stay vectorized
-  (4096 x 50257 on an H100: 149 -> 2373 GB/s fp32).
+  (4096 x 50257 on an H100: 149 -> 2373 GB/s fp32). One-row fused tiles, the
+  online kernels and the backward kernels read such rows the same way
+  (``_frame_rows``; bench/results/h100/softmax_odd_rows_frames.log: backward of
+  fp32 4096 x 30001 339 -> 2281 GB/s, where one element a load spilled).
 * **online**: a row is streamed in blocks of ``BLOCK_N``. Pass 1 folds the
   blocks into running states ``(m, d)``, one per lane, with the core's
   ``online_update_lanes`` (no reduction inside the loop), then merges the lanes;
@@ -75,14 +78,6 @@ def _tile_rows(tile, BLOCK_M: tl.constexpr):
     return tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
 
 
-@triton.jit
-def _load_tile(x_ptr, tile, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M: tl.constexpr):
-    """The ``[BLOCK_M, len(cols)]`` block of ``x`` in row tile ``tile``; ``-inf`` outside the tensor."""
-    rows = _tile_rows(tile, BLOCK_M)
-    ok = (rows < n_rows)[:, None] & col_ok[None, :]
-    return tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=ok, other=float("-inf"))
-
-
 # What a program of a shared row fetches of its next part before waiting for the other parts of this one.
 PREFETCH_NONE = tl.constexpr(0)
 PREFETCH_L2 = tl.constexpr(1)  # the next part's columns into L2: no registers held
@@ -131,25 +126,39 @@ def _work_item(item, n_items, n_splits, cols_per_split, n_cols, PASS: tl.constex
 @triton.jit
 def _softmax_fused_kernel(
     x_ptr, y_ptr, lse_ptr,
-    n_rows, n_cols,
+    n_rows, n_cols, base_lead,
     stride_xm, stride_xn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VEC_COLS: tl.constexpr, WRITE_Y: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
+    # Columns are those of each row's frame (_row_frame): with VEC_COLS > 1 (rows that start unaligned:
+    # stride_xm = stride_ym, stride_xn = 1) a row's whole vectors are read from an aligned address and
+    # its edges apart; x_ptr and y_ptr are then 16-byte aligned, base_lead elements before row 0 of each.
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    col_ok = cols < n_cols  # without frames; a frame's whole vectors end at its row's own bound
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         rows = _tile_rows(tile, BLOCK_M)
-        row_ok = rows < n_rows
-        x = _load_tile(x_ptr, tile, n_rows, cols, col_ok, stride_xm, stride_xn, BLOCK_M)
+        row_ok = (rows < n_rows)[:, None]
+        x_starts, pre, hi = _frame_rows(rows, n_cols, base_lead, stride_xm, VEC_COLS)
+        y_starts, _, _ = _frame_rows(rows, n_cols, base_lead, stride_ym, VEC_COLS)
+        x_rows, y_rows = x_ptr + x_starts, y_ptr + y_starts
+        ok = row_ok & _in_frame(cols, col_ok, hi, VEC_COLS)
+        x = tl.load(x_rows + cols * stride_xn, mask=ok, other=float("-inf"))
         m, d = empty_state(BLOCK_M)
+        if VEC_COLS > 1:  # the edges first: their few weights are worked out again from the final state
+            edge_cols, edge_ok = _row_edges(pre, hi, n_cols, VEC_COLS)
+            edge_ok = row_ok & edge_ok
+            x_edge = tl.load(x_rows + edge_cols, mask=edge_ok, other=float("-inf")).to(tl.float32)
+            m, d, _, _ = online_update(m, d, x_edge, LOG2E)
         m, d, p, _ = online_update(m, d, x.to(tl.float32), LOG2E)
         if WRITE_LSE:
-            tl.store(lse_ptr + rows, state_logsumexp(m, d, LOG2E), mask=row_ok)
+            tl.store(lse_ptr + rows, state_logsumexp(m, d, LOG2E), mask=rows < n_rows)
         if WRITE_Y:
-            ok = row_ok[:, None] & col_ok[None, :]
-            tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], normalize(p, d, False).to(y_ptr.dtype.element_ty),
-                     mask=ok)
+            if VEC_COLS > 1:
+                tl.store(y_rows + edge_cols, final_weights(x_edge, m, d, LOG2E, False).to(y_ptr.dtype.element_ty),
+                         mask=edge_ok)
+            tl.store(y_rows + cols, normalize(p, d, False).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -166,7 +175,7 @@ def _row_frame(row_start, n_cols, VEC_COLS: tl.constexpr):
     """
     if VEC_COLS > 1:
         pre = ((VEC_COLS - row_start % VEC_COLS) % VEC_COLS).to(tl.int32)
-        hi = (n_cols - pre) // VEC_COLS * VEC_COLS
+        hi = tl.maximum(n_cols - pre, 0) // VEC_COLS * VEC_COLS  # 0 for a row inside one vector
     else:
         pre = 0
         hi = n_cols
@@ -188,6 +197,47 @@ def _row_edges(pre, hi, n_cols, VEC_COLS: tl.constexpr):
     cols = tl.where(lanes < VEC_COLS, lanes - VEC_COLS, hi + lanes - VEC_COLS)
     ok = (cols >= -pre) & (cols < n_cols - pre) & ((cols < 0) | (cols >= hi))
     return cols, ok
+
+
+@triton.jit
+def _frame_start(base_lead, row_offset, pre, VEC_COLS: tl.constexpr):
+    """Offset of column 0 of the frame (``_row_frame``) of a row ``row_offset`` elements past row 0, which lies
+    ``base_lead`` elements past an aligned pointer: ``base_lead + row_offset + pre``, a multiple of ``VEC_COLS``;
+    with ``VEC_COLS = 1`` (no frames, ``base_lead`` 0) the row's own offset."""
+    if VEC_COLS > 1:
+        return tl.multiple_of(base_lead + row_offset + pre, VEC_COLS)
+    return row_offset
+
+
+@triton.jit
+def _in_frame(cols, col_ok, hi, VEC_COLS: tl.constexpr):
+    """Which ``cols`` of each row's frame to load and store as whole vectors: ``cols < hi`` (``_frame_rows``)
+    with ``VEC_COLS > 1``, else ``col_ok`` (the row's columns, worked out once by the caller)."""
+    if VEC_COLS > 1:
+        return cols < hi
+    return col_ok
+
+
+@triton.jit
+def _frame_rows(rows, n_cols, base_lead, stride_m, VEC_COLS: tl.constexpr):
+    """``(starts, pre, hi)``, ``[len(rows), 1]`` each with ``VEC_COLS > 1``: where rows ``rows`` (64-bit) of a
+    tensor of row stride ``stride_m`` are read or written in their frames (``_frame_start``, ``_row_frame``),
+    its pointer ``base_lead`` elements before its row 0. Tensors read in the same frames have one row stride."""
+    pre, hi = _row_frame(base_lead + rows * stride_m, n_cols, VEC_COLS)
+    starts = _frame_start(base_lead, rows * stride_m, pre, VEC_COLS)[:, None]
+    if VEC_COLS > 1:
+        pre, hi = pre[:, None], hi[:, None]
+    return starts, pre, hi
+
+
+@triton.jit
+def _body_end(col_end, hi, VEC_COLS: tl.constexpr):
+    """Where a chunk of a row that ends at ``col_end`` stops being whole vectors of its frame (``_row_frame``):
+    ``min(col_end, hi)``, a multiple of ``VEC_COLS`` as chunks are (the planner keeps ``BLOCK_N`` one), which
+    keeps the masked loads and stores up to it vectorized."""
+    if VEC_COLS > 1:
+        return tl.multiple_of(tl.minimum(col_end, hi), VEC_COLS)
+    return col_end
 
 
 @triton.jit
@@ -334,9 +384,7 @@ def _softmax_shared_rows_kernel(
         rows = row + tl.arange(0, 1)
         pre, hi = _row_frame(base_lead + row * stride_xm, n_cols, VEC_COLS)
         tail_ok = _in_row(tail_cols, hi, EVEN_COLS)  # with EVEN_COLS (every part inside the row): folds away
-        x_row = x_ptr + row * stride_xm
-        if VEC_COLS > 1:
-            x_row = x_ptr + tl.multiple_of(base_lead + row * stride_xm + pre, VEC_COLS)
+        x_row = x_ptr + _frame_start(base_lead, row * stride_xm, pre, VEC_COLS)
         if PREFETCH == PREFETCH_L2:  # the first BLOCK_N columns of the next row's part travel to L2
             if row + row_step < rows_prefetched:
                 _prefetch_to_l2(x_row + row_step * stride_xm, part_start, n_cols, stride_xn, BLOCK_N)
@@ -357,9 +405,8 @@ def _softmax_shared_rows_kernel(
             if part == 0:
                 tl.store(lse_ptr + rows, state_logsumexp(m_row, d_row, LOG2E))
         if WRITE_Y:
-            y_row = y_ptr + row * stride_ym
+            y_row = y_ptr + _frame_start(base_lead, row * stride_ym, pre, VEC_COLS)
             if VEC_COLS > 1:
-                y_row = y_ptr + tl.multiple_of(base_lead + row * stride_ym + pre, VEC_COLS)
                 y_edge = final_weights(x_edge, m_row, d_row, LOG2E, False)
                 tl.store(y_row + edge_cols, y_edge.to(y_ptr.dtype.element_ty), mask=edge_ok)
             y = normalize(p * rescale_factor(m_part, m_row, LOG2E)[:, None], d_row, False)
@@ -372,15 +419,23 @@ def _softmax_shared_rows_kernel(
 @triton.jit
 def _softmax_online_kernel(
     x_ptr, y_ptr, lse_ptr, part_m_ptr, part_d_ptr,
-    n_rows, n_cols, n_splits, cols_per_split,
+    n_rows, n_cols, n_splits, cols_per_split, base_lead,
     stride_xm, stride_xn, stride_ym,
     BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr, NUM_STAGES: tl.constexpr,
-    WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
+    VEC_COLS: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
+    # Columns are those of the row's frame, as in _softmax_fused_kernel; a row's first chunk also takes its edges.
     n_items = n_rows * n_splits
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
         row, col_start, col_end = _work_item(item, n_items, n_splits, cols_per_split, n_cols, PASS)
-        x_row = x_ptr + row * stride_xm
+        pre, hi = _row_frame(base_lead + row * stride_xm, n_cols, VEC_COLS)
+        x_row = x_ptr + _frame_start(base_lead, row * stride_xm, pre, VEC_COLS)
+        y_row = y_ptr + _frame_start(base_lead, row * stride_ym, pre, VEC_COLS)
+        body_end = _body_end(col_end, hi, VEC_COLS)
+        if VEC_COLS > 1:
+            edge_cols, edge_ok = _row_edges(pre, hi, n_cols, VEC_COLS)
+            edge_ok = tl.where(col_start == 0, edge_ok, False)
+            x_edge = tl.load(x_row + edge_cols, mask=edge_ok, other=float("-inf")).to(tl.float32)
 
         if PASS == FINAL_PASS:
             parts = tl.arange(0, SPLITS_POW2)
@@ -392,11 +447,13 @@ def _softmax_online_kernel(
             # Every lane keeps its own (m, d) over the blocks; the lanes merge once, after the loop.
             lane_m = tl.full([1, BLOCK_N], float("-inf"), tl.float32)
             lane_d = tl.zeros([1, BLOCK_N], tl.float32)
-            for start in tl.range(col_start, col_end, BLOCK_N, num_stages=NUM_STAGES):
-                cols = start + tl.arange(0, BLOCK_N)
-                x = tl.load(x_row + cols * stride_xn, mask=cols < col_end, other=float("-inf"))
-                lane_m, lane_d = online_update_lanes(lane_m, lane_d, x.to(tl.float32)[None, :], LOG2E)
+            for start in tl.range(col_start, body_end, BLOCK_N, num_stages=NUM_STAGES):
+                cols = start + tl.arange(0, BLOCK_N)[None, :]
+                x = tl.load(x_row + cols * stride_xn, mask=cols < body_end, other=float("-inf"))
+                lane_m, lane_d = online_update_lanes(lane_m, lane_d, x.to(tl.float32), LOG2E)
             m, d = merge_partial_states(lane_m, lane_d, LOG2E)
+            if VEC_COLS > 1:
+                m, d, _, _ = online_update(m, d, x_edge, LOG2E)
             if PASS == PARTIAL_PASS:
                 here = row * n_splits + col_start // cols_per_split + tl.arange(0, 1)
                 tl.store(part_m_ptr + here, m)
@@ -406,14 +463,16 @@ def _softmax_online_kernel(
             if WRITE_LSE:
                 tl.store(lse_ptr + row + tl.arange(0, 1), state_logsumexp(m, d, LOG2E), mask=(col_start + tl.arange(0, 1)) == 0)
             if WRITE_Y:
-                y_row = y_ptr + row * stride_ym
-                n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
+                if VEC_COLS > 1:
+                    y_edge = final_weights(x_edge, m, d, LOG2E, False)
+                    tl.store(y_row + edge_cols, y_edge.to(y_ptr.dtype.element_ty), mask=edge_ok)
+                n_blocks = tl.cdiv(body_end - col_start, BLOCK_N)
                 for k in tl.range(0, n_blocks, num_stages=NUM_STAGES):
-                    cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
-                    col_ok = cols < col_end
+                    cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                    col_ok = cols < body_end
                     x = tl.load(x_row + cols * stride_xn, mask=col_ok, other=float("-inf"))
-                    y = final_weights(x.to(tl.float32)[None, :], m, d, LOG2E, False)
-                    tl.store(y_row + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=col_ok[None, :])
+                    y = final_weights(x.to(tl.float32), m, d, LOG2E, False)
+                    tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -421,19 +480,32 @@ def _softmax_bwd_fused_kernel(
     y_ptr, dy_ptr, dx_ptr,
     n_rows, n_cols,
     stride_ym, stride_dym, stride_dyn, stride_dxm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VEC_COLS: tl.constexpr,
 ):
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
+    # With VEC_COLS > 1 (rows that start unaligned) y, dy and dx are read and written in the rows' frames, as
+    # x and y in _softmax_fused_kernel: every pointer 16-byte aligned at row 0, one row stride, stride_dyn = 1.
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    col_ok = cols < n_cols  # without frames
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         rows = _tile_rows(tile, BLOCK_M)
-        ok = (rows < n_rows)[:, None] & col_ok[None, :]
-        y = tl.load(y_ptr + rows[:, None] * stride_ym + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=ok, other=0.0)
-        dy = dy.to(tl.float32)
-        dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
-        tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=ok)
+        row_ok = (rows < n_rows)[:, None]
+        y_starts, pre, hi = _frame_rows(rows, n_cols, 0, stride_ym, VEC_COLS)
+        dy_starts, _, _ = _frame_rows(rows, n_cols, 0, stride_dym, VEC_COLS)
+        dx_starts, _, _ = _frame_rows(rows, n_cols, 0, stride_dxm, VEC_COLS)
+        ok = row_ok & _in_frame(cols, col_ok, hi, VEC_COLS)
+        y = tl.load(y_ptr + y_starts + cols, mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + dy_starts + cols * stride_dyn, mask=ok, other=0.0).to(tl.float32)
+        dot = tl.sum(y * dy, axis=1)
+        if VEC_COLS > 1:
+            edge_cols, edge_ok = _row_edges(pre, hi, n_cols, VEC_COLS)
+            edge_ok = row_ok & edge_ok
+            y_edge = tl.load(y_ptr + y_starts + edge_cols, mask=edge_ok, other=0.0).to(tl.float32)
+            dy_edge = tl.load(dy_ptr + dy_starts + edge_cols, mask=edge_ok, other=0.0).to(tl.float32)
+            dot += tl.sum(y_edge * dy_edge, axis=1)
+            tl.store(dx_ptr + dx_starts + edge_cols, (y_edge * (dy_edge - dot[:, None])).to(dx_ptr.dtype.element_ty),
+                     mask=edge_ok)
+        tl.store(dx_ptr + dx_starts + cols, (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -442,34 +514,47 @@ def _softmax_bwd_online_kernel(
     n_rows, n_cols, n_splits, cols_per_split,
     stride_ym, stride_dym, stride_dyn, stride_dxm,
     BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    VEC_COLS: tl.constexpr,
 ):
+    # Frames as in _softmax_bwd_fused_kernel; a row's first chunk also takes its edges.
     n_items = n_rows * n_splits
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
         row, col_start, col_end = _work_item(item, n_items, n_splits, cols_per_split, n_cols, PASS)
-        y_row = y_ptr + row * stride_ym
-        dy_row = dy_ptr + row * stride_dym
+        pre, hi = _row_frame(row * stride_ym, n_cols, VEC_COLS)
+        y_row = y_ptr + _frame_start(0, row * stride_ym, pre, VEC_COLS)
+        dy_row = dy_ptr + _frame_start(0, row * stride_dym, pre, VEC_COLS)
+        body_end = _body_end(col_end, hi, VEC_COLS)
+        if VEC_COLS > 1:
+            edge_cols, edge_ok = _row_edges(pre, hi, n_cols, VEC_COLS)
+            edge_ok = tl.where(col_start == 0, edge_ok, False)
+            y_edge = tl.load(y_row + edge_cols, mask=edge_ok, other=0.0).to(tl.float32)
+            dy_edge = tl.load(dy_row + edge_cols, mask=edge_ok, other=0.0).to(tl.float32)
 
         if PASS == FINAL_PASS:
             parts = tl.arange(0, SPLITS_POW2)
             dot = tl.sum(tl.load(part_ptr + row * n_splits + parts, mask=parts < n_splits, other=0.0), axis=0)
         else:
-            acc = tl.zeros([BLOCK_N], tl.float32)
-            for start in tl.range(col_start, col_end, BLOCK_N, num_stages=NUM_STAGES):
-                cols = start + tl.arange(0, BLOCK_N)
-                ok = cols < col_end
+            acc = tl.zeros([1, BLOCK_N], tl.float32)
+            for start in tl.range(col_start, body_end, BLOCK_N, num_stages=NUM_STAGES):
+                cols = start + tl.arange(0, BLOCK_N)[None, :]
+                ok = cols < body_end
                 y = tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32)
                 dy = tl.load(dy_row + cols * stride_dyn, mask=ok, other=0.0).to(tl.float32)
                 acc += y * dy
-            dot = tl.sum(acc, axis=0)
+            dot = tl.sum(tl.sum(acc, axis=1), axis=0)
+            if VEC_COLS > 1:
+                dot += tl.sum(tl.sum(y_edge * dy_edge, axis=1), axis=0)
             if PASS == PARTIAL_PASS:
                 tl.store(part_ptr + row * n_splits + col_start // cols_per_split, dot)
 
         if PASS != PARTIAL_PASS:
-            dx_row = dx_ptr + row * stride_dxm
-            n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
+            dx_row = dx_ptr + _frame_start(0, row * stride_dxm, pre, VEC_COLS)
+            if VEC_COLS > 1:
+                tl.store(dx_row + edge_cols, (y_edge * (dy_edge - dot)).to(dx_ptr.dtype.element_ty), mask=edge_ok)
+            n_blocks = tl.cdiv(body_end - col_start, BLOCK_N)
             for k in tl.range(0, n_blocks, num_stages=NUM_STAGES):
-                cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
-                ok = cols < col_end
+                cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                ok = cols < body_end
                 y = tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32)
                 dy = tl.load(dy_row + cols * stride_dyn, mask=ok, other=0.0).to(tl.float32)
                 tl.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=ok)
@@ -690,8 +775,8 @@ def aligned_frame(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def output_lead(x2d: torch.Tensor, plan: SoftmaxPlan) -> int:
     """Elements past a 16-byte boundary at which the output of ``x2d`` under ``plan`` starts (``rows_output``):
-    ``frame_lead(x2d)`` where the shared-row kernel reads the rows in frames, else 0."""
-    return frame_lead(x2d) if plan.shares_rows and plan.vec_cols > 1 else 0
+    ``frame_lead(x2d)`` where the kernels read the rows in frames (``plan.vec_cols > 1``), else 0."""
+    return frame_lead(x2d) if plan.vec_cols > 1 else 0
 
 
 def rows_output(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device, lead: int) -> tuple:
@@ -745,18 +830,20 @@ def plan_softmax(
         bn = triton.next_power_of_2(n_cols)
         tile = FUSED_SHORT_TILE_ELEMS if bn <= FUSED_SHORT_MAX_COLS else FUSED_TILE_ELEMS
         bm = max(1, min(tile // bn, triton.next_power_of_2(n_rows)))
-        return SoftmaxPlan("fused", bm, bn, fused_warps(bm * bn))
+        # Frames for one-row tiles only: rows short enough to share a tile ran one element a load as fast as
+        # aligned ones (fp32 4096 x 1000 / 1008: 2120-2138 / 2119-2225 GB/s), and lost speed in frames (1896).
+        return SoftmaxPlan("fused", bm, bn, fused_warps(bm * bn), vec_cols=max(vec_cols, 1) if bm == 1 else 1)
 
     if n_splits is None:
         n_sms = device_info(device).num_sms
         wanted = math.ceil(ONLINE_ITEMS_PER_SM * n_sms / n_rows) if n_rows < ONLINE_SPLIT_BELOW_ROWS_PER_SM * n_sms else 1
         n_splits = max(1, min(wanted, n_cols // (ONLINE_MIN_BLOCKS_PER_SPLIT * (block_n or SPLIT_BLOCK_N))))
     bn, warps = (ONLINE_BLOCK_N, ONLINE_NUM_WARPS) if n_splits == 1 else (SPLIT_BLOCK_N, SPLIT_NUM_WARPS)
-    bn = block_n or min(bn, triton.next_power_of_2(n_cols))
+    bn = max(block_n or min(bn, triton.next_power_of_2(n_cols)), vec_cols)  # chunks of whole vectors (_body_end)
     # Chunks are whole blocks, so only the row's last chunk has a ragged end.
     cols_per_split = triton.cdiv(triton.cdiv(n_cols, n_splits), bn) * bn
     n_splits = triton.cdiv(n_cols, cols_per_split)
-    return SoftmaxPlan("online", 1, bn, warps, n_splits, cols_per_split)
+    return SoftmaxPlan("online", 1, bn, warps, n_splits, cols_per_split, vec_cols=max(vec_cols, 1))
 
 
 def plan_rows(x2d: torch.Tensor, out_dtype: torch.dtype, algorithm: str = "auto") -> SoftmaxPlan:
@@ -910,9 +997,10 @@ def _fused_launch(
     """
     n_rows, n_cols = x2d.shape
     n_tiles = triton.cdiv(n_rows, plan.block_m)
-    args = (x2d, y_arg, lse_arg, n_rows, n_cols, x2d.stride(0), x2d.stride(1), n_cols)
-    meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, WRITE_Y=write_y, WRITE_LSE=write_lse,
-                num_warps=plan.num_warps)
+    x_arg, base_lead = aligned_frame(x2d) if plan.vec_cols > 1 else (x2d, 0)
+    args = (x_arg, y_arg, lse_arg, n_rows, n_cols, base_lead, x2d.stride(0), x2d.stride(1), n_cols)
+    meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, VEC_COLS=plan.vec_cols, WRITE_Y=write_y,
+                WRITE_LSE=write_lse, num_warps=plan.num_warps)
     if plan.block_n > FUSED_PERSISTENT_MAX_COLS:
         return (n_tiles,), args, meta, None
     key = ("softmax_fwd", plan, x2d.dtype, out_dtype, write_y, write_lse, x2d.device)
@@ -922,16 +1010,22 @@ def _fused_launch(
 def softmax_forward(
     x2d: torch.Tensor, out_dtype: torch.dtype, plan: SoftmaxPlan, write_y: bool = True, write_lse: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Softmax (and/or log-sum-exp) of each row of ``x2d`` (n_rows, n_cols), column stride 1 or not."""
+    """Softmax (and/or log-sum-exp) of each row of ``x2d`` (n_rows, n_cols), column stride 1 or not.
+
+    With ``plan.vec_cols > 1`` the kernels read the rows in frames (``_row_frame``)
+    and write ``y`` through its frame (``rows_output``), which starts as far
+    past a 16-byte boundary as ``x2d``.
+    """
     n_rows, n_cols = x2d.shape
     y, y_frame = rows_output(n_rows, n_cols, out_dtype, x2d.device, output_lead(x2d, plan)) if write_y else (None, None)
     lse = torch.empty((n_rows,), dtype=torch.float32, device=x2d.device) if write_lse else None
-    y_arg = y if y is not None else x2d  # a pointer the kernel never writes through
+    y_arg = y_frame if y is not None else x2d  # else a pointer the kernel never writes through
     lse_arg = lse if lse is not None else x2d
     if plan.shares_rows:
-        if _launch_shared_rows(x2d, y_frame if y is not None else x2d, lse_arg, plan, write_y, write_lse):
+        if _launch_shared_rows(x2d, y_arg, lse_arg, plan, write_y, write_lse):
             return y, lse
-        plan = plan_softmax(n_rows, n_cols, x2d.device, "online")  # the row's parts cannot all be resident
+        # The row's parts cannot all be resident: stream the rows, in the same frames.
+        plan = plan_softmax(n_rows, n_cols, x2d.device, "online", vec_cols=plan.vec_cols)
     if plan.algorithm == "fused":
         grid, args, meta, residency_key = _fused_launch(x2d, y_arg, lse_arg, out_dtype, plan, write_y, write_lse)
         compiled = launch(_softmax_fused_kernel, grid, args, **meta)
@@ -941,11 +1035,31 @@ def softmax_forward(
         split = plan.n_splits > 1  # partial states only between the two launches of split rows
         part_m = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x2d.device) if split else None
         part_d = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x2d.device) if split else None
-        args = (x2d, y_arg, lse_arg, part_m, part_d, n_rows, n_cols, plan.n_splits, plan.cols_per_split,
+        x_arg, base_lead = aligned_frame(x2d) if plan.vec_cols > 1 else (x2d, 0)
+        args = (x_arg, y_arg, lse_arg, part_m, part_d, n_rows, n_cols, plan.n_splits, plan.cols_per_split, base_lead,
                 x2d.stride(0), x2d.stride(1), n_cols)
         launch_online(_softmax_online_kernel, plan, n_rows, x2d.device, args,
-                      NUM_STAGES=ONLINE_NUM_STAGES, WRITE_Y=write_y, WRITE_LSE=write_lse)
+                      NUM_STAGES=ONLINE_NUM_STAGES, VEC_COLS=plan.vec_cols, WRITE_Y=write_y, WRITE_LSE=write_lse)
     return y, lse
+
+
+def backward_vectors(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtype, plan: SoftmaxPlan) -> int:
+    """How the backward kernels read ``y2d`` and ``dy2d`` (n_rows, n_cols) and write a fresh contiguous ``dx``
+    under ``plan`` (fused or online).
+
+    The columns of one 16-byte vector (> 1): rows of a length that is not a
+    multiple of 16 start at the same place in all three (bases 16-byte aligned,
+    row stride ``n_cols``), so they are read and written in frames
+    (``_row_frame``), vectorized; as in the forward, not in fused tiles of
+    several rows. 1: as they come (Triton vectorizes rows of a multiple of 16
+    from aligned bases itself; other layouts go one element a load).
+    """
+    n_rows, n_cols = y2d.shape
+    if n_cols % 16 == 0 or plan.block_m > 1:
+        return 1
+    alike = all(t.stride(1) == 1 and (t.stride(0) == n_cols or n_rows == 1) and t.data_ptr() % 16 == 0
+                for t in (y2d, dy2d))
+    return 16 // min(y2d.element_size(), dy2d.element_size(), dx_dtype.itemsize) if alike else 1
 
 
 def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtype, plan: SoftmaxPlan) -> torch.Tensor:
@@ -953,19 +1067,21 @@ def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtyp
     n_rows, n_cols = y2d.shape
     if plan.shares_rows:  # no shared-row backward kernel: stream the rows
         plan = plan_softmax(n_rows, n_cols, y2d.device, "online")
+    vec_cols = backward_vectors(y2d, dy2d, dx_dtype, plan)
     dx = torch.empty((n_rows, n_cols), dtype=dx_dtype, device=y2d.device)
     strides = (n_cols, dy2d.stride(0), dy2d.stride(1), n_cols)
     if plan.algorithm == "fused":
         n_tiles = triton.cdiv(n_rows, plan.block_m)
-        key = ("softmax_bwd", plan, y2d.dtype, dy2d.dtype, dx_dtype, y2d.device)
+        key = ("softmax_bwd", plan, vec_cols, y2d.dtype, dy2d.dtype, dx_dtype, y2d.device)
         launch_persistent(
-            _softmax_bwd_fused_kernel, n_tiles, y2d.device, key,
-            (y2d, dy2d, dx, n_rows, n_cols, *strides), plan.num_warps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            _softmax_bwd_fused_kernel, n_tiles, y2d.device, key, (y2d, dy2d, dx, n_rows, n_cols, *strides),
+            plan.num_warps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, VEC_COLS=vec_cols,
         )
     else:
         partials = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=y2d.device) if plan.n_splits > 1 else None
         args = (y2d, dy2d, dx, partials, n_rows, n_cols, plan.n_splits, plan.cols_per_split, *strides)
-        launch_online(_softmax_bwd_online_kernel, plan, n_rows, y2d.device, args, NUM_STAGES=ONLINE_NUM_STAGES)
+        launch_online(_softmax_bwd_online_kernel, plan, n_rows, y2d.device, args, NUM_STAGES=ONLINE_NUM_STAGES,
+                      VEC_COLS=vec_cols)
     return dx
 
 
@@ -1160,11 +1276,10 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
     plan = plan_rows(x2d, out_dtype, algorithm)
     y_like = torch.empty((1,), dtype=out_dtype, device=x.device)  # the output's dtype and alignment
     n_slots = 0
-    lead = 0  # rows read in frames from an unaligned base: x[1:] of odd rows, say (the key holds data_ptr % 16)
+    lead = output_lead(x2d, plan)  # rows in frames from an unaligned base: x[1:] of odd rows (the key holds data_ptr % 16)
     if plan.shares_rows:
         if not shares_rows_on_chip(x.device):
             return None
-        lead = output_lead(x2d, plan)
         n_slots = x2d.shape[0] * plan.n_splits
         slots_like = torch.empty((SLOTS_ALIGN,), dtype=torch.int64, device=x.device)
         shared = _shared_rows_launch(x2d, y_like, x2d, (slots_like, slots_like, SLOTS_ALIGN), plan, True, False)

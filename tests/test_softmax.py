@@ -441,12 +441,14 @@ def test_aligned_frame_and_rows_output():
         y, y_frame = fs.rows_output(3, 50, dtype, CPU, lead)
         assert y.shape == y_frame.shape == (3, 50) and y.is_contiguous() and y.dtype == dtype
         assert y.data_ptr() - y_frame.data_ptr() == lead * y.element_size() and y_frame.data_ptr() % 16 == 0
-    # Only rows shared and read in frames start their output past a boundary.
+    # Only rows read in frames (shared, one-row fused tiles, online) start their output past a boundary.
     framed = fs.SoftmaxPlan("fused", 1, 16, 4, n_splits=4, cols_per_split=16, vec_cols=4)
     assert fs.output_lead(x, framed) == lead
     assert fs.output_lead(x, dataclasses.replace(framed, vec_cols=1)) == 0  # aligned rows
     assert fs.output_lead(x, dataclasses.replace(framed, vec_cols=0)) == 0  # one element a load
-    assert fs.output_lead(x, fs.SoftmaxPlan("fused", 1, 64, 4)) == 0  # one program a row: no frame
+    assert fs.output_lead(x, fs.SoftmaxPlan("fused", 1, 64, 4)) == 0  # a row a program, not in frames
+    assert fs.output_lead(x, fs.SoftmaxPlan("fused", 1, 64, 4, vec_cols=4)) == lead  # ... in frames
+    assert fs.output_lead(x, fs.SoftmaxPlan("online", 1, 16, 4, vec_cols=4)) == lead
 
 
 def unpack_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
