@@ -14,11 +14,12 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/common.py
 import flashlite  # noqa: E402
 import flashlite.attention as fa  # noqa: E402
+from attention import sdpa_backends  # noqa: E402  (bench/attention.py: the SDPA backends the benchmarks pin)
 from common import fresh_copy, time_ms  # noqa: E402
 
 fms = importlib.import_module("flashlite.masked_softmax")
@@ -60,10 +61,9 @@ def probe_attention(label: str, make_inputs, rows) -> None:
     """``probe`` flashlite.flash_attention and each SDPA backend on ``make_inputs()`` (q, k, v); ``label`` has a
     ``{}`` for the provider's name."""
     probe(label.format("flashlite"), make_inputs, lambda q, k, v: fa.flash_attention(q, k, v), rows)
-    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION)):
+    for name, backend in sdpa_backends().items():
         try:
-            probe(label.format(name), make_inputs, sdpa(backend), rows)
+            probe(label.format(f"sdpa {name}"), make_inputs, sdpa(backend), rows)
         except RuntimeError as err:
             print(name, "failed", str(err)[:80])
 

@@ -725,7 +725,8 @@ class SoftmaxPlan:
     head_block: int = 0  # fused with shared rows and heads: columns of one streamed head block
     head_group: int = 1  # fused with shared rows and heads: columns of a head block that keep one state
     head_eviction: str = ""  # fused with shared rows and heads: L2 eviction hint of the head loads
-    vec_cols: int = 1  # shared rows: row_vectors() of the rows planned for (> 1: read in the frame of _row_frame)
+    vec_cols: int = 1  # row_vectors() of the rows planned for (> 1: read in the frame of _row_frame; 0: shared
+    # rows take the unaligned tiles). Fused tiles of several rows keep 1.
 
     @property
     def shares_rows(self) -> bool:
@@ -777,6 +778,12 @@ def output_lead(x2d: torch.Tensor, plan: SoftmaxPlan) -> int:
     """Elements past a 16-byte boundary at which the output of ``x2d`` under ``plan`` starts (``rows_output``):
     ``frame_lead(x2d)`` where the kernels read the rows in frames (``plan.vec_cols > 1``), else 0."""
     return frame_lead(x2d) if plan.vec_cols > 1 else 0
+
+
+def input_frame(x2d: torch.Tensor, plan: SoftmaxPlan) -> tuple[torch.Tensor, int]:
+    """``(x_arg, base_lead)``: what the forward kernels read ``x2d`` through under ``plan``: its frame
+    (``aligned_frame``) where they read the rows in frames (``plan.vec_cols > 1``), else ``x2d`` and 0."""
+    return aligned_frame(x2d) if plan.vec_cols > 1 else (x2d, 0)
 
 
 def rows_output(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device, lead: int) -> tuple:
@@ -962,7 +969,7 @@ def _shared_rows_launch(
     """
     n_rows, n_cols = x2d.shape
     device = x2d.device
-    x_arg, base_lead = aligned_frame(x2d) if plan.vec_cols > 1 else (x2d, 0)
+    x_arg, base_lead = input_frame(x2d, plan)
     args = (x_arg, y_arg, lse_arg, *slots, n_rows, n_cols, plan.n_splits, plan.head_cols, base_lead, x2d.stride(0),
             x2d.stride(1), n_cols)
     meta = dict(BLOCK_N=plan.block_n, HEAD_BLOCK_N=max(plan.head_block, 1), HEAD_GROUP_N=plan.head_group,
@@ -997,7 +1004,7 @@ def _fused_launch(
     """
     n_rows, n_cols = x2d.shape
     n_tiles = triton.cdiv(n_rows, plan.block_m)
-    x_arg, base_lead = aligned_frame(x2d) if plan.vec_cols > 1 else (x2d, 0)
+    x_arg, base_lead = input_frame(x2d, plan)
     args = (x_arg, y_arg, lse_arg, n_rows, n_cols, base_lead, x2d.stride(0), x2d.stride(1), n_cols)
     meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, VEC_COLS=plan.vec_cols, WRITE_Y=write_y,
                 WRITE_LSE=write_lse, num_warps=plan.num_warps)
@@ -1035,7 +1042,7 @@ def softmax_forward(
         split = plan.n_splits > 1  # partial states only between the two launches of split rows
         part_m = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x2d.device) if split else None
         part_d = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x2d.device) if split else None
-        x_arg, base_lead = aligned_frame(x2d) if plan.vec_cols > 1 else (x2d, 0)
+        x_arg, base_lead = input_frame(x2d, plan)
         args = (x_arg, y_arg, lse_arg, part_m, part_d, n_rows, n_cols, plan.n_splits, plan.cols_per_split, base_lead,
                 x2d.stride(0), x2d.stride(1), n_cols)
         launch_online(_softmax_online_kernel, plan, n_rows, x2d.device, args,
