@@ -11,7 +11,8 @@ older, smaller maximum. Softmax uses the final state to normalise; attention
 uses the same alpha to rescale its output accumulator; split-row softmax and
 split-K/V decoding merge per-program partial states with ``merge_states``.
 Programs that hold one row between them on chip, all resident at once, trade
-their partial states through memory with ``share_partial_states``.
+their partial states through memory with ``share_partial_states`` (and plain
+sums, the softmax backward's, with ``share_partial_sums``).
 
 Units. The exponentials are ``exp2``. A caller states how many base-2 units one
 unit of its logits is, as the constexpr ``LOG2_PER_UNIT``:
@@ -185,6 +186,19 @@ def unpack_state(packed):
 
 
 @triton.jit
+def _published_slots(slot_ptr, n_parts, PARTS_POW2: tl.constexpr):
+    """Wait until each row's ``n_parts`` int64 slots at ``slot_ptr`` ``[ROWS]`` are published (none 0);
+    return them ``[ROWS, PARTS_POW2]`` and which of the columns are the row's (``[1, PARTS_POW2]``; padding loads 1)."""
+    parts = tl.arange(0, PARTS_POW2)[None, :]
+    slots = slot_ptr[:, None] + parts
+    in_row = parts < n_parts
+    packed = tl.load(slots, mask=in_row, other=1, volatile=True)
+    while tl.min(tl.min(tl.where(packed == 0, 0, 1), axis=1), axis=0) == 0:
+        packed = tl.load(slots, mask=in_row, other=1, volatile=True)
+    return packed, in_row
+
+
+@triton.jit
 def share_partial_states(slot_ptr, part, n_parts, m, d, PARTS_POW2: tl.constexpr, LOG2_PER_UNIT: tl.constexpr):
     """Publish this program's partial states, wait for the other parts of each row, return the merged states.
 
@@ -199,13 +213,33 @@ def share_partial_states(slot_ptr, part, n_parts, m, d, PARTS_POW2: tl.constexpr
     were published beforehand.
     """
     tl.store(slot_ptr + part, pack_state(m, d))
-    parts = tl.arange(0, PARTS_POW2)[None, :]
-    slots = slot_ptr[:, None] + parts
-    in_row = parts < n_parts  # [1, PARTS_POW2]: slots past n_parts are padding
-    packed = tl.load(slots, mask=in_row, other=1, volatile=True)
-    while tl.min(tl.min(tl.where(packed == 0, 0, 1), axis=1), axis=0) == 0:
-        packed = tl.load(slots, mask=in_row, other=1, volatile=True)
+    packed, in_row = _published_slots(slot_ptr, n_parts, PARTS_POW2)
     part_m, part_d = unpack_state(packed)
     part_m = tl.where(in_row, part_m, float("-inf"))  # padding slots: the empty state, neutral in the merge
     part_d = tl.where(in_row, part_d, 0.0)
     return merge_partial_states(part_m, part_d, LOG2_PER_UNIT)
+
+
+@triton.jit
+def pack_sum(value):
+    """A float32 ``value`` as one int64 that is never 0 (its bits low, a 1 above them): published by one store,
+    as ``pack_state`` publishes a state, whatever the value (0.0 and -0.0 included)."""
+    bits = value.to(tl.uint32, bitcast=True).to(tl.uint64)
+    ready = tl.full(bits.shape, 1, tl.uint64) << 32
+    return (ready | bits).to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def unpack_sum(packed):
+    """The float32 of a value packed by ``pack_sum``."""
+    return packed.to(tl.uint64, bitcast=True).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def share_partial_sums(slot_ptr, part, n_parts, value, PARTS_POW2: tl.constexpr):
+    """``share_partial_states`` for plain sums: publish this program's partial sums ``value`` ``[ROWS]``, wait for
+    the other parts of each row, return the rows' totals (every part adds the slots in the same order, so all
+    of a row's programs get the same total). The softmax backward shares ``sum(dy * y)`` this way."""
+    tl.store(slot_ptr + part, pack_sum(value))
+    packed, in_row = _published_slots(slot_ptr, n_parts, PARTS_POW2)
+    return tl.sum(tl.where(in_row, unpack_sum(packed), 0.0), axis=1)

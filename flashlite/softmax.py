@@ -31,8 +31,10 @@
   ``merge_partial_states`` and normalises its chunk.
 
 Both regimes accumulate in fp32 and write the input dtype (or ``dtype``). The
-backward pass ``dx = y * (dy - sum(dy * y))`` follows the same two regimes
-(rows shared across programs stream through the online backward).
+backward pass ``dx = y * (dy - sum(dy * y))`` follows the same regimes: rows
+on chip (a program a tile, wide rows loading y and dy twice rather than holding
+them; longer rows held by resident programs that share their sum(dy * y),
+``BWD_TILES``), or streamed.
 CPU tensors run these kernels through Triton's interpreter when
 ``TRITON_INTERPRET=1``; otherwise they use ``torch.softmax`` in fp32.
 """
@@ -63,6 +65,7 @@ from .online_softmax import (
     online_update_lanes,
     rescale_factor,
     share_partial_states,
+    share_partial_sums,
     state_logsumexp,
 )
 
@@ -475,15 +478,31 @@ def _softmax_online_kernel(
                     tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
+# How the backward's tiles read y and dy (REREAD): held in registers from one load to dx, or loaded twice, first
+# evict_last for sum(dy * y), then evict_first for dx, found in L1 or L2 (nothing held across the reduction).
+HOLD_READ = tl.constexpr("")
+FIRST_OF_TWO_READS, SECOND_OF_TWO_READS = tl.constexpr("evict_last"), tl.constexpr("evict_first")
+
+
+@triton.jit
+def _load_grad_inputs(y_ptrs, dy_ptrs, mask, EVICTION: tl.constexpr):
+    """``(y, dy)`` as fp32 at the pointers given (0 where masked), loaded with the L2 ``EVICTION`` hint."""
+    y = tl.load(y_ptrs, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    return y, dy
+
+
 @triton.jit
 def _softmax_bwd_fused_kernel(
     y_ptr, dy_ptr, dx_ptr,
     n_rows, n_cols,
     stride_ym, stride_dym, stride_dyn, stride_dxm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VEC_COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VEC_COLS: tl.constexpr, REREAD: tl.constexpr,
 ):
     # With VEC_COLS > 1 (rows that start unaligned) y, dy and dx are read and written in the rows' frames, as
     # x and y in _softmax_fused_kernel: every pointer 16-byte aligned at row 0, one row stride, stride_dyn = 1.
+    # With REREAD the tile's y and dy are loaded again for dx (a row's edges stay held).
+    FIRST_READ: tl.constexpr = FIRST_OF_TWO_READS if REREAD else HOLD_READ
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_ok = cols < n_cols  # without frames
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
@@ -494,17 +513,19 @@ def _softmax_bwd_fused_kernel(
         dy_starts, _, _ = _frame_rows(rows, n_cols, 0, stride_dym, VEC_COLS)
         dx_starts, _, _ = _frame_rows(rows, n_cols, 0, stride_dxm, VEC_COLS)
         ok = row_ok & _in_frame(cols, col_ok, hi, VEC_COLS)
-        y = tl.load(y_ptr + y_starts + cols, mask=ok, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + dy_starts + cols * stride_dyn, mask=ok, other=0.0).to(tl.float32)
+        y, dy = _load_grad_inputs(y_ptr + y_starts + cols, dy_ptr + dy_starts + cols * stride_dyn, ok, FIRST_READ)
         dot = tl.sum(y * dy, axis=1)
         if VEC_COLS > 1:
             edge_cols, edge_ok = _row_edges(pre, hi, n_cols, VEC_COLS)
             edge_ok = row_ok & edge_ok
-            y_edge = tl.load(y_ptr + y_starts + edge_cols, mask=edge_ok, other=0.0).to(tl.float32)
-            dy_edge = tl.load(dy_ptr + dy_starts + edge_cols, mask=edge_ok, other=0.0).to(tl.float32)
+            y_edge, dy_edge = _load_grad_inputs(y_ptr + y_starts + edge_cols, dy_ptr + dy_starts + edge_cols, edge_ok,
+                                                HOLD_READ)
             dot += tl.sum(y_edge * dy_edge, axis=1)
             tl.store(dx_ptr + dx_starts + edge_cols, (y_edge * (dy_edge - dot[:, None])).to(dx_ptr.dtype.element_ty),
                      mask=edge_ok)
+        if REREAD:
+            y, dy = _load_grad_inputs(y_ptr + y_starts + cols, dy_ptr + dy_starts + cols * stride_dyn, ok,
+                                      SECOND_OF_TWO_READS)
         tl.store(dx_ptr + dx_starts + cols, (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=ok)
 
 
@@ -558,6 +579,50 @@ def _softmax_bwd_online_kernel(
                 y = tl.load(y_row + cols, mask=ok, other=0.0).to(tl.float32)
                 dy = tl.load(dy_row + cols * stride_dyn, mask=ok, other=0.0).to(tl.float32)
                 tl.store(dx_row + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _softmax_bwd_shared_rows_kernel(
+    y_ptr, dy_ptr, dx_ptr, slot_ptr, clear_ptr, n_clear,
+    n_rows, n_cols, n_parts,
+    stride_ym, stride_dym, stride_dyn, stride_dxm,
+    BLOCK_N: tl.constexpr, PARTS_POW2: tl.constexpr, PREFETCH: tl.constexpr, VEC_COLS: tl.constexpr,
+    EVEN_COLS: tl.constexpr, CLEAR_BLOCK: tl.constexpr,
+):
+    # The backward of rows that n_parts resident programs hold between them, laid out as in
+    # _softmax_shared_rows_kernel without heads: program pid = k * n_parts + part holds columns
+    # [part * BLOCK_N, (part + 1) * BLOCK_N) of y and dy of rows k, k + rows_at_once, ..., publishes the
+    # sum(dy * y) of its part, waits for the row's other parts (share_partial_sums) and writes its part of
+    # dx. Frames as in _softmax_bwd_fused_kernel (part 0 takes a row's edges); slots as in the forward. The parts
+    # hold y and dy: loading them again for dx lost at every shape (BWD_TILES' log).
+    _clear_slots(clear_ptr, n_clear, CLEAR_BLOCK)
+    part = tl.program_id(0) % n_parts
+    row_step = tl.num_programs(0) // n_parts
+    cols = part * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    for row in tl.range(tl.program_id(0) // n_parts, n_rows, row_step):
+        row = tl.cast(row, tl.int64)  # rows times strides can pass 2^31
+        rows = row + tl.arange(0, 1)
+        y_starts, pre, hi = _frame_rows(rows, n_cols, 0, stride_ym, VEC_COLS)
+        dy_starts, _, _ = _frame_rows(rows, n_cols, 0, stride_dym, VEC_COLS)
+        dx_starts, _, _ = _frame_rows(rows, n_cols, 0, stride_dxm, VEC_COLS)
+        ok = _in_row(cols, hi, EVEN_COLS)
+        y, dy = _load_grad_inputs(y_ptr + y_starts + cols, dy_ptr + dy_starts + cols * stride_dyn, ok, HOLD_READ)
+        part_dot = tl.sum(y * dy, axis=1)
+        if VEC_COLS > 1:  # masks from tl.where: the interpreter's scalar & is int32
+            edge_cols, edge_ok = _row_edges(pre, hi, n_cols, VEC_COLS)
+            edge_ok = tl.where(part == 0, edge_ok, False)
+            y_edge, dy_edge = _load_grad_inputs(y_ptr + y_starts + edge_cols, dy_ptr + dy_starts + edge_cols, edge_ok,
+                                                HOLD_READ)
+            part_dot += tl.sum(y_edge * dy_edge, axis=1)
+        if PREFETCH == PREFETCH_L2:  # the next row's part of y and dy travels to L2 while the parts meet
+            if row + row_step < n_rows:
+                _prefetch_to_l2(y_ptr + (row + row_step) * stride_ym, part * BLOCK_N, n_cols, 1, BLOCK_N)
+                _prefetch_to_l2(dy_ptr + (row + row_step) * stride_dym, part * BLOCK_N, n_cols, stride_dyn, BLOCK_N)
+        dot = share_partial_sums(slot_ptr + rows * n_parts, part, n_parts, part_dot, PARTS_POW2)
+        if VEC_COLS > 1:
+            tl.store(dx_ptr + dx_starts + edge_cols, (y_edge * (dy_edge - dot[:, None])).to(dx_ptr.dtype.element_ty),
+                     mask=edge_ok)
+        tl.store(dx_ptr + dx_starts + cols, (y * (dy - dot[:, None])).to(dx_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------- host launchers
@@ -711,6 +776,48 @@ SLOTS_CLEAR_BLOCK = 256
 
 
 @dataclass(frozen=True)
+class BackwardTiles:
+    """How the backward (``plan_backward``) holds rows on chip, for one element size of y."""
+
+    fused_max_cols: int  # longest row one program takes (y and dy loaded twice from BWD_REREAD_MIN_COLS on)
+    shared_cols: int  # longer rows: columns each resident program holds of a shared row (y and dy held)
+    shared_warps: int
+    prefetch: int  # what a shared program fetches of its next row's part while the parts wait
+
+
+# The backward reads two values a column (y and dy) where the forward reads one, so wide rows no longer fit
+# a program's registers: the rule before held rows of up to 32768 columns on 16 warps (fp32 32768: 128
+# registers, 36 spilled) and streamed longer ones (online: y and dy read twice from memory).
+# * Rows of BWD_REREAD_MIN_COLS columns and more take a program each on BWD_REREAD_WARPS warps, which loads
+#   y and dy once (evict_last) for sum(dy * y) and again (evict_first) for dx, from L1 or L2 (as
+#   torch.compile's backward does): nothing is held across the reduction. Against the best holding tile, GB/s,
+#   H100 (bench/results/h100/softmax_backward_tune.log, parts 6-7): fp32 4096 x 8192 / 16384 / 20000 / 30001 /
+#   32768 2931 / 2987 / 2843 / 2646 / 2872 -> 2959 / 3017 / 2998 / 2914 / 2926; bf16 4096 x 8192 / 16384 /
+#   65536 / 50257 2781 / 2918 / 2730 / 2514 -> 2844 / 2941 / 2896 / 2935, 32768 2922 -> 2851 (2936 -> 2942 in
+#   part 6). At 4096 columns bf16 lost (2745 held on 8 warps, 2288 loaded twice on 32), so shorter rows keep
+#   the forward's tiles.
+# * Longer rows are shared by resident programs that hold shared_cols columns of y and dy each, publish the
+#   sum(dy * y) of their part and wait for the row's other parts (_softmax_bwd_shared_rows_kernel). Parts, GB/s
+#   (parts 2-3; parts of 16384 or 32768 columns loading y and dy twice lost at every shape, part 7):
+#                               4096 x 65536  1024 x 128K  128 x 128K  16 x 1M  4096 x 50257
+#    fp32  8192 cols, 4 warps       2888         2819         2481       2222       2586
+#          ... into L2              2601         2554         2262       2259       2632
+#          16384 cols, 8 warps      2732         2504         2109       2046       2488
+#          online (the rule before) 1892         1829         1771       1681       1756
+#    bf16  8192 cols, 4 warps           -        2440         1970       1761         -
+#          ... into L2                  -        2568         2049       2030         -
+#          online (the rule before)     -        1865         1594       1567         -
+#   fp32 rows read in frames gain from the prefetch too: 16 x 1000003 1917 -> 2230.
+# torch.compile's backward ran 3014 / 2938 / 1835 GB/s fp32 at 4096 x 20000 / 32768 / 65536 in the same process.
+BWD_TILES = {
+    4: BackwardTiles(32768, 8192, 4, PREFETCH_NONE.value),
+    2: BackwardTiles(65536, 8192, 4, PREFETCH_L2.value),
+}
+BWD_FRAMED_PREFETCH = PREFETCH_L2.value
+BWD_REREAD_MIN_COLS, BWD_REREAD_WARPS = 8192, 32
+
+
+@dataclass(frozen=True)
 class SoftmaxPlan:
     """How one softmax call runs: the regime and its tile sizes."""
 
@@ -727,6 +834,7 @@ class SoftmaxPlan:
     head_eviction: str = ""  # fused with shared rows and heads: L2 eviction hint of the head loads
     vec_cols: int = 1  # row_vectors() of the rows planned for (> 1: read in the frame of _row_frame; 0: shared
     # rows take the unaligned tiles). Fused tiles of several rows keep 1.
+    reread: bool = False  # backward plans (plan_backward): y and dy loaded twice, not held across the reduction
 
     @property
     def shares_rows(self) -> bool:
@@ -979,17 +1087,26 @@ def _shared_rows_launch(
                 EVEN_COLS=plan.vec_cols <= 1 and n_cols == plan.n_splits * plan.cols_per_split,
                 WRITE_Y=write_y, WRITE_LSE=write_lse,
                 CLEAR_BLOCK=SLOTS_CLEAR_BLOCK, num_warps=plan.num_warps, launch_cooperative_grid=True)
-    # Keyed by the arguments' specialization too: n_cols % 16, say, compiles another kernel, whose
-    # registers (and so residency) can differ; a grid larger than what stays resident fails to launch.
-    key = (*meta.items(), *signature_key(args), device)
+    resident = resident_programs(_softmax_shared_rows_kernel, args, meta, device)
+    if plan.n_splits > resident:
+        return None
+    rows_at_once = min(n_rows, resident // plan.n_splits)
+    return (rows_at_once * plan.n_splits,), args, meta
+
+
+def resident_programs(kernel, args: tuple, meta: dict, device: torch.device) -> int:
+    """Programs of ``kernel``, compiled for ``args`` and ``meta`` (``num_warps`` among them), that the device
+    keeps resident at once: the most a cooperative launch of programs that wait for each other may have.
+
+    Keyed by the arguments' specialization too: n_cols % 16, say, compiles another kernel, whose registers
+    (and so residency) can differ; a grid larger than what stays resident fails to launch.
+    """
+    key = (kernel, *meta.items(), *signature_key(args), device)
     if key not in _RESIDENT_PROGRAMS:
         info = device_info(device)
-        compiled = _softmax_shared_rows_kernel.warmup(*args, grid=(1,), **meta)
-        _RESIDENT_PROGRAMS[key] = info.num_sms * (occupancy(compiled, plan.num_warps, info) or 1)
-    if plan.n_splits > _RESIDENT_PROGRAMS[key]:
-        return None
-    rows_at_once = min(n_rows, _RESIDENT_PROGRAMS[key] // plan.n_splits)
-    return (rows_at_once * plan.n_splits,), args, meta
+        compiled = kernel.warmup(*args, grid=(1,), **meta)
+        _RESIDENT_PROGRAMS[key] = info.num_sms * (occupancy(compiled, meta["num_warps"], info) or 1)
+    return _RESIDENT_PROGRAMS[key]
 
 
 def _fused_launch(
@@ -1069,23 +1186,81 @@ def backward_vectors(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtyp
     return 16 // min(y2d.element_size(), dy2d.element_size(), dx_dtype.itemsize) if alike else 1
 
 
-def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtype, plan: SoftmaxPlan) -> torch.Tensor:
-    """``dx = y * (dy - sum(dy * y))`` row by row; ``y2d`` is contiguous, ``dy2d`` any row-strided view."""
+@functools.lru_cache(maxsize=4096)
+def plan_backward(plan: SoftmaxPlan, n_rows: int, n_cols: int, itemsize: int, device: torch.device) -> SoftmaxPlan:
+    """The backward's plan for (n_rows, n_cols) rows of y (``itemsize`` bytes an element) whose forward ran under
+    ``plan``, from ``BWD_TILES``.
+
+    Online plans stay online. Rows shorter than ``BWD_REREAD_MIN_COLS`` keep
+    the forward's tiles, y and dy held. Rows of up to ``fused_max_cols`` take a
+    program each that loads y and dy twice (``reread``). Longer ones are shared
+    by resident programs holding ``shared_cols`` columns each where the device
+    shares rows (``shares_rows_on_chip``) and a row has no more parts than the
+    device has multiprocessors, and streamed otherwise. Cached, as ``plan_softmax``.
+    """
+    if plan.algorithm == "online":
+        return plan
+    tiles = BWD_TILES[min(itemsize, 4)]
+    block_n = triton.next_power_of_2(n_cols)
+    if block_n < BWD_REREAD_MIN_COLS and not plan.shares_rows:
+        return plan
+    if block_n <= tiles.fused_max_cols:
+        return SoftmaxPlan("fused", 1, block_n, BWD_REREAD_WARPS, reread=True)
+    parts = triton.cdiv(n_cols, tiles.shared_cols)
+    if shares_rows_on_chip(device) and parts <= device_info(device).num_sms:
+        bn = triton.next_power_of_2(triton.cdiv(n_cols, parts))  # no wider than shared_cols
+        return SoftmaxPlan("fused", 1, bn, tiles.shared_warps, triton.cdiv(n_cols, bn), bn, prefetch=tiles.prefetch)
+    return plan_softmax(n_rows, n_cols, device, "online")
+
+
+def _launch_backward_shared_rows(y2d: torch.Tensor, dy2d: torch.Tensor, dx: torch.Tensor, strides: tuple,
+                                 plan: SoftmaxPlan, vec_cols: int) -> bool:
+    """Run the shared-row backward kernel cooperatively, ``plan.n_splits`` programs a row, as many rows at
+    once as stay resident; False, launching nothing, where a row's programs cannot all be resident."""
     n_rows, n_cols = y2d.shape
-    if plan.shares_rows:  # no shared-row backward kernel: stream the rows
-        plan = plan_softmax(n_rows, n_cols, y2d.device, "online")
+    device = y2d.device
+
+    def launch_with(slots: torch.Tensor, clear: torch.Tensor, n_clear: int) -> bool:
+        args = (y2d, dy2d, dx, slots, clear, n_clear, n_rows, n_cols, plan.n_splits, *strides)
+        meta = dict(BLOCK_N=plan.block_n, PARTS_POW2=triton.next_power_of_2(plan.n_splits), PREFETCH=plan.prefetch,
+                    VEC_COLS=vec_cols, EVEN_COLS=vec_cols == 1 and n_cols == plan.n_splits * plan.block_n,
+                    CLEAR_BLOCK=SLOTS_CLEAR_BLOCK, num_warps=plan.num_warps, launch_cooperative_grid=True)
+        resident = resident_programs(_softmax_bwd_shared_rows_kernel, args, meta, device)
+        if plan.n_splits > resident:
+            return False
+        launch(_softmax_bwd_shared_rows_kernel, (min(n_rows, resident // plan.n_splits) * plan.n_splits,), args, **meta)
+        return True
+
+    return shares_rows_on_chip(device) and zeroed_slots(device, n_rows * plan.n_splits, launch_with)
+
+
+def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtype, plan: SoftmaxPlan) -> torch.Tensor:
+    """``dx = y * (dy - sum(dy * y))`` row by row, for rows whose forward ran under ``plan`` (``plan_backward``
+    chooses the backward's); ``y2d`` is contiguous, ``dy2d`` any row-strided view."""
+    n_rows, n_cols = y2d.shape
+    plan = plan_backward(plan, n_rows, n_cols, y2d.element_size(), y2d.device)
     vec_cols = backward_vectors(y2d, dy2d, dx_dtype, plan)
     dx = torch.empty((n_rows, n_cols), dtype=dx_dtype, device=y2d.device)
     strides = (n_cols, dy2d.stride(0), dy2d.stride(1), n_cols)
+    if plan.shares_rows:
+        if vec_cols > 1:
+            plan = dataclasses.replace(plan, prefetch=BWD_FRAMED_PREFETCH)
+        if _launch_backward_shared_rows(y2d, dy2d, dx, strides, plan, vec_cols):
+            return dx
+        plan = plan_softmax(n_rows, n_cols, y2d.device, "online")  # the programs of a row cannot all wait
+        vec_cols = backward_vectors(y2d, dy2d, dx_dtype, plan)
     if plan.algorithm == "fused":
         n_tiles = triton.cdiv(n_rows, plan.block_m)
-        key = ("softmax_bwd", plan, vec_cols, y2d.dtype, dy2d.dtype, dx_dtype, y2d.device)
-        launch_persistent(
-            _softmax_bwd_fused_kernel, n_tiles, y2d.device, key, (y2d, dy2d, dx, n_rows, n_cols, *strides),
-            plan.num_warps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, VEC_COLS=vec_cols,
-        )
+        args = (y2d, dy2d, dx, n_rows, n_cols, *strides)
+        meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, VEC_COLS=vec_cols, REREAD=plan.reread)
+        if plan.block_n > FUSED_PERSISTENT_MAX_COLS:  # a program a tile, as in the forward (BWD_TILES' log)
+            launch(_softmax_bwd_fused_kernel, (n_tiles,), args, num_warps=plan.num_warps, **meta)
+        else:
+            key = ("softmax_bwd", plan, vec_cols, y2d.dtype, dy2d.dtype, dx_dtype, y2d.device)
+            launch_persistent(_softmax_bwd_fused_kernel, n_tiles, y2d.device, key, args, plan.num_warps, **meta)
     else:
-        partials = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=y2d.device) if plan.n_splits > 1 else None
+        partials = (torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=y2d.device)
+                    if plan.n_splits > 1 else None)
         args = (y2d, dy2d, dx, partials, n_rows, n_cols, plan.n_splits, plan.cols_per_split, *strides)
         launch_online(_softmax_bwd_online_kernel, plan, n_rows, y2d.device, args, NUM_STAGES=ONLINE_NUM_STAGES,
                       VEC_COLS=vec_cols)
@@ -1271,6 +1446,7 @@ def clear_plans() -> None:
     calls replay (``_REPEATS``), made with the old constants.
     """
     plan_softmax.cache_clear()
+    plan_backward.cache_clear()
     _REPEATS.clear()
 
 

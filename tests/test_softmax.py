@@ -549,8 +549,10 @@ def test_shared_rows_plan_falls_back_to_streaming_where_programs_cannot_wait():
     assert_close(lse, torch.logsumexp(x.double(), -1))
 
 
-def test_shared_rows_backward_streams_the_rows():
-    # No shared-row backward kernel: a forward plan of shared rows gives an online backward.
+def test_shared_rows_backward_where_programs_cannot_wait():
+    # The interpreter shares no rows: the backward of a forward plan of shared rows runs a row a program there.
+    backward = fs.plan_backward(fs.SoftmaxPlan("fused", 1, 32, 4, 4, 32), 2, 100, 4, torch.device("cpu"))
+    assert backward.algorithm == "fused" and not backward.shares_rows
     y = softmax_ref(randn(2, 100)).float()
     dy = randn(2, 100)
     dx = softmax_backward(y, dy, torch.float32, fs.SoftmaxPlan("fused", 1, 32, 4, 4, 32))

@@ -1,0 +1,165 @@
+"""Softmax backward bandwidth: flashlite against torch's backward, torch.compile and naive PyTorch.
+
+dx = y * (dy - sum(dy * y)) reads y and dy and writes dx: GB/s counts those
+three tensors once each. flashlite runs ``softmax_backward`` under the plan its
+forward made for the same input (what autograd calls), and under the streamed
+("online") plan. The peers: ``torch._softmax_backward_data`` (torch.softmax's
+backward), the same op under torch.compile, and the formula in eager PyTorch.
+The ceilings are the device copy bandwidth measured in the same run and a copy
+moving the same number of bytes, timed the same way. The shapes are the forward
+sweep's (bench/softmax.py).
+
+    python bench/softmax_backward.py     # -> bench/results/<gpu>/softmax_backward.{json,md,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import (  # noqa: E402
+    copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, results_dir, try_time_ms,
+    write_results,
+)
+from softmax import DTYPES, LONG_ROWS, ODD_ROWS, WIDE_N  # noqa: E402
+
+fs = importlib.import_module("flashlite.softmax")
+PEERS = ["torch", "compile"]
+
+
+def backward_bytes(y: torch.Tensor) -> int:
+    """Bytes a softmax backward must move: read y and dy, write dx (all of y's dtype here)."""
+    return 3 * y.numel() * y.element_size()
+
+
+def torch_backward(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """torch.softmax's backward, as autograd calls it."""
+    return torch._softmax_backward_data(dy, y, -1, y.dtype)
+
+
+def naive_backward(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The formula in eager PyTorch, accumulated in fp32: four ops and their temporaries."""
+    y32, dy32 = y.float(), dy.float()
+    return (y32 * (dy32 - (dy32 * y32).sum(-1, keepdim=True))).to(y.dtype)
+
+
+def _compiled_backward():
+    import torch._dynamo
+
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1024)
+    return torch.compile(torch_backward, dynamic=False)
+
+
+def flashlite_backward(y: torch.Tensor, dy: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
+    """flashlite's backward under the plan its forward makes for an input like ``y`` (``algorithm``)."""
+    return fs.softmax_backward(y, dy, y.dtype, fs.plan_rows(y, y.dtype, algorithm))
+
+
+def backward_regime(y: torch.Tensor) -> str:
+    """"fused" (a program a row), "shared" (resident programs share a row) or "online" (streamed): how flashlite's
+    backward runs for rows like ``y`` (fs.plan_backward)."""
+    plan = fs.plan_backward(fs.plan_rows(y, y.dtype), *y.shape, y.element_size(), y.device)
+    return "shared" if plan.shares_rows else plan.algorithm
+
+
+def providers(compiled) -> dict:
+    """Backward providers, each called as ``fn(y, dy)``."""
+    return {
+        "flashlite": flashlite_backward,
+        "online": functools.partial(flashlite_backward, algorithm="online"),
+        "torch": torch_backward,
+        "compile": compiled,
+        "naive": naive_backward,
+    }
+
+
+def measure(shape, dtype, provs) -> dict:
+    """GB/s of every provider on fresh (y, dy) of ``shape``: y a softmax of random logits, dy random."""
+    y = torch.softmax(torch.randn(*shape, device="cuda", dtype=torch.float32), dim=-1).to(dtype)
+    dy = torch.randn(*shape, device="cuda", dtype=dtype)
+    n_bytes = backward_bytes(y)
+    row = {"dtype": str(dtype).replace("torch.", ""), "M": shape[0], "N": shape[1], "elements": y.numel()}
+    inputs = []  # each provider's own copies (common.fresh_copy), alive until all are timed
+    for name, fn in provs.items():
+        inputs.append((fresh_copy(y), fresh_copy(dy)))
+        row[name] = gbs(n_bytes, try_time_ms(functools.partial(fn, *inputs[-1])))
+    inputs.append((fresh_copy(y), fresh_copy(dy)))
+    row["flashlite_graph"] = gbs(n_bytes, graph_time_ms(functools.partial(provs["flashlite"], *inputs[-1])))
+    # The ceiling at this size: one copy moving the backward's bytes (1.5 tensors read, 1.5 written).
+    source = fresh_copy(torch.randn(y.numel() * 3 // 2, device="cuda", dtype=dtype))
+    row["copy_same_bytes"] = gbs(2 * source.numel() * source.element_size(), try_time_ms(source.clone))
+    row["plan"] = backward_regime(y)
+    del y, dy, inputs, source
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_bench(args) -> None:
+    copy = copy_bandwidth_gbs()
+    provs = providers(_compiled_backward())
+    shapes = [(4096, n) for n in WIDE_N] + LONG_ROWS + ODD_ROWS
+    rows = []
+    for dname in args.dtypes:
+        for shape in shapes:
+            t0 = time.time()
+            row = measure(shape, DTYPES[dname], provs)
+            row["odd"] = shape in ODD_ROWS
+            row["frac_copy"] = row["flashlite"] / copy
+            row["frac_copy_same_bytes"] = row["flashlite"] / row["copy_same_bytes"]
+            row["x_best_peer"] = row["flashlite"] / max(row[p] for p in PEERS if row[p] is not None)
+            rows.append(row)
+            print(f"{dname} {shape}: flashlite {row['flashlite']:.0f} GB/s ({row['frac_copy']:.0%} of copy), "
+                  f"x{row['x_best_peer']:.2f} best peer  [{time.time() - t0:.1f}s]", flush=True)
+    meta = environment() | {"copy_gbs": copy, "inputs": "y and dy, a fresh copy a provider (common.fresh_copy)"}
+    out = results_dir(args.out)
+    cols = ["dtype", "M", "N", "plan", "flashlite", "flashlite_graph", "online", "torch", "compile", "naive",
+            "copy_same_bytes", "frac_copy", "frac_copy_same_bytes", "x_best_peer"]
+    write_results("softmax_backward", out, meta, rows, cols, "Softmax backward, GB/s (y and dy read, dx written)")
+    plot_results(rows, copy, out)
+    print_summary(rows, copy)
+
+
+def plot_results(rows: list[dict], copy: float, out: str) -> None:
+    """softmax_backward.png: a panel per dtype for M = 4096 and for long rows, copy as the ceiling."""
+    panels = []
+    names = ["flashlite", "online", "torch", "compile", "naive", "copy_same_bytes"]
+    rows = [r for r in rows if not r.get("odd")]
+    for dt in dict.fromkeys(r["dtype"] for r in rows):
+        for label, sel in (("M = 4096", [r for r in rows if r["dtype"] == dt and r["M"] == 4096]),
+                           ("long rows (M x N = 16M)", [r for r in rows if r["dtype"] == dt and r["M"] != 4096])):
+            series = {n: [r.get(n) for r in sel] for n in names}
+            series["copy (ceiling)"] = [copy for _ in sel]
+            panels.append((f"softmax backward {dt}, {label}", [r["N"] for r in sel], series, "GB/s"))
+    plot_lines(os.path.join(out, "softmax_backward.png"), panels)
+
+
+def print_summary(rows, copy) -> None:
+    print(f"\ncopy {copy:.0f} GB/s")
+    print(f"{'dtype':9}{'shape':>16}{'plan':>8}{'flashlite':>10}{'online':>8}{'torch':>8}{'compile':>9}{'%copy':>7}"
+          f"{'%same':>7}{'xbest':>7}")
+    for r in rows:
+        print(f"{r['dtype']:9}{str((r['M'], r['N'])):>16}{r['plan']:>8}{r['flashlite']:>10.0f}{r['online']:>8.0f}"
+              f"{r['torch']:>8.0f}{(r['compile'] or 0):>9.0f}{r['frac_copy']:>7.0%}{r['frac_copy_same_bytes']:>7.0%}"
+              f"{r['x_best_peer']:>7.2f}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
