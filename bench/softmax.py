@@ -48,12 +48,18 @@ def softmax_bytes(x: torch.Tensor) -> int:
     return 2 * x.numel() * x.element_size()
 
 
-def _compiled_softmax():
+def raise_recompile_limits() -> None:
+    """Let torch.compile specialize for every shape of a sweep (dynamo's cache limits, under their names old
+    and new), so that no shape falls back to eager."""
     import torch._dynamo
 
     for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 1024)
+
+
+def _compiled_softmax():
+    raise_recompile_limits()
     return torch.compile(lambda x: torch.softmax(x, dim=-1), dynamic=False)
 
 

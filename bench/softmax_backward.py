@@ -30,7 +30,7 @@ from common import (  # noqa: E402
     copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, results_dir, try_time_ms,
     write_results,
 )
-from softmax import DTYPES, LONG_ROWS, ODD_ROWS, WIDE_N  # noqa: E402
+from softmax import DTYPES, LONG_ROWS, ODD_ROWS, WIDE_N, raise_recompile_limits  # noqa: E402
 
 fs = importlib.import_module("flashlite.softmax")
 PEERS = ["torch", "compile"]
@@ -53,11 +53,7 @@ def naive_backward(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
 
 
 def _compiled_backward():
-    import torch._dynamo
-
-    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, 1024)
+    raise_recompile_limits()
     return torch.compile(torch_backward, dynamic=False)
 
 
@@ -67,8 +63,8 @@ def flashlite_backward(y: torch.Tensor, dy: torch.Tensor, algorithm: str = "auto
 
 
 def backward_regime(y: torch.Tensor) -> str:
-    """"fused" (a program a row), "shared" (resident programs share a row) or "online" (streamed): how flashlite's
-    backward runs for rows like ``y`` (fs.plan_backward)."""
+    """"fused" (a program a tile of one row or several), "shared" (resident programs share a row) or "online"
+    (streamed): how flashlite's backward runs for rows like ``y`` (fs.plan_backward)."""
     plan = fs.plan_backward(fs.plan_rows(y, y.dtype), *y.shape, y.element_size(), y.device)
     return "shared" if plan.shares_rows else plan.algorithm
 
