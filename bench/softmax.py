@@ -176,10 +176,17 @@ def print_summary(rows, copy) -> None:
 # ----------------------------------------------------------------------------- --check
 
 
+def backward_plan(y: torch.Tensor, algorithm: str = "auto"):
+    """The plan flashlite's backward runs for rows like ``y`` (contiguous) after a forward under ``algorithm``, and
+    its regime: "fused" (a program a tile of one row or several), "shared" (resident programs share a row) or
+    "online" (streamed)."""
+    plan = fs.plan_backward(fs.plan_rows(y, y.dtype, algorithm), *y.shape, y.element_size(), y.device)
+    return plan, "shared" if plan.shares_rows else plan.algorithm
+
+
 def _backward_label(y: torch.Tensor, algorithm: str) -> str:
     """How flashlite's backward runs for rows like ``y`` (contiguous) under ``algorithm``: regime and frames."""
-    plan = fs.plan_backward(fs.plan_rows(y, y.dtype, algorithm), *y.shape, y.element_size(), y.device)
-    regime = "shared" if plan.shares_rows else plan.algorithm
+    plan, regime = backward_plan(y, algorithm)
     return f"{regime} {plan.block_n}/w{plan.num_warps}, vectors {fs.backward_vectors(y, y, y.dtype, plan)}"
 
 

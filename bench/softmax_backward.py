@@ -30,7 +30,7 @@ from common import (  # noqa: E402
     copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, results_dir, try_time_ms,
     write_results,
 )
-from softmax import DTYPES, LONG_ROWS, ODD_ROWS, WIDE_N, raise_recompile_limits  # noqa: E402
+from softmax import DTYPES, LONG_ROWS, ODD_ROWS, WIDE_N, backward_plan, raise_recompile_limits  # noqa: E402
 
 fs = importlib.import_module("flashlite.softmax")
 PEERS = ["torch", "compile"]
@@ -62,13 +62,6 @@ def flashlite_backward(y: torch.Tensor, dy: torch.Tensor, algorithm: str = "auto
     return fs.softmax_backward(y, dy, y.dtype, fs.plan_rows(y, y.dtype, algorithm))
 
 
-def backward_regime(y: torch.Tensor) -> str:
-    """"fused" (a program a tile of one row or several), "shared" (resident programs share a row) or "online"
-    (streamed): how flashlite's backward runs for rows like ``y`` (fs.plan_backward)."""
-    plan = fs.plan_backward(fs.plan_rows(y, y.dtype), *y.shape, y.element_size(), y.device)
-    return "shared" if plan.shares_rows else plan.algorithm
-
-
 def providers(compiled) -> dict:
     """Backward providers, each called as ``fn(y, dy)``."""
     return {
@@ -95,7 +88,7 @@ def measure(shape, dtype, provs) -> dict:
     # The ceiling at this size: one copy moving the backward's bytes (1.5 tensors read, 1.5 written).
     source = fresh_copy(torch.randn(y.numel() * 3 // 2, device="cuda", dtype=dtype))
     row["copy_same_bytes"] = gbs(2 * source.numel() * source.element_size(), try_time_ms(source.clone))
-    row["plan"] = backward_regime(y)
+    row["plan"] = backward_plan(y)[1]
     del y, dy, inputs, source
     torch.cuda.empty_cache()
     return row

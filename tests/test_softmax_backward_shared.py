@@ -14,17 +14,13 @@ import triton.language as tl
 from flashlite import _runtime
 from flashlite.online_softmax import pack_sum, unpack_sum
 
-from .utils import assert_close, randn, softmax_ref
+from .utils import assert_close, randn, softmax_grad_ref, softmax_ref
 
 fs = importlib.import_module("flashlite.softmax")
 GPU = torch.device("cuda", 0)  # a stand-in: only plans are made for it
 CPU = torch.device("cpu")
 H100 = _runtime.DeviceInfo(132, 65536, 232448, 64, (9, 0), 50 << 20)
 
-
-def grad_ref(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    y, dy = y.double(), dy.double()
-    return y * (dy - (y * dy).sum(-1, keepdim=True))
 
 
 @triton.jit
@@ -94,7 +90,7 @@ def test_shared_rows_backward_kernel_with_the_other_parts_published(dtype, n_col
         EVEN_COLS=vec_cols == 1 and n_cols == n_parts * block_n, CLEAR_BLOCK=8,
     )
     tol = 2e-6 if dtype == torch.float32 else 8e-3
-    ref = grad_ref(y, dy)
+    ref = softmax_grad_ref(y, dy)
     assert (dx.double() - ref).abs().max() <= tol * ref.abs().max()
     assert slots[0] != 0 and (clear[:19] == 0).all() and (clear[19:] != 0).all()
 
@@ -158,7 +154,7 @@ def test_fused_backward_loading_y_and_dy_twice(dtype, n_rows, n_cols, skip):
     assert fs.plan_backward(plan, n_rows, n_cols, y.element_size(), CPU) == plan  # runs as given
     assert fs.backward_vectors(y, dy, dtype, plan) == (1 if skip or n_cols % 16 == 0 else 16 // y.element_size())
     dx = fs.softmax_backward(y, dy, dtype, plan)
-    ref = grad_ref(y, dy)
+    ref = softmax_grad_ref(y, dy)
     tol = 2e-6 if dtype == torch.float32 else 8e-3
     assert (dx.double() - ref).abs().max() <= tol * ref.abs().max()
 
@@ -171,4 +167,4 @@ def test_shared_rows_backward_falls_back_to_streaming_where_programs_cannot_wait
     monkeypatch.setattr(fs, "plan_backward", lambda plan, *args: shared)
     y = softmax_ref(randn(5, n_cols, scale=3.0)).float()
     dy = randn(5, n_cols)
-    assert_close(fs.softmax_backward(y, dy, torch.float32, dataclasses.replace(shared, n_splits=9)), grad_ref(y, dy))
+    assert_close(fs.softmax_backward(y, dy, torch.float32, dataclasses.replace(shared, n_splits=9)), softmax_grad_ref(y, dy))

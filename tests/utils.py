@@ -37,6 +37,13 @@ def softmax_ref(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.softmax(x.double(), dim)
 
 
+def softmax_grad_ref(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """Float64 softmax backward over the last dim: ``y * (dy - sum(dy * y))``, ``y`` the output, ``dy`` its
+    gradient."""
+    y, dy = y.double(), dy.double()
+    return y * (dy - (y * dy).sum(-1, keepdim=True))
+
+
 def masked_softmax_ref(x, mask=None, scale=None, causal=False) -> torch.Tensor:
     """Float64 masked softmax over the last dim, built from masked_fill + torch.softmax; empty rows give 0."""
     s = x.double() * (1.0 if scale is None else scale)
