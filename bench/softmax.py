@@ -6,7 +6,8 @@ tensor, timed like the softmax, is the ceiling at its size. Modes:
 
     python bench/softmax.py            # full sweep -> bench/results/<gpu>/softmax.{json,md,png}
     python bench/softmax.py --check    # GPU correctness (poisoned memory, >2^31 elements)
-    python bench/softmax.py --tune     # time the heuristic constants' candidates
+    python bench/softmax.py --tune X   # time the heuristic constants' candidates (X: fused, short, online, grid,
+                                       # shared, reread or all)
     python bench/softmax.py --replot   # redraw softmax.png from the committed softmax.json (no GPU)
 """
 
@@ -20,6 +21,7 @@ import sys
 import time
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -244,6 +246,24 @@ def run_check(args) -> None:
                ((dx.double() - ref).abs().max() / ref.abs().max()).item(), 4 * tol[dtype])
         x = torch.randn(6, 70_000, device="cuda", dtype=dtype) * 10
         report_logsumexp(f"logsumexp {dtype}", x)  # about 60
+        if dtype != torch.float32:
+            # Many 16-bit rows of 32769..65536 (FWD_REREAD_MAX_COLS) read twice, a program a row: special rows and
+            # large magnitudes, in rows that fill the tile and in rows of 40000 (too short for it since: shared
+            # rows; the label says which); errors relative to each row's largest value.
+            for n_cols in (65536, 40000):
+                x = torch.randn(1100, n_cols, device="cuda", dtype=dtype) * 3
+                x[0] = float("-inf")  # NaN, as torch
+                x[1, 50] = float("nan")
+                x[2, -1] = 60.0  # the maximum in the last column, in the high half
+                x[3, :32768] = float("-inf")  # an empty low half
+                x[4] = x[4] * 3000  # about +-1e4
+                poison_allocator()
+                y, ref = flashlite.softmax(x).double(), torch.softmax(x.double(), -1)
+                same_nan = bool((y.isnan() == ref.isnan()).all())
+                rel = ((y - ref).nan_to_num(0.0).abs().amax(-1) / ref.nan_to_num(0.0).abs().amax(-1).clamp_min(1e-30))
+                report(f"read twice (reread {_fused_plan(x).reread}) {dtype} (1100, {n_cols}), special rows (relative)",
+                       rel.max().item() if same_nan else float("nan"), 8e-3)
+                report_logsumexp(f"logsumexp read twice {dtype} (1100, {n_cols})", x[5:] * 10)
         # Rows shared by resident programs (on an H100): special rows, a row stride that is not the
         # row length, and the same long rows again and again (each run must give the same bits).
         x = torch.randn(5, 200_000, device="cuda", dtype=dtype) * 3
@@ -306,6 +326,7 @@ def run_check(args) -> None:
              (base[4:4 + 4096 * 256].view(4096, 256), None),
              (torch.randn(3, 100_003, device="cuda"), None),  # shared rows, the last part ragged
              (torch.randn(16, 1 << 20, device="cuda", dtype=torch.bfloat16), None),  # one wave with heads
+             (torch.randn(1100, 57344, device="cuda", dtype=torch.bfloat16), None),  # a program a row, read twice
              (torch.randn(1, 1 << 24, device="cuda"), None)]  # a row longer than the resident programs hold
     for x, out_dtype in cases:
         ref = torch.softmax(x.double(), -1)
@@ -369,6 +390,7 @@ def run_check(args) -> None:
                                ((2**31 // 30001 + 1, 30001), "auto", torch.bfloat16),
                                ((2**31 // 50257 + 1, 50257), "online", torch.bfloat16),
                                ((2**31 // 50257 + 1, 50257), "auto", torch.bfloat16),
+                               ((2**31 // 65536 + 1, 65536), "auto", torch.bfloat16),  # read twice (reread)
                                ((2**31 // 65536 + 1, 65536), "auto", torch.float32)):
         x = torch.randn(*shape, device="cuda", dtype=dtype)
         rel_tol = 8e-3 if dtype == torch.bfloat16 else 2e-5
@@ -404,6 +426,57 @@ def _time_plan(x: torch.Tensor, plan) -> str:
         return f"WRONG({err:.1e})"
     nbytes = softmax_bytes(x)
     return f"{gbs(nbytes, time_ms(fn)):.0f}/{gbs(nbytes, graph_time_ms(fn)):.0f}"
+
+
+def _registers(x: torch.Tensor, plan) -> str:
+    """'registers/spilled' of the fused kernel compiled for ``x`` under ``plan``."""
+    y = torch.empty_like(x)
+    grid, args, meta, _ = fs._fused_launch(x, y, x, x.dtype, plan, True, False)
+    compiled = fs._softmax_fused_kernel.warmup(*args, grid=grid, **meta)
+    if hasattr(compiled, "_init_handles"):
+        compiled._init_handles()  # registers are read once the kernel is loaded
+    return f"{compiled.n_regs}r/{compiled.n_spills}s"
+
+
+REREAD_SHAPES = {torch.float32: ((4096, 16384), (4096, 32768), (4096, 65536)),
+                 torch.bfloat16: ((4096, 16384), (4096, 32768), (4096, 40000), (4096, 49168), (4096, 50257),
+                                  (4096, 57344), (4096, 61440), (4096, 65536), (1024, 65536), (768, 65536))}
+
+
+def tune_reread(cols: list[int] | None = None, rounds: int = 2, warps_tried=(16, 32)) -> None:
+    """Rows past FUSED_MAX_COLS (and wide fused rows): flashlite's plan, and its plan without the reread rule
+    (FWD_REREAD_MAX_COLS), against a program a row that reads its row twice (REREAD) on several warp counts;
+    ``rounds`` alternating rounds, each plan on a fresh copy; ``cols``: only the shapes of those row lengths."""
+    print("reread: plan -> GB/s do_bench / CUDA graph (registers/spilled), rounds alternate; compile for reference")
+    compiled = _compiled_softmax()
+    saved_max = dict(fs.FWD_REREAD_MAX_COLS)
+    for dtype, shapes in REREAD_SHAPES.items():
+        for shape in shapes:
+            if cols and shape[1] not in cols:
+                continue
+            x = torch.randn(*shape, device="cuda", dtype=dtype)
+            fs.FWD_REREAD_MAX_COLS.clear()
+            fs.clear_plans()
+            plans = {"no reread": _fused_plan(x)}
+            fs.FWD_REREAD_MAX_COLS.update(saved_max)
+            fs.clear_plans()
+            plans["auto"] = _fused_plan(x)
+            vec_cols = max(fs.row_vectors(x, dtype), 1)
+            block_n = triton.next_power_of_2(shape[1])
+            for warps in warps_tried:
+                if block_n // (32 * warps) <= 128:  # at most 128 values a thread
+                    plans[f"reread/w{warps}"] = fs.SoftmaxPlan("fused", 1, block_n, warps, vec_cols=vec_cols, reread=True)
+            regs = {name: _registers(x, plan) for name, plan in plans.items()
+                    if plan.algorithm == "fused" and not plan.shares_rows}
+            for r in range(rounds):
+                line = [f"compile:{gbs(softmax_bytes(x), time_ms(lambda: compiled(x))):.0f}"]
+                for name, plan in (plans.items() if r % 2 == 0 else reversed(plans.items())):
+                    xc = fresh_copy(x)
+                    line.append(f"{name}:{_time_plan(xc, plan)}" + (f"({regs[name]})" if name in regs else ""))
+                    del xc
+                print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + "  ".join(line), flush=True)
+            del x
+            torch.cuda.empty_cache()
 
 
 def run_tune(args) -> None:
@@ -525,6 +598,8 @@ def run_tune(args) -> None:
     fs.SHARED_TILES.update(saved)
     fs.SHARED_WAVE_TILES.update(saved_waves)
     fs.clear_plans()
+    if args.tune in ("all", "reread"):
+        tune_reread(args.cols)
     print("host cost per call (us), 4096 x 256 fp32:")
     x = torch.randn(4096, 256, device="cuda")
     for name, fn in (("flashlite", lambda: flashlite.softmax(x)), ("torch", lambda: torch.softmax(x, -1))):
@@ -544,7 +619,8 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="three shapes only")
     parser.add_argument("--check", action="store_true", help="GPU correctness checks instead of timing")
     parser.add_argument("--replot", action="store_true", help="redraw softmax.png from the results folder's JSON")
-    parser.add_argument("--tune", choices=["all", "fused", "short", "online", "grid", "shared"], help="time heuristic candidates instead of the sweep")
+    parser.add_argument("--tune", choices=["all", "fused", "short", "online", "grid", "shared", "reread"], help="time heuristic candidates instead of the sweep")
+    parser.add_argument("--cols", nargs="+", type=int, help="--tune reread: only the shapes of these row lengths")
     args = parser.parse_args(argv)
     if args.replot:
         replot(args)

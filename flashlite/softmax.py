@@ -14,7 +14,10 @@
   the launch is cooperative and sized from the compiled kernel. A row longer
   than the resident programs hold is still shared by them: each part first
   streams a head, holds the rest on chip, and re-reads the head from L2 once
-  the row's state is known. Rows of an odd length (or from an unaligned base)
+  the row's state is known. Many 16-bit rows of up to 65536 elements take a
+  program each instead, which reads its row twice (``REREAD``: once for
+  ``(m, d)``, again from L1/L2 for ``y``; ``FWD_REREAD_MAX_COLS``), as the wide
+  rows of the backward do. Rows of an odd length (or from an unaligned base)
   start anywhere inside a 16-byte vector; they are read from the first vector
   boundary in them (``_row_frame``), so that loads and stores stay vectorized
   (4096 x 50257 on an H100: 149 -> 2373 GB/s fp32). One-row fused tiles, the
@@ -126,17 +129,29 @@ def _work_item(item, n_items, n_splits, cols_per_split, n_cols, PASS: tl.constex
 # ----------------------------------------------------------------------------- kernels
 
 
+# How a fused tile is read (REREAD, forward and backward): held in registers from its one load to the output,
+# or loaded twice, first evict_last for the row's reduction (the forward's (m, d), the backward's sum(dy * y)),
+# then evict_first for the output, found in L1 or L2: nothing is held across the reduction.
+HOLD_READ = tl.constexpr("")
+FIRST_OF_TWO_READS, SECOND_OF_TWO_READS = tl.constexpr("evict_last"), tl.constexpr("evict_first")
+
+
 @triton.jit
 def _softmax_fused_kernel(
     x_ptr, y_ptr, lse_ptr,
     n_rows, n_cols, base_lead,
     stride_xm, stride_xn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VEC_COLS: tl.constexpr, WRITE_Y: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VEC_COLS: tl.constexpr, REREAD: tl.constexpr,
+    WRITE_Y: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     # Columns are those of each row's frame (_row_frame): with VEC_COLS > 1 (rows that start unaligned:
     # stride_xm = stride_ym, stride_xn = 1) a row's whole vectors are read from an aligned address and
     # its edges apart; x_ptr and y_ptr are then 16-byte aligned, base_lead elements before row 0 of each.
+    # With REREAD (one row a tile) the row is read twice, nothing held across the reduction: first as two
+    # halves, both in flight, folded into the state one after the other (only one half is ever widened to
+    # fp32: a 16-bit row of 65536 read whole on 32 warps spilled 28 registers), then whole for y, its
+    # weights worked out again from x under the final state. A row's edges stay held.
+    HALF_N: tl.constexpr = BLOCK_N // 2
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_ok = cols < n_cols  # without frames; a frame's whole vectors end at its row's own bound
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
@@ -147,21 +162,41 @@ def _softmax_fused_kernel(
         y_starts, _, _ = _frame_rows(rows, n_cols, base_lead, stride_ym, VEC_COLS)
         x_rows, y_rows = x_ptr + x_starts, y_ptr + y_starts
         ok = row_ok & _in_frame(cols, col_ok, hi, VEC_COLS)
-        x = tl.load(x_rows + cols * stride_xn, mask=ok, other=float("-inf"))
+        if REREAD:
+            low_cols = tl.arange(0, HALF_N)[None, :]
+            high_cols = low_cols + HALF_N
+            low_ok = row_ok & _in_frame(low_cols, low_cols < n_cols, hi, VEC_COLS)
+            high_ok = row_ok & _in_frame(high_cols, high_cols < n_cols, hi, VEC_COLS)
+            x_low = tl.load(x_rows + low_cols * stride_xn, mask=low_ok, other=float("-inf"),
+                            eviction_policy=FIRST_OF_TWO_READS)
+            x_high = tl.load(x_rows + high_cols * stride_xn, mask=high_ok, other=float("-inf"),
+                             eviction_policy=FIRST_OF_TWO_READS)
+        else:
+            x = tl.load(x_rows + cols * stride_xn, mask=ok, other=float("-inf"))
         m, d = empty_state(BLOCK_M)
         if VEC_COLS > 1:  # the edges first: their few weights are worked out again from the final state
             edge_cols, edge_ok = _row_edges(pre, hi, n_cols, VEC_COLS)
             edge_ok = row_ok & edge_ok
             x_edge = tl.load(x_rows + edge_cols, mask=edge_ok, other=float("-inf")).to(tl.float32)
             m, d, _, _ = online_update(m, d, x_edge, LOG2E)
-        m, d, p, _ = online_update(m, d, x.to(tl.float32), LOG2E)
+        if REREAD:
+            m, d, _, _ = online_update(m, d, x_low.to(tl.float32), LOG2E)
+            m, d, _, _ = online_update(m, d, x_high.to(tl.float32), LOG2E)
+        else:
+            m, d, p, _ = online_update(m, d, x.to(tl.float32), LOG2E)
         if WRITE_LSE:
             tl.store(lse_ptr + rows, state_logsumexp(m, d, LOG2E), mask=rows < n_rows)
         if WRITE_Y:
             if VEC_COLS > 1:
                 tl.store(y_rows + edge_cols, final_weights(x_edge, m, d, LOG2E, False).to(y_ptr.dtype.element_ty),
                          mask=edge_ok)
-            tl.store(y_rows + cols, normalize(p, d, False).to(y_ptr.dtype.element_ty), mask=ok)
+            if REREAD:
+                x = tl.load(x_rows + cols * stride_xn, mask=ok, other=float("-inf"),
+                            eviction_policy=SECOND_OF_TWO_READS)
+                y = final_weights(x.to(tl.float32), m, d, LOG2E, False)
+            else:
+                y = normalize(p, d, False)
+            tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -478,12 +513,6 @@ def _softmax_online_kernel(
                     tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-# How the backward's tiles read y and dy (REREAD): held in registers from one load to dx, or loaded twice, first
-# evict_last for sum(dy * y), then evict_first for dx, found in L1 or L2 (nothing held across the reduction).
-HOLD_READ = tl.constexpr("")
-FIRST_OF_TWO_READS, SECOND_OF_TWO_READS = tl.constexpr("evict_last"), tl.constexpr("evict_first")
-
-
 @triton.jit
 def _load_grad_inputs(y_ptrs, dy_ptrs, mask, EVICTION: tl.constexpr):
     """``(y, dy)`` as fp32 at the pointers given (0 where masked), loaded with the L2 ``EVICTION`` hint."""
@@ -702,7 +731,8 @@ SHARED_TILES = {
     2: SharedRowTile(32768, 16, 1, PREFETCH_L2.value, 8192, head_group=8),
 }
 # Many rows, taken in waves of held parts (more parts than the resident programs, and no wave of heads
-# fits L2; 4096 x 65536, say), get tiles of their own. H100, GB/s, CUDA graph / do_bench, same process,
+# fits L2; fp32 4096 x 65536, say; 16-bit rows of up to 65536 are read twice now, FWD_REREAD_MAX_COLS), get tiles
+# of their own. H100, GB/s, CUDA graph / do_bench, same process,
 # against the tiles above (softmax_wave_tiles_ab.log):
 # * fp32: parts that hold 16384 columns after streaming a head as long: half as many parts a row wait
 #   for each other. 4096 x 65536 2716 / 2699 -> 2753 / 2754, 1024 x 131072 2591 / 2567 -> 2650 / 2658,
@@ -771,6 +801,23 @@ SHARED_TILES_UNALIGNED = {  # heads loaded evict_last, as these tiles were measu
 # second read, .cg head loads, streaming stores, or the heads written before the held columns lost or tied.
 SHARED_HEADS_L2_FRACTION = 0.5
 SHARED_MAX_HEAD_WAVES = 2
+# Many 16-bit rows a little too long for one program to hold take a program each that reads its row twice (REREAD:
+# evict_last for (m, d), then evict_first for y, found again in L1 or L2), as the backward's wide rows do (BWD_TILES):
+# nothing is held across the reduction and no program waits for another. H100, GB/s do_bench / CUDA graph, two
+# alternating rounds on fresh copies (bench/results/h100/softmax_reread_tune.log, parts 3-5):
+#   bf16 4096 x 65536: shared rows in waves 2556-2568 / 2580-2589 -> read twice, 32 warps 2869-2888 / 2869-2882
+#   bf16 1024 / 768 x 65536 (7.8 / 5.8 waves of one program a multiprocessor): 2298-2337 / 2406-2422 ->
+#     2476-2500 / 2466-2483, 2131-2245 / 2332-2336 -> 2338-2375 / 2344-2351
+#   bf16 4096 x 49168 / 57344 / 61440 (75 / 87.5 / 94% of the tile): 2231-2233 / 2425-2431 / 2471-2478 ->
+#     2341-2361 / 2652-2679 / 2785-2798; 4096 x 40000 (61%) lost: 2486-2488 -> 2006-2022
+# Only with the first read in halves: read whole, the row spilled 28 registers (1959). Not kept: fp32 (a row of
+# 65536 spills 52-56 registers on 32 warps: 1786 against 2757 shared), 16-bit rows read in frames (odd lengths:
+# 12-16 spilled, 4096 x 50257 1924-2247 against 2143-2147 shared), and rows the fused kernel holds (fp32 16384 /
+# 32768 gained 1-1.5%, bf16 16384 0.5-1%, bf16 32768 lost 11%: 2498 against 2803).
+FWD_REREAD_MAX_COLS = {2: 65536}  # by element size: the longest row so read (none for fp32)
+FWD_REREAD_WARPS = 32
+FWD_REREAD_MIN_WAVES = 5  # ... while the rows make at least this many waves of one program a multiprocessor
+FWD_REREAD_MIN_FILL = 0.75  # ... and fill at least this much of the tile
 # Slots each program of a shared-row launch zeroes in one turn of _clear_slots.
 SLOTS_CLEAR_BLOCK = 256
 
@@ -834,7 +881,7 @@ class SoftmaxPlan:
     head_eviction: str = ""  # fused with shared rows and heads: L2 eviction hint of the head loads
     vec_cols: int = 1  # row_vectors() of the rows planned for (> 1: read in the frame of _row_frame; 0: shared
     # rows take the unaligned tiles). Fused tiles of several rows keep 1.
-    reread: bool = False  # backward plans (plan_backward): y and dy loaded twice, not held across the reduction
+    reread: bool = False  # fused, a row a program: its tile loaded twice, not held across the reduction (REREAD)
 
     @property
     def shares_rows(self) -> bool:
@@ -933,6 +980,9 @@ def plan_softmax(
     """
     shared = shared_rows is not None and algorithm in ("auto", "fused") and shares_rows_on_chip(device)
     if n_cols > FUSED_MAX_COLS and shared:
+        reread = _plan_reread(n_rows, n_cols, device, shared_rows.itemsize, n_splits, vec_cols)
+        if reread is not None:
+            return reread
         return _plan_shared_rows(n_rows, n_cols, device, shared_rows.itemsize, n_splits, vec_cols)
     if algorithm == "auto":
         algorithm = "fused" if n_cols <= FUSED_MAX_COLS else "online"
@@ -966,6 +1016,20 @@ def plan_rows(x2d: torch.Tensor, out_dtype: torch.dtype, algorithm: str = "auto"
     for how the kernel reads them (``row_vectors``)."""
     return plan_softmax(x2d.shape[0], x2d.shape[1], x2d.device, algorithm, shared_rows=x2d.dtype,
                         vec_cols=row_vectors(x2d, out_dtype))
+
+
+def _plan_reread(
+    n_rows: int, n_cols: int, device: torch.device, itemsize: int, n_splits: int | None, vec_cols: int,
+) -> SoftmaxPlan | None:
+    """A program a row that reads it twice (``FWD_REREAD_MAX_COLS``), for many aligned rows (``vec_cols`` 1); else
+    None. Rows read in frames or one element a load keep the shared rows' tiles (read twice, they spilled)."""
+    block_n = triton.next_power_of_2(n_cols)
+    many_rows = n_rows >= FWD_REREAD_MIN_WAVES * device_info(device).num_sms
+    fills_tile = n_cols >= FWD_REREAD_MIN_FILL * block_n
+    if n_splits is not None or vec_cols != 1 or not many_rows or not fills_tile \
+            or block_n > FWD_REREAD_MAX_COLS.get(itemsize, 0):
+        return None
+    return SoftmaxPlan("fused", 1, block_n, FWD_REREAD_WARPS, reread=True)
 
 
 def _plan_shared_rows(
@@ -1123,8 +1187,8 @@ def _fused_launch(
     n_tiles = triton.cdiv(n_rows, plan.block_m)
     x_arg, base_lead = input_frame(x2d, plan)
     args = (x_arg, y_arg, lse_arg, n_rows, n_cols, base_lead, x2d.stride(0), x2d.stride(1), n_cols)
-    meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, VEC_COLS=plan.vec_cols, WRITE_Y=write_y,
-                WRITE_LSE=write_lse, num_warps=plan.num_warps)
+    meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, VEC_COLS=plan.vec_cols, REREAD=plan.reread,
+                WRITE_Y=write_y, WRITE_LSE=write_lse, num_warps=plan.num_warps)
     if plan.block_n > FUSED_PERSISTENT_MAX_COLS:
         return (n_tiles,), args, meta, None
     key = ("softmax_fwd", plan, x2d.dtype, out_dtype, write_y, write_lse, x2d.device)
@@ -1384,7 +1448,8 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
             in place when ``dim`` has stride 1.
         dim: the dimension to normalise over.
         algorithm: ``"fused"`` (row on chip: up to ``FUSED_MAX_COLS`` in one
-            program; on a GPU, longer rows across resident programs, each part
+            program; on a GPU, many 16-bit rows of up to 65536 a program each,
+            read twice, and longer rows across resident programs, each part
             streaming a head twice where the row is longer than they hold;
             streamed as by ``"online"`` where a launch cannot keep them resident),
             ``"online"`` (blocked two-pass, any length, long rows split across

@@ -473,9 +473,10 @@ def test_shared_rows_plan(monkeypatch):
         fp32 = plan_softmax(4096, 65536, gpu, shared_rows=torch.float32)
         assert (fp32.algorithm, fp32.block_n, fp32.n_splits, fp32.num_warps, fp32.head_cols) == ("fused", 16384, 2, 4, 16384)
         assert fp32.cols_per_split == 32768 and fp32.head_block == fs.SHARED_WAVE_TILES[4].head_block
-        bf16_waves, bf16_wave_tile = plan_softmax(4096, 65536, gpu, shared_rows=torch.bfloat16), fs.SHARED_WAVE_TILES[2]
+        # (bf16 4096 x 65536 is read twice, a program a row: test_softmax_reread.py)
+        bf16_waves, bf16_wave_tile = plan_softmax(4096, 131072, gpu, shared_rows=torch.bfloat16), fs.SHARED_WAVE_TILES[2]
         assert (bf16_waves.block_n, bf16_waves.n_splits, bf16_waves.num_warps, bf16_waves.head_cols, bf16_waves.prefetch) == (
-            bf16_wave_tile.cols, 4, bf16_wave_tile.num_warps, 0, bf16_wave_tile.prefetch)
+            bf16_wave_tile.cols, 8, bf16_wave_tile.num_warps, 0, bf16_wave_tile.prefetch)
         one_wave_of_parts = plan_softmax(64, 65536, gpu, shared_rows=torch.bfloat16)  # 128 parts: no waves
         assert (one_wave_of_parts.block_n, one_wave_of_parts.n_splits) == (fs.SHARED_TILES[2].cols, 2)
         bf16 = plan_softmax(7, 100_003, gpu, "fused", shared_rows=torch.bfloat16)

@@ -103,8 +103,8 @@ def test_backward_plans(monkeypatch):
     monkeypatch.setattr(fs, "device_info", lambda device: H100)
     fs.clear_plans()
     try:
-        def plans(n_rows, n_cols, dtype, algorithm="auto", device=GPU):
-            forward = fs.plan_softmax(n_rows, n_cols, device, algorithm, shared_rows=dtype)
+        def plans(n_rows, n_cols, dtype, algorithm="auto", device=GPU, vec_cols=1):
+            forward = fs.plan_softmax(n_rows, n_cols, device, algorithm, shared_rows=dtype, vec_cols=vec_cols)
             return forward, fs.plan_backward(forward, n_rows, n_cols, dtype.itemsize, device)
 
         for n_cols in (256, 4000, 4096):  # tiles of several rows, and one-row tiles of fewer than 8192 columns
@@ -115,7 +115,7 @@ def test_backward_plans(monkeypatch):
         assert plans(4096, 20000, torch.float32)[1] == reread and plans(4096, 5000, torch.float32)[1].block_n == 8192
         assert plans(4096, 20000, torch.float32, "fused")[1] == reread
         assert plans(4096, 8192, torch.bfloat16)[1] == fs.SoftmaxPlan("fused", 1, 8192, 32, reread=True)
-        fwd, bwd = plans(4096, 50257, torch.bfloat16)  # shared by the forward, one program a row here
+        fwd, bwd = plans(4096, 50257, torch.bfloat16, vec_cols=8)  # in frames, shared by the forward; a program a row here
         assert fwd.shares_rows and bwd == fs.SoftmaxPlan("fused", 1, 65536, 32, reread=True)
         fwd, bwd = plans(4096, 65536, torch.float32)  # fp32 past 32768: parts of 8192 columns, held
         assert (bwd.algorithm, bwd.block_n, bwd.n_splits, bwd.num_warps, bwd.prefetch) == ("fused", 8192, 8, 4, 0)
