@@ -1024,12 +1024,11 @@ def _plan_reread(
     """A program a row that reads it twice (``FWD_REREAD_MAX_COLS``), for many aligned rows (``vec_cols`` 1); else
     None. Rows read in frames or one element a load keep the shared rows' tiles (read twice, they spilled)."""
     block_n = triton.next_power_of_2(n_cols)
+    if n_splits is not None or vec_cols != 1 or block_n > FWD_REREAD_MAX_COLS.get(itemsize, 0):
+        return None
     many_rows = n_rows >= FWD_REREAD_MIN_WAVES * device_info(device).num_sms
     fills_tile = n_cols >= FWD_REREAD_MIN_FILL * block_n
-    if n_splits is not None or vec_cols != 1 or not many_rows or not fills_tile \
-            or block_n > FWD_REREAD_MAX_COLS.get(itemsize, 0):
-        return None
-    return SoftmaxPlan("fused", 1, block_n, FWD_REREAD_WARPS, reread=True)
+    return SoftmaxPlan("fused", 1, block_n, FWD_REREAD_WARPS, reread=True) if many_rows and fills_tile else None
 
 
 def _plan_shared_rows(
