@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import importlib  # noqa: E402
 
 import flashlite  # noqa: E402
+from flashlite._runtime import loaded  # noqa: E402
 
 fs = importlib.import_module("flashlite.softmax")  # the module (flashlite.softmax is the function)
 from baselines import naive_softmax, textbook_fused_softmax, textbook_online_softmax  # noqa: E402
@@ -432,9 +433,7 @@ def _registers(x: torch.Tensor, plan) -> str:
     """'registers/spilled' of the fused kernel compiled for ``x`` under ``plan``."""
     y = torch.empty_like(x)
     grid, args, meta, _ = fs._fused_launch(x, y, x, x.dtype, plan, True, False)
-    compiled = fs._softmax_fused_kernel.warmup(*args, grid=grid, **meta)
-    if hasattr(compiled, "_init_handles"):
-        compiled._init_handles()  # registers are read once the kernel is loaded
+    compiled = loaded(fs._softmax_fused_kernel.warmup(*args, grid=grid, **meta))
     return f"{compiled.n_regs}r/{compiled.n_spills}s"
 
 

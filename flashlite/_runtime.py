@@ -100,12 +100,18 @@ def check_scale(scale, default: float) -> float:
 _PROGRAMS_PER_SM: dict = {}
 
 
+def loaded(compiled):
+    """``compiled``, loaded on the device: a kernel compiled by warmup() reads its registers (``n_regs``,
+    ``n_spills``) only once loaded."""
+    if hasattr(compiled, "_init_handles"):
+        compiled._init_handles()
+    return compiled
+
+
 def occupancy(compiled, num_warps: int, info: DeviceInfo) -> int | None:
     """Programs of ``compiled`` that fit on one multiprocessor, or None if Triton does not say."""
     try:
-        if hasattr(compiled, "_init_handles"):
-            compiled._init_handles()  # a kernel compiled by warmup() reads its registers only once loaded
-        n_regs = int(compiled.n_regs)
+        n_regs = int(loaded(compiled).n_regs)
         shared = int(compiled.metadata.shared)
     except Exception:  # interpreter, or an API this Triton does not have
         return None
