@@ -10,7 +10,7 @@ import flashlite
 from flashlite import _runtime
 from flashlite.softmax import as_rows, clear_plans, plan_softmax, softmax_backward, softmax_forward
 
-from .utils import DTYPES, assert_close, randn, softmax_grad_ref, softmax_ref
+from .utils import DTYPES, H100, assert_close, randn, softmax_grad_ref, softmax_ref
 
 CPU = torch.device("cpu")
 
@@ -465,9 +465,9 @@ def test_shared_rows_plan(monkeypatch):
     # few rows that would take several waves, while one wave's heads fit half of L2. Many rows go in
     # waves of SHARED_WAVE_TILES parts (fp32 ones stream a head as long as they hold, unless framed).
     gpu = torch.device("cuda", 0)
-    l2_bytes = 50 << 20
+    l2_bytes = H100.l2_bytes
     monkeypatch.setattr(fs, "shares_rows_on_chip", lambda device: device.type == "cuda")
-    monkeypatch.setattr(fs, "device_info", lambda device: _runtime.DeviceInfo(132, 65536, 232448, 64, (9, 0), l2_bytes))
+    monkeypatch.setattr(fs, "device_info", lambda device: H100)
     clear_plans()
     try:
         fp32 = plan_softmax(4096, 65536, gpu, shared_rows=torch.float32)

@@ -11,15 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from flashlite import _runtime
 from flashlite.online_softmax import pack_sum, unpack_sum
 
-from .utils import assert_close, randn, softmax_grad_ref, softmax_ref
+from .utils import H100, assert_close, randn, softmax_grad_ref, softmax_ref
 
 fs = importlib.import_module("flashlite.softmax")
 GPU = torch.device("cuda", 0)  # a stand-in: only plans are made for it
 CPU = torch.device("cpu")
-H100 = _runtime.DeviceInfo(132, 65536, 232448, 64, (9, 0), 50 << 20)
 
 
 

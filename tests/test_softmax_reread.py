@@ -7,14 +7,11 @@ import importlib
 import pytest
 import torch
 
-from flashlite import _runtime
-
-from .utils import assert_close, randn, softmax_grad_ref, softmax_ref
+from .utils import H100, assert_close, randn, softmax_grad_ref, softmax_ref
 
 fs = importlib.import_module("flashlite.softmax")
 GPU = torch.device("cuda", 0)  # a stand-in: only plans are made for it
 CPU = torch.device("cpu")
-H100 = _runtime.DeviceInfo(132, 65536, 232448, 64, (9, 0), 50 << 20)
 
 
 def test_read_twice_plans(monkeypatch):

@@ -6,7 +6,13 @@ import math
 
 import torch
 
+from flashlite._runtime import DeviceInfo
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# A stand-in H100 for plans made without a GPU: 132 multiprocessors, 64K registers and 227 KB of shared memory
+# each, 64 warps, sm_90, 50 MB of L2.
+H100 = DeviceInfo(132, 65536, 232448, 64, (9, 0), 50 << 20)
 
 # Elementwise tolerances of a softmax-like output against float64, by output dtype:
 # one rounding of the output (fp16 2^-11, bf16 2^-8) plus fp32 accumulation.
