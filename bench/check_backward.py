@@ -8,9 +8,9 @@ so that they can be checked before being switched on:
 The first run (H100, Triton 3.6, 2026-11-23) found dq and dv within bound and dk not
 (errors 0.03-0.49 against PyTorch's 0.003-0.02 at D = 128 and D = 64 causal): the dK/dV
 kernel scaled the loaded q tile and also fed it to a dot, which Triton 3.6 miscompiled
-with 2 pipeline stages (1 stage, or no scaling, was right). Since the fix (the scaled
-copy comes from the preprocessing kernel), every case passes, with the tuned tiles too;
-the log is bench/results/h100/check_backward.log.
+with 2 pipeline stages (1 stage, or no scaling, was right); the log is
+bench/results/h100/check_backward.log. The kernels no longer scale Q: scores are scaled
+in fp32 after the dot, and tests/test_gpu_attention.py runs FlashAttention's matrix.
 
 Masked cases (a key-padding boolean mask, a full boolean mask, a full additive mask whose
 gradient is checked too) run at B = 2, H = 4 = H_kv, Lq = 700, Lk = 900. Their first run

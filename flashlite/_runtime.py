@@ -8,31 +8,76 @@ otherwise each public op falls back to a plain PyTorch computation for them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import numbers
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 
 
+@triton.jit
+def _interpreter_probe():
+    # Built like every kernel of flashlite, when its module is imported: Triton decides then, from
+    # TRITON_INTERPRET, whether a jit function runs compiled or through its CPU interpreter.
+    pass
+
+
 def interpreter_enabled() -> bool:
-    """True when Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    """True when flashlite's kernels run through Triton's CPU interpreter: ``TRITON_INTERPRET=1`` was set when
+    flashlite was imported (Triton reads it as each kernel is defined; setting it later changes nothing)."""
+    return not hasattr(_interpreter_probe, "device_caches")  # a compiled JITFunction keeps per-device caches
+
+
+def _interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_interpreter_too_late() -> None:
+    warnings.warn(
+        "TRITON_INTERPRET=1 was set after flashlite was imported: its kernels were already built for the GPU, so "
+        "CPU tensors take flashlite's PyTorch path. Set TRITON_INTERPRET=1 before importing flashlite (or triton) "
+        "to run the Triton kernels on the CPU.", RuntimeWarning, stacklevel=3)
 
 
 # True while torch.compile traces (torch >= 2.3): the public ops then hand their checked arguments to
 # flashlite.ops' custom ops. The bare torch function, so the eager check costs one call.
 is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
+_FORCE_PYTORCH_PATH = threading.local()
+
+
+@contextlib.contextmanager
+def pytorch_path():
+    """Within this block CPU tensors take flashlite's PyTorch path even where the interpreter could run the
+    kernels: the tests compare the two paths on the same inputs with it."""
+    before = getattr(_FORCE_PYTORCH_PATH, "on", False)
+    _FORCE_PYTORCH_PATH.on = True
+    try:
+        yield
+    finally:
+        _FORCE_PYTORCH_PATH.on = before
+
 
 def runs_kernels(x: torch.Tensor) -> bool:
-    """True if flashlite's Triton kernels handle tensor ``x`` (CUDA, or CPU under the interpreter)."""
+    """True if flashlite's Triton kernels handle tensor ``x``: CUDA, or CPU when the kernels were built for
+    Triton's interpreter (``interpreter_enabled``); other CPU tensors take each op's PyTorch path."""
     if x.is_cuda:
         return True
-    return x.device.type == "cpu" and interpreter_enabled()
+    if x.device.type != "cpu" or getattr(_FORCE_PYTORCH_PATH, "on", False):
+        return False
+    if interpreter_enabled():
+        return True
+    if _interpreter_requested():
+        _warn_interpreter_too_late()
+    return False
 
 
 @dataclass(frozen=True)
@@ -79,6 +124,8 @@ def cooperative_launch_supported() -> bool:
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The kernels take a scale as a float32 argument, multiplied by up to log2(e): the largest that stays finite.
+MAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
 
 
 def check_float_dtype(name: str, t: torch.Tensor) -> None:
@@ -88,12 +135,38 @@ def check_float_dtype(name: str, t: torch.Tensor) -> None:
 
 
 def check_scale(scale, default: float) -> float:
-    """``scale`` as a float (``default`` when None); a TypeError for a bool, tensor or anything not a real number."""
+    """``scale`` as a float (``default`` when None); a TypeError for a bool, tensor or anything not a real number,
+    a ValueError for NaN, an infinity, or a value the kernels' float32 arithmetic cannot hold."""
     if scale is None:
         return default
     if type(scale) is not float and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    return float(scale)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if abs(scale) > MAX_SCALE:
+        raise ValueError(f"scale={scale:g} is too large: the kernels apply it in float32, where |scale| must stay "
+                         f"under {MAX_SCALE:.3g}")
+    return scale
+
+
+def check_flag(name: str, value) -> bool:
+    """``value`` as a bool; a TypeError naming ``name`` for anything but a bool (``"no"`` or None is not one)."""
+    if type(value) is bool or isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_dim(dim, ndim: int) -> int:
+    """``dim`` of a tensor with ``ndim`` dims (0-d counts as 1, as torch does), made non-negative; a TypeError
+    naming ``dim`` unless it is an int (not a bool, str, float, None or tuple), an IndexError when out of range."""
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+    dim = int(dim)
+    size = max(ndim, 1)
+    if not -size <= dim < size:
+        raise IndexError(f"dim={dim} is out of range for a tensor with {ndim} dimension(s)")
+    return dim % size
 
 
 # Programs per multiprocessor of each compiled persistent kernel, read off its registers and shared memory.
@@ -180,7 +253,8 @@ def launch(kernel, grid: tuple, args: tuple, **options):
     read at its first launch only.
     """
     if not hasattr(kernel, "device_caches"):  # the interpreter's function, or a heuristics/autotune wrapper
-        return kernel[grid](*args, **options)
+        with quiet_interpreter():
+            return kernel[grid](*args, **options)
     device = torch.cuda.current_device()
     try:
         key = (kernel, device, *options.items(), *map(_specialization, args))
@@ -196,6 +270,20 @@ def launch(kernel, grid: tuple, args: tuple, **options):
         params = kernel.params[len(args):]  # constexprs and defaulted parameters, given by name or not at all
         _COMPILED[key] = (compiled, tuple(options[p.name] if p.name in options else p.default for p in params))
     return compiled
+
+
+@contextlib.contextmanager
+def quiet_interpreter():
+    """Where the interpreter runs the kernels, numpy's warnings off: it evaluates masked-off lanes too (0/0 in
+    padding rows, log2(0) of an empty row, the maximum of a row of NaN) and would warn on valid inputs. Only
+    around flashlite's own launches: numpy's error state is per thread and restored on exit, and the warning
+    filter is restored too (on the GPU nothing changes)."""
+    if not interpreter_enabled():
+        yield
+        return
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
 
 
 def _launch_compiled(compiled, device: int, grid: tuple, args: tuple) -> None:

@@ -9,10 +9,16 @@ When a K tile raises the running maximum, ``online_update`` returns the same
 too; at the end ``O = acc / d`` (``normalize``) and ``LSE = m + log d``
 (``state_logsumexp``). Only O and, on request, LSE are written.
 
-Units: ``q`` is multiplied once by ``scale · log2(e)``, so the scores come out
-of the first dot in base-2 units (``LOG2_PER_UNIT = BASE2_UNITS``) and every exponential
-is a bare ``exp2``. Additive masks are in natural-log units and are converted
-on load (``BIAS_TO_UNITS = LOG2E``, flashlite.masking).
+Precision and units: the scores ``s = q·kᵀ`` are fp32 dot products of the
+unscaled inputs (nothing is rounded to the input dtype before the softmax), and
+``qk_scale = scale · log2(e)`` is applied in fp32: on full tiles inside the
+exponential (``online_update_scaled``: ``2^(s · qk_scale - m)``, one fused
+multiply-add a score), on masked tiles before ``apply_masks``. ``m`` is then in
+base-2 units. A negative ``scale`` is taken as ``-q`` with ``|scale|`` (exact).
+With an additive mask the logits stay in natural-log units instead
+(``UNITS = LOG2E``: ``s · scale + bias``, the difference to ``m`` taken before
+the ``log2(e)``), so that a bias as large as ``finfo(fp32).min`` stays finite
+and a row hidden by it averages its values, as PyTorch's softmax does.
 
 Key ranges. For a query tile, keys split into
 * full tiles: every (query, key) pair counts; no mask arithmetic at all;
@@ -80,9 +86,16 @@ try:  # host-side tensor descriptors (TMA on Hopper): Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton: K/V through pointers only
     TensorDescriptor = None
 
-from ._runtime import check_float_dtype, check_scale, device_info, is_compiling, launch, launch_persistent, runs_kernels
+from ._runtime import (
+    check_flag, check_float_dtype, check_scale, device_info, is_compiling, launch, launch_persistent, runs_kernels,
+)
 from .masking import apply_masks, broadcast_mask, key_ranges
-from .online_softmax import BASE2_UNITS, LOG2E, empty_state, normalize, online_update, state_logsumexp
+from .online_softmax import (
+    BASE2_UNITS, LN2, LOG2E, empty_state, normalize, online_update, online_update_scaled, state_logsumexp,
+)
+
+# An additive mask is only ever added to logits in its own natural-log units (``UNITS = LOG2E``).
+NATURAL_BIAS = tl.constexpr(1.0)
 
 # ----------------------------------------------------------------------------- jit helpers
 
@@ -152,6 +165,15 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
 
 
 @triton.jit
+def _store_row_stats(stats_ptr, rows, n_rows, m, d, ok, UNITS: tl.constexpr):
+    """Store each row's final state as ``(m, log d)`` in natural-log units: ``m`` at ``stats_ptr + rows``,
+    ``log d`` ``n_rows`` further on (``(2, B, H, Lq)``). The backward recomputes ``P = e^(s - m - log d)``
+    from these; their sum, the LSE, loses ``log d`` to rounding once ``|m|`` is ~1e8 (a bias of -1e9)."""
+    tl.store(stats_ptr + rows, m * (UNITS * LN2), mask=ok)
+    tl.store(stats_ptr + n_rows + rows, tl.log2(d) * LN2, mask=ok)
+
+
+@triton.jit
 def query_tile(tile, n_query_tiles, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """``(bh, m_start)`` of query tile number ``tile``: numbered head-major, query tile fastest, so that
     programs running together share their head's K/V in L2; under causal each head's last (heaviest)
@@ -164,22 +186,33 @@ def query_tile(tile, n_query_tiles, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constex
 
 
 @triton.jit
+def positive_scale(q, qk_scale):
+    """``(q, qk_scale)`` with the scale made non-negative: ``(-q) · k · |c|`` is ``q · k · c`` exactly (a sign flip
+    rounds nothing), and ``online_update_scaled`` needs ``qk_scale >= 0``. The flip goes through fp32, exactly:
+    Triton's interpreter negates a bf16 tile as the integers of its bit patterns (as it multiplies them, _dot)."""
+    return tl.where(qk_scale < 0, (-q.to(tl.float32)).to(q.dtype), q), tl.abs(qk_scale)
+
+
+@triton.jit
 def _attend_kv_tiles(
-    acc, m, d, q, q_idx,
+    acc, m, d, q, q_idx, qk_scale,
     k_src, v_src, stride_kn, stride_vn,
     key_start, key_end, seqlen_q, seqlen_k, head_dim,
     mask_ptr, stride_mask_q, stride_mask_k,
-    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
     """Fold keys ``[key_start, key_end)`` into the running ``(acc, m, d)`` of the query tile ``q``.
 
-    ``q`` ``[BLOCK_M, HEAD_DIM_PADDED]`` is pre-scaled so that ``q kᵀ`` is in
-    base-2 units; ``q_idx`` (64-bit) are its rows. ``key_start`` must be a
-    multiple of ``BLOCK_N``. With ``MASKED`` every tile goes through
-    ``apply_masks`` (bounds, causal, the user's mask) and its K/V rows are
-    bounds-checked; without it every key of the range must count for every row.
+    ``q`` ``[BLOCK_M, HEAD_DIM_PADDED]`` is the unscaled query tile and ``qk_scale``
+    (>= 0, ``positive_scale``) turns its fp32 scores into logits of ``UNITS``
+    (``BASE2_UNITS``: ``scale · log2(e)``; ``LOG2E``, under an additive mask:
+    ``scale``). ``q_idx`` (64-bit) are its rows. ``key_start`` must be a
+    multiple of ``BLOCK_N``. With ``MASKED`` every tile is scaled, then goes
+    through ``apply_masks`` (bounds, causal, the user's mask) and its K/V rows are
+    bounds-checked; without it every key of the range must count for every row
+    (base-2 units only), and the scale is folded into the exponential.
     ``k_src``/``v_src`` are the (batch, kv head)'s base pointers, or with
     ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``_load_tile``).
     Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
@@ -191,10 +224,12 @@ def _attend_kv_tiles(
         if MASKED:
             k_idx = start + tl.arange(0, BLOCK_N)
             s = apply_masks(
-                s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
-                IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, LOG2E, MASK_PER_KEY,
+                s * qk_scale, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
+                IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY,
             )
-        m, d, p, alpha = online_update(m, d, s, BASE2_UNITS)
+            m, d, p, alpha = online_update(m, d, s, UNITS)
+        else:
+            m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
         v = _load_tile(v_src, start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, USE_TMA)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST_DOTS)
     return acc, m, d
@@ -203,14 +238,26 @@ def _attend_kv_tiles(
 # ----------------------------------------------------------------------------- kernels
 
 
-def kv_loop_flags(mask_ptr, stride_mask_q: int, head_dim: int, head_dim_pad: int) -> dict:
+def kv_loop_flags(mask_ptr, mask_is_bool: bool, stride_mask_q: int, head_dim: int, head_dim_pad: int) -> dict:
     """The constexpr flags of every kernel built on ``_attend_kv_tiles``, from its arguments."""
     return dict(
         HAS_MASK=mask_ptr is not None,
         # A key-padding mask (B, 1, 1, Lk): one mask row per key tile instead of BLOCK_M copies of it.
         MASK_PER_KEY=stride_mask_q == 0,
         EVEN_D=head_dim == head_dim_pad,
+        UNITS=logit_units(mask_ptr is not None and not mask_is_bool),
     )
+
+
+def logit_units(additive_mask: bool) -> float:
+    """``LOG2_PER_UNIT`` of a kernel's logits: natural-log units under an additive mask (a bias of any finite
+    size stays finite), else base 2 (``log2(e)`` folded into the scale)."""
+    return LOG2E.value if additive_mask else BASE2_UNITS.value
+
+
+def qk_scale_for(scale: float, additive_mask: bool) -> float:
+    """The factor a kernel multiplies its fp32 scores by: ``scale`` in the units of ``logit_units``."""
+    return scale if additive_mask else scale * LOG2E.value
 
 
 # The same flags as triton.heuristics, for the split-K/V and backward kernels. The forward's launcher
@@ -218,14 +265,14 @@ def kv_loop_flags(mask_ptr, stride_mask_q: int, head_dim: int, head_dim_pad: int
 # largest Python part (cProfile) of the 100 us of host time one forward launch took on the H100 machine.
 KV_LOOP_FLAGS = {
     name: (lambda args, name=name: kv_loop_flags(
-        args["mask_ptr"], args["stride_mask_q"], args["head_dim"], args["HEAD_DIM_PADDED"])[name])
-    for name in ("HAS_MASK", "MASK_PER_KEY", "EVEN_D")
+        args["mask_ptr"], args["MASK_IS_BOOL"], args["stride_mask_q"], args["head_dim"], args["HEAD_DIM_PADDED"])[name])
+    for name in ("HAS_MASK", "MASK_PER_KEY", "EVEN_D", "UNITS")
 }
 
 
 @triton.jit(do_not_specialize=["tune_bucket", "tune_mask_layout"])
 def _attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, mask_ptr,
     q_desc, k_desc, v_desc,  # (B, H, L, D) tensor descriptors under USE_TMA, else None
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -239,8 +286,8 @@ def _attention_fwd_kernel(
     tune_bucket, tune_mask_layout,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, WRITE_LSE: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    EVEN_D: tl.constexpr, UNITS: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_STATS: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
     # Tiles are numbered as ``query_tile`` says. Any grid size is correct: one
     # program per tile, or a persistent grid where each program takes several.
@@ -267,7 +314,7 @@ def _attention_fwd_kernel(
             mask_bh = mask_ptr + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
 
         q = _load_tile(q_src, m_start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, USE_TMA)
-        q = (q.to(tl.float32) * qk_scale).to(q.dtype)  # scale · log2(e) folded in once per tile
+        q, tile_scale = positive_scale(q, qk_scale)
         q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
         m, d = empty_state(BLOCK_M)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
@@ -277,21 +324,23 @@ def _attention_fwd_kernel(
                                        BLOCK_N, IS_CAUSAL, HAS_MASK)
         if not HAS_MASK:  # with a user mask every tile is masked (full_end = 0)
             acc, m, d = _attend_kv_tiles(
-                acc, m, d, q, q_idx, k_src, v_src, stride_kn, stride_vn,
+                acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
                 0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-                BLOCK_N, HEAD_DIM_PADDED, False, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+                BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
                 EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS,
             )
         acc, m, d = _attend_kv_tiles(
-            acc, m, d, q, q_idx, k_src, v_src, stride_kn, stride_vn,
+            acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
             full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-            BLOCK_N, HEAD_DIM_PADDED, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
             EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS,
         )
 
+        rows = tl.cast(bh, tl.int64) * seqlen_q + q_idx
         if WRITE_LSE:
-            lse_ptrs = lse_ptr + tl.cast(bh, tl.int64) * seqlen_q + q_idx
-            tl.store(lse_ptrs, state_logsumexp(m, d, BASE2_UNITS), mask=q_idx < seqlen_q)
+            tl.store(lse_ptr + rows, state_logsumexp(m, d, UNITS), mask=q_idx < seqlen_q)
+        if WRITE_STATS:  # (m, log d) apart, natural-log units (forward_for_backward)
+            _store_row_stats(stats_ptr, rows, n_bh * seqlen_q, m, d, q_idx < seqlen_q, UNITS)
         o = normalize(acc, d, True)  # rows that saw no key (d = 0) give zeros
         _store_tile(o_dst, o.to(q.dtype), m_start, seqlen_q, stride_om, head_dim, BLOCK_M, HEAD_DIM_PADDED, EVEN_D)
 
@@ -493,6 +542,7 @@ def _set_descriptor_blocks(nargs: dict) -> None:
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool, config: AttentionConfig | None = None,
+    *, row_stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on checked (B, H, L, D) tensors whose head dim has stride 1.
 
@@ -500,10 +550,12 @@ def attention_forward(
     forces this module's kernel and its tiles (tests use small ones to cover the
     multi-tile paths). Without it, calls the Hopper kernel takes (``wgmma_eligible``)
     go there; the rest run this module's kernel on the fixed table, or
-    triton.autotune under ``FLASHLITE_AUTOTUNE=1``.
+    triton.autotune under ``FLASHLITE_AUTOTUNE=1``. For the backward of an
+    additive mask ``row_stats``, a (2, B, H, Lq) fp32 tensor, is filled with each
+    row's ``(m, log d)`` (``_store_row_stats``).
     Returns ``(o, lse)``: o like q, lse (B, H, Lq) fp32 natural-log, or None.
     """
-    if config is None and wgmma_eligible(q, k, v, mask is not None):
+    if config is None and row_stats is None and wgmma_eligible(q, k, v, mask is not None, scale):
         return attention_forward_wgmma(q, k, v, causal, scale, write_lse)
     batch, n_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -520,23 +572,26 @@ def attention_forward(
 
     bh = batch * n_heads
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+    additive = mask is not None and not mask_is_bool
     # The scale goes in as a float (LOG2E.value, not the constexpr LOG2E): a runtime argument, one kernel for any scale.
     args = (
-        q, k, v, o, lse if lse is not None else o, mask, q_desc, k_desc, v_desc,
+        q, k, v, o, lse if lse is not None else o, row_stats, mask, q_desc, k_desc, v_desc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         *mask_strides,
         n_heads, n_heads // k.shape[1], bh,
-        seqlen_q, seqlen_k, head_dim, scale * LOG2E.value, triton.next_power_of_2(seqlen_k), _mask_layout(mask),
+        seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive), triton.next_power_of_2(seqlen_k),
+        _mask_layout(mask),
     )
     meta = dict(
         HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, WRITE_LSE=write_lse,
+        WRITE_STATS=row_stats is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see _dot)
         USE_TMA=k_desc is not None,
-        **kv_loop_flags(mask, mask_strides[2], head_dim, hd_pad),
+        **kv_loop_flags(mask, mask_is_bool, mask_strides[2], head_dim, hd_pad),
     )
     if tuned:
         _autotuned_kernel()[lambda cfg: (triton.cdiv(seqlen_q, cfg["BLOCK_M"]) * bh,)](*args, **meta)
@@ -615,7 +670,11 @@ def _attention_torch(
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
     lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq); -inf for a row that sees no key
-    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))  # empty rows: e^-inf = 0
+    # The weights from softmax (which subtracts the row's maximum), not e^(s - lse): under a bias of -1e9 the
+    # LSE has lost log d to rounding, and e^(s - lse) would sum to the key count. A row that sees no key: 0,
+    # with gradient 0 (softmax of its -inf would give NaN, and NaN gradients through it).
+    empty = (lse == float("-inf")).unsqueeze(-1)
+    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     p = p.reshape(batch, n_kv, group, seqlen_q, seqlen_k)
     o = (p @ v.float().unsqueeze(2)).reshape(batch, n_heads, seqlen_q, head_dim)
     return o.to(q.dtype), lse
@@ -642,20 +701,40 @@ def _forward(
     return split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse, num_splits, cache_seqlens)
 
 
+def forward_for_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None,
+    mask_is_bool: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(o, lse, row_stats)``: the forward a backward will follow.
+
+    Without an additive mask ``row_stats`` is None: the backward recomputes P
+    from the LSE. Under one, each row's ``(m, log d)`` is kept apart
+    (``row_stats``, (2, B, H, Lq)): a bias of -1e9 leaves no room for ``log d``
+    in the LSE's fp32, and P recomputed from it would sum to the key count.
+    """
+    if mask is None or mask_is_bool:
+        o, lse = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, True)
+        return o, lse, None
+    row_stats = torch.empty((2, *q.shape[:3]), dtype=torch.float32, device=q.device)
+    o, _ = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, False, row_stats=row_stats)
+    return o, row_stats[0] + row_stats[1], row_stats
+
+
 class _FlashAttention(torch.autograd.Function):
     """``(o, lse)`` of ``flash_attention``; differentiable in q, k, v, an additive mask and through lse
-    (backward: ``flashlite.attention_backward``, not for the split-K/V path)."""
+    (backward: ``flashlite.attention_backward``, not for the split-K/V path). ``attn_mask`` is the user's mask,
+    ``mask`` its (B, H, Lq, Lk) view: the mask's gradient is summed to ``attn_mask``'s shape in fp32, before
+    it is rounded to its dtype (rounding each of its Lk terms first would leave their rounding in the sum)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, mask, mask_is_bool, write_lse, num_splits, cache_seqlens):
-        split = num_splits != 1 or cache_seqlens is not None
-        trains = any(ctx.needs_input_grad[:3]) or ctx.needs_input_grad[5]
-        o, lse = _forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse or (trains and not split),
-                          num_splits, cache_seqlens)
-        ctx.split = split
-        if trains and not split:
-            ctx.save_for_backward(q, k, v, o, lse, mask)
-            ctx.causal, ctx.scale, ctx.mask_is_bool = causal, scale, mask_is_bool
+    def forward(ctx, q, k, v, causal, scale, attn_mask, mask, mask_is_bool, write_lse, num_splits, cache_seqlens):
+        ctx.split = num_splits != 1 or cache_seqlens is not None
+        if ctx.split:
+            return _forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse, num_splits, cache_seqlens)
+        o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool)
+        ctx.save_for_backward(q, k, v, o, lse, row_stats, mask)
+        ctx.causal, ctx.scale, ctx.mask_is_bool = causal, scale, mask_is_bool
+        ctx.mask_shape = None if attn_mask is None else attn_mask.shape
         return o, lse
 
     @staticmethod
@@ -664,13 +743,14 @@ class _FlashAttention(torch.autograd.Function):
             raise NotImplementedError(SPLIT_HAS_NO_BACKWARD)
         from .attention_backward import attention_backward  # builds on this module's tile helpers: imported on use
 
-        q, k, v, o, lse, mask = ctx.saved_tensors
+        q, k, v, o, lse, row_stats, mask = ctx.saved_tensors
         dq, dk, dv, dmask = attention_backward(
             _unit_stride_head_dim(do), q, k, v, o, lse, dlse, ctx.causal, ctx.scale, mask, ctx.mask_is_bool,
-            mask_needs_grad=ctx.needs_input_grad[5],
+            mask_needs_grad=ctx.needs_input_grad[5], row_stats=row_stats,
         )
-        dmask = None if dmask is None else dmask.to(mask.dtype)
-        return dq, dk, dv, None, None, dmask, None, None, None, None
+        if dmask is not None:
+            dmask = dmask.sum_to_size(ctx.mask_shape).to(mask.dtype)
+        return dq, dk, dv, None, None, dmask, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- public API
@@ -702,9 +782,8 @@ def flash_attention(
         attn_mask: broadcastable to (B, H, Lq, Lk). Boolean (True = keep) or float
             (added to the scaled scores, natural-log units). Broadcast dims are never
             expanded; a key-padding mask (B, 1, 1, Lk) is read once per key tile.
-            Hide whole rows with False or -inf: under a huge finite value (-1e9,
-            ``torch.finfo(dtype).min``) such a row's gradients (-1e9) or output
-            (finfo.min of fp32/bf16) differ from PyTorch's (README, Limits).
+            A bias of any finite size is exact (``torch.finfo(dtype).min`` hides
+            a row as SDPA does: it averages the row's values), gradients too.
         return_lse: also return the log-sum-exp of each row's scaled, masked scores.
         num_splits: split-K/V decoding (``flashlite.split_kv``, FlashDecoding): each
             query tile's keys are cut into this many parts, run by separate programs
@@ -746,6 +825,7 @@ def flash_attention(
     from .split_kv import auto_num_splits, check_split_args  # split_kv builds on this module: imported on use
 
     mask, mask_is_bool = _check_inputs(q, k, v, attn_mask)
+    causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
     check_split_args(num_splits, cache_seqlens, q, k)
     batch, n_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -753,7 +833,7 @@ def flash_attention(
     if is_compiling():  # one node of the graph (flashlite.ops); training keeps the forward kernel, as below
         grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, attn_mask) if t is not None)
         splits = 1 if num_splits is None and grads else num_splits
-        o, lse = torch.ops.flashlite.flash_attention(q, k, v, causal, scale, attn_mask, splits, cache_seqlens)
+        o, lse, _ = torch.ops.flashlite.flash_attention(q, k, v, causal, scale, attn_mask, splits, cache_seqlens)
         return (o, lse) if return_lse else o
     if not runs_kernels(q):
         o, lse = _attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens)
@@ -763,11 +843,12 @@ def flash_attention(
         lse = torch.full((batch, n_heads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mask) if t is not None)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, attn_mask) if t is not None)
         if num_splits is None:  # training keeps the forward kernel: the split path has no backward
             num_splits = 1 if needs_grad else auto_num_splits(q, k, mask)
         if needs_grad:
-            o, lse = _FlashAttention.apply(q, k, v, causal, scale, mask, mask_is_bool, return_lse, num_splits, cache_seqlens)
+            o, lse = _FlashAttention.apply(q, k, v, causal, scale, attn_mask, mask, mask_is_bool, return_lse,
+                                           num_splits, cache_seqlens)
         else:  # inference: no autograd node to build (its host cost shows on short calls)
             o, lse = _forward(q, k, v, causal, scale, mask, mask_is_bool, return_lse, num_splits, cache_seqlens)
     return (o, lse) if return_lse else o

@@ -11,8 +11,7 @@ LSE adds ``P ⊙ dLSE`` to dS, i.e. subtracts ``dLSE`` from δ: supported.)
 
 Three kernels, FlashAttention-2 style:
 
-1. ``_attention_bwd_preprocess_kernel``: δ per query row, in fp32, and a copy
-   of Q scaled (and rounded) as the forward kernel scaled it, for kernel 2.
+1. ``_attention_bwd_preprocess_kernel``: δ per query row, in fp32.
 2. ``_attention_bwd_dkdv_kernel``: one program per (batch, K/V head, key tile)
    keeps its K and V tile and fp32 dK/dV accumulators on chip and streams the
    Q, dO, LSE and δ tiles of every query head of its GQA group. dK/dV of a
@@ -25,12 +24,17 @@ Three kernels, FlashAttention-2 style:
    P and dS a second time (FlashAttention-2 trades these FLOPs for having no
    atomic adds), so every gradient is deterministic: two runs are bitwise equal.
 
-P is never stored: both kernels recompute it from the scores and LSE. In the
-base-2 units of the forward (``flashlite.online_softmax``), the LSE is the
+P is never stored: both kernels recompute it from the scores and LSE, the
+scores as the forward made them (fp32 dots of the unscaled Q and K, then
+``qk_scale``: ``flashlite.attention``'s units). In base-2 units the LSE is the
 row's final online-softmax state ``(m, d) = (LSE · log2(e), 1)``, so
-``P = e^(s - m)`` with the core's ``safe_max`` (a row that saw no key has
-``LSE = -inf``; ``safe_max`` makes ``m = 0``, and every score of that row is
-``-inf``, so its P is 0, never NaN).
+``P = 2^(s · qk_scale - m)``, one fused multiply-add a score on full tiles, with
+the core's ``safe_max`` (a row that saw no key has ``LSE = -inf``; ``safe_max``
+makes ``m = 0``, and every score of that row is ``-inf``, so its P is 0, never
+NaN). Under an additive mask the logits are in natural-log units, and P comes
+from each row's ``(m, log d)`` kept apart by the forward
+(``attention.forward_for_backward``): ``P = 2^((s - m) · log2(e) - log2 d)``,
+exact under a bias of any finite size.
 
 Key/query ranges under ``causal`` (bottom-right: query ``i`` sees key
 ``j <= i + Lk - Lq``, as the forward). The dQ kernel skips key tiles as the
@@ -51,16 +55,18 @@ key tile, as the forward does.
 Masks. A boolean mask has no gradient. An additive (float) mask that requires
 grad gets ``d(bias) = dS``: the dQ kernel then also writes dS into a
 (B, H, Lq, Lk) fp32 buffer (the only L×L memory of the backward, allocated
-only in that case), and autograd sums it over the mask's broadcast dims.
+only in that case), and autograd sums it over the mask's broadcast dims. δ then
+comes from a first walk of the dQ kernel over the keys (``DELTA_PASS``:
+``Σ_j P_ij dP_ij`` with the P the kernels recompute), not from the forward's O,
+whose P was rounded to the input dtype: a row's ``Σ_j dS_ij``, exactly 0 for a
+bias broadcast over the keys, is then 0 to fp32 rounding rather than that
+rounding (bf16: up to ~1e-2).
 
 Precision: fp32 accumulators; P and dS are rounded to the input dtype for the
 dots with dO, Q and K (as FlashAttention); fp32 inputs use IEEE fp32 dots.
 Offsets that grow with batch, heads and rows are 64-bit.
 
-Limits: a row whose every score carries a huge finite bias (about -1e9) has
-an LSE in which ``log d`` is lost to fp32 rounding, so its recomputed P is too
-large by the row's key count (saving ``m`` and ``d`` apart would fix it); -inf
-or a boolean mask is exact. No TMA or persistent-grid variants yet; the tile table is timed for
+Limits: no TMA or persistent-grid variants yet; the tile table is timed for
 D = 64 and 128 only. The split-K/V forward (``num_splits > 1``,
 ``cache_seqlens``) has no backward.
 """
@@ -75,31 +81,44 @@ import triton.language as tl
 
 from ._runtime import launch
 from .attention import (
-    KV_LOOP_FLAGS, AttentionConfig, _attention_torch, _dot, _load_tile, _store_tile, head_dim_padded, query_tile,
+    KV_LOOP_FLAGS, NATURAL_BIAS, AttentionConfig, _attention_torch, _dot, _load_tile, _store_tile, head_dim_padded,
+    qk_scale_for, query_tile,
 )
 from .masking import apply_masks, causal_offset, key_ranges
-from .online_softmax import LOG2E, safe_max
+from .online_softmax import BASE2_UNITS, LOG2E, safe_max
 
 # ----------------------------------------------------------------------------- jit helpers
 
 
 @triton.jit
-def _scaled_queries(q, qk_scale):
-    """A query tile times ``qk_scale``, rounded to its dtype exactly as the forward kernel did.
+def _load_row_stats(stats_ptr, rows, ok, n_rows, UNITS: tl.constexpr):
+    """``(row_m, row_logd2)`` of query rows ``rows`` (flat (B, H, Lq) indices, ``ok`` those inside Lq).
 
-    The saved LSE belongs to the scores of this rounded tile: scaling the fp32
-    product instead drifts from it as scores grow (bf16 dV errors of 7x
-    PyTorch's at |s| ~ 16).
+    Base-2 units: ``stats_ptr`` is the natural-log LSE; the row's final state is
+    ``(m, d) = (LSE · log2(e), 1)``, so ``row_m`` is that (``safe_max``: 0 for an
+    empty row) and ``row_logd2`` 0. Natural-log units (an additive mask):
+    ``stats_ptr`` holds ``(m, log d)`` (``attention._store_row_stats``), kept
+    apart because their sum loses ``log d`` under a bias of -1e9; ``row_logd2``
+    is ``log2 d`` (0 for an empty row, so its ``P`` is ``2^(-inf)`` = 0, not NaN).
     """
-    return (q.to(tl.float32) * qk_scale).to(q.dtype)
+    if UNITS == BASE2_UNITS:
+        row_m = safe_max(tl.load(stats_ptr + rows, mask=ok, other=0.0) * LOG2E)
+        row_logd2 = tl.zeros_like(row_m)
+    else:
+        m = tl.load(stats_ptr + rows, mask=ok, other=0.0)
+        logd = tl.load(stats_ptr + n_rows + rows, mask=ok, other=0.0)
+        row_m = safe_max(m)
+        row_logd2 = tl.where(m == float("-inf"), 0.0, logd * LOG2E)
+    return row_m, row_logd2
 
 
 @triton.jit
 def _probs_and_score_grads(
-    q_scaled, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k,
+    q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
     mask_ptr, stride_mask_q, stride_mask_k,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, KEYS_ON_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    MASKED: tl.constexpr, UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr, KEYS_ON_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
     """``P`` and ``dS`` (fp32) of one (query tile, key tile) pair.
 
@@ -107,41 +126,47 @@ def _probs_and_score_grads(
     wants them), or with ``KEYS_ON_ROWS`` ``[BLOCK_N, BLOCK_M]`` (as the dK/dV
     kernel's ``P dO`` and ``dS Q`` want them): each kernel gets its operand
     untransposed, computed directly in that orientation (``S^T = K Q^T``).
-    ``q_scaled`` is the query tile from ``_scaled_queries``, ``lse2`` the rows'
-    LSE in base-2 units. With ``MASKED``, positions that do not count (bounds,
-    causal, the user's mask) get ``P = 0``; without it every pair must count.
+    The scores are fp32 dots of the unscaled tiles, as in the forward; ``qk_scale``
+    turns them into logits of ``UNITS``, and ``(row_m, row_logd2)`` are the rows'
+    final states (``_load_row_stats``). With ``MASKED``, positions that do not
+    count (bounds, causal, the user's mask) get ``P = 0``; without it every pair
+    must count, and the scale folds into the exponential, as in the forward.
     """
-    row_max = safe_max(lse2)  # the final state (m, d) = (lse2, 1): P = 2^(s - m), no division
     if KEYS_ON_ROWS:
-        s = _dot(k, tl.trans(q_scaled), None, DOT_PRECISION, UPCAST_DOTS)
+        s = _dot(k, tl.trans(q), None, DOT_PRECISION, UPCAST_DOTS)
         dp = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST_DOTS)
-        query_max, query_delta = row_max[None, :], delta[None, :]
+        query_m, query_logd2, query_delta = row_m[None, :], row_logd2[None, :], delta[None, :]
     else:
-        s = _dot(q_scaled, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
+        s = _dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST_DOTS)
-        query_max, query_delta = row_max[:, None], delta[:, None]
+        query_m, query_logd2, query_delta = row_m[:, None], row_logd2[:, None], delta[:, None]
     if MASKED:
         s = apply_masks(
-            s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
-            IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, LOG2E, MASK_PER_KEY, KEYS_ON_ROWS,
+            s * qk_scale, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
+            IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY, KEYS_ON_ROWS,
         )
-    p = tl.exp2(s - query_max)
+        if UNITS == BASE2_UNITS:
+            p = tl.exp2(s - query_m)
+        else:  # the difference to m first, then log2(e): a bias of any finite size keeps its precision
+            p = tl.exp2((s - query_m) * UNITS - query_logd2)
+    else:
+        p = tl.exp2(s * qk_scale - query_m)
     ds = p * (dp - query_delta)
     return p, ds
 
 
 @triton.jit
 def _load_rows(ptr, q_idx, seqlen_q):
-    """One fp32 value per query row (LSE or δ) of a (batch, head)'s row vector; 0 past ``seqlen_q``."""
+    """One fp32 value per query row (δ) of a (batch, head)'s row vector; 0 past ``seqlen_q``."""
     return tl.load(ptr + q_idx, mask=q_idx < seqlen_q, other=0.0)
 
 
 @triton.jit
 def _dkdv_over_query_tiles(
-    dk, dv, k, v, k_idx, q_src, q_scaled_src, do_src, lse_src, delta_src, stride_qm, stride_qsm, stride_dom,
-    query_start, query_end, seqlen_q, seqlen_k, head_dim,
+    dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh_rows, n_stat_rows, delta_src, stride_qm, stride_dom,
+    query_start, query_end, seqlen_q, seqlen_k, head_dim, qk_scale,
     mask_ptr, stride_mask_q, stride_mask_k,
-    BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
@@ -149,23 +174,19 @@ def _dkdv_over_query_tiles(
 
     ``query_start`` must be a multiple of ``BLOCK_M``. Query rows are always
     bounds-checked (rows past ``seqlen_q`` load as zeros and add nothing).
+    ``bh_rows`` is the flat row index of the head's query 0 in the row statistics.
     """
     for start in tl.range(query_start, query_end, BLOCK_M):
         start = tl.multiple_of(start, BLOCK_M)
         q_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_M)
         q = _load_tile(q_src, start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
-        q_scaled = _load_tile(q_scaled_src, start, seqlen_q, stride_qsm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True,
-                              EVEN_D, False)
         do = _load_tile(do_src, start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
-        lse2 = _load_rows(lse_src, q_idx, seqlen_q) * LOG2E
+        row_m, row_logd2 = _load_row_stats(stats_ptr, bh_rows + q_idx, q_idx < seqlen_q, n_stat_rows, UNITS)
         delta = _load_rows(delta_src, q_idx, seqlen_q)
-        # q and its scaled copy are both loaded (the preprocessing kernel scaled it): scaling the loaded q here,
-        # which also feeds the dK dot, miscompiled on Triton 3.6 / H100 with 2 pipeline stages (dK errors 30-300x
-        # PyTorch's, dQ and dV right), and dK from the rounded copy loses accuracy.
         p, ds = _probs_and_score_grads(
-            q_scaled, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k,
+            q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
             mask_ptr, stride_mask_q, stride_mask_k,
-            MASKED, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, True, DOT_PRECISION, UPCAST_DOTS,
+            MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, True, DOT_PRECISION, UPCAST_DOTS,
         )
         dv = _dot(p.to(do.dtype), do, dv, DOT_PRECISION, UPCAST_DOTS)
         dk = _dot(ds.to(q.dtype), q, dk, DOT_PRECISION, UPCAST_DOTS)
@@ -174,12 +195,13 @@ def _dkdv_over_query_tiles(
 
 @triton.jit
 def _dq_over_key_tiles(
-    dq, q_scaled, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, stride_dsm,
+    dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, stride_dsm,
     key_start, key_end, seqlen_q, seqlen_k, head_dim,
     mask_ptr, stride_mask_q, stride_mask_k,
-    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, STORE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    EVEN_D: tl.constexpr, STORE_DS: tl.constexpr, ROW_SUMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
 ):
     """Add keys ``[key_start, key_end)`` to the query tile's dq accumulator (unscaled: ``Σ dS K``).
 
@@ -187,6 +209,8 @@ def _dq_over_key_tiles(
     ``MASKED`` K/V rows are bounds-checked and ``apply_masks`` runs, without it
     every key of the range counts for every row. ``STORE_DS`` also writes dS
     (the bias gradient) to ``ds_dst``, the (batch, head)'s (Lq, Lk) fp32 matrix.
+    With ``ROW_SUMS`` ``dq`` is a ``[BLOCK_M]`` vector instead, which gets
+    ``Σ_j dS_ij`` (with ``delta`` 0: ``Σ_j P_ij dP_ij``, δ from this P itself).
     """
     for start in tl.range(key_start, key_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
@@ -194,14 +218,17 @@ def _dq_over_key_tiles(
         k = _load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
         v = _load_tile(v_src, start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
         p, ds = _probs_and_score_grads(
-            q_scaled, k, v, do, lse2, delta, q_idx, k_idx, seqlen_q, seqlen_k,
+            q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
             mask_ptr, stride_mask_q, stride_mask_k,
-            MASKED, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, False, DOT_PRECISION, UPCAST_DOTS,
+            MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, False, DOT_PRECISION, UPCAST_DOTS,
         )
-        if STORE_DS:
-            ok = (q_idx < seqlen_q)[:, None] & (k_idx < seqlen_k)[None, :]
-            tl.store(ds_dst + q_idx[:, None] * stride_dsm + k_idx[None, :], ds, mask=ok)
-        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION, UPCAST_DOTS)
+        if ROW_SUMS:
+            dq += tl.sum(ds, axis=1)
+        else:
+            if STORE_DS:
+                ok = (q_idx < seqlen_q)[:, None] & (k_idx < seqlen_k)[None, :]
+                tl.store(ds_dst + q_idx[:, None] * stride_dsm + k_idx[None, :], ds, mask=ok)
+            dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION, UPCAST_DOTS)
     return dq
 
 
@@ -214,14 +241,13 @@ def _dq_over_key_tiles(
 })
 @triton.jit
 def _attention_bwd_preprocess_kernel(
-    o_ptr, do_ptr, dlse_ptr, delta_ptr, q_ptr, q_scaled_ptr,
+    o_ptr, do_ptr, dlse_ptr, delta_ptr,
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-    stride_qb, stride_qh, stride_qm, stride_qsb, stride_qsh, stride_qsm,
-    n_heads, seqlen_q, head_dim, qk_scale,
+    n_heads, seqlen_q, head_dim,
     BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     # For one tile of BLOCK_M rows of one (batch, head): δ = rowsum(dO ⊙ O) - dLSE (dLSE is (B, H, Lq)
-    # contiguous), and the query rows scaled as the forward did, for the dK/dV kernel.
+    # contiguous). O is the forward's output, or its fp32 copy (forward_for_backward).
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     bh = tl.program_id(0) // n_query_tiles
     m_start = (tl.program_id(0) % n_query_tiles) * BLOCK_M
@@ -237,28 +263,23 @@ def _attention_bwd_preprocess_kernel(
     if HAS_DLSE:
         delta -= tl.load(dlse_ptr + rows, mask=ok, other=0.0)
     tl.store(delta_ptr + rows, delta, mask=ok)
-    q = _load_tile(q_ptr + b64 * stride_qb + h64 * stride_qh, m_start, seqlen_q, stride_qm, head_dim,
-                   BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
-    _store_tile(q_scaled_ptr + b64 * stride_qsb + h64 * stride_qsh, _scaled_queries(q, qk_scale), m_start,
-                seqlen_q, stride_qsm, head_dim, BLOCK_M, HEAD_DIM_PADDED, EVEN_D)
 
 
 @triton.heuristics(KV_LOOP_FLAGS)
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    q_ptr, q_scaled_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr,
     stride_qb, stride_qh, stride_qm,
-    stride_qsb, stride_qsh, stride_qsm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
-    n_heads, kv_group, seqlen_q, seqlen_k, head_dim, scale,
+    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    EVEN_D: tl.constexpr, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
     # Tiles numbered per (batch, kv head), key tile fastest; under causal the first key tiles see the most
     # queries, and they are the first to start.
@@ -268,6 +289,7 @@ def _attention_bwd_dkdv_kernel(
     n_kv_heads = n_heads // kv_group
     b64 = tl.cast(bh_kv // n_kv_heads, tl.int64)
     h_kv64 = tl.cast(bh_kv % n_kv_heads, tl.int64)
+    n_stat_rows = tl.cast(n_bh, tl.int64) * seqlen_q  # B·H·Lq
 
     k_src = k_ptr + b64 * stride_kb + h_kv64 * stride_kh
     v_src = v_ptr + b64 * stride_vb + h_kv64 * stride_vh
@@ -295,24 +317,24 @@ def _attention_bwd_dkdv_kernel(
         h64 = h_kv64 * kv_group + g
         bh64 = b64 * n_heads + h64
         q_src = q_ptr + b64 * stride_qb + h64 * stride_qh
-        q_scaled_src = q_scaled_ptr + b64 * stride_qsb + h64 * stride_qsh
         do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
-        lse_src = lse_ptr + bh64 * seqlen_q
         delta_src = delta_ptr + bh64 * seqlen_q
         mask_bh = mask_ptr
         if HAS_MASK:
             mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
         dk, dv = _dkdv_over_query_tiles(
-            dk, dv, k, v, k_idx, q_src, q_scaled_src, do_src, lse_src, delta_src, stride_qm, stride_qsm, stride_dom,
-            query_begin, full_begin, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-            BLOCK_M, HEAD_DIM_PADDED, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
+            stride_qm, stride_dom, query_begin, full_begin, seqlen_q, seqlen_k, head_dim, qk_scale,
+            mask_bh, stride_mask_q, stride_mask_k,
+            BLOCK_M, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
             EVEN_D, DOT_PRECISION, UPCAST_DOTS,
         )
         if not HAS_MASK:
             dk, dv = _dkdv_over_query_tiles(
-                dk, dv, k, v, k_idx, q_src, q_scaled_src, do_src, lse_src, delta_src, stride_qm, stride_qsm,
-                stride_dom, full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-                BLOCK_M, HEAD_DIM_PADDED, False, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+                dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
+                stride_qm, stride_dom, full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim, qk_scale,
+                mask_bh, stride_mask_q, stride_mask_k,
+                BLOCK_M, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
                 EVEN_D, DOT_PRECISION, UPCAST_DOTS,
             )
 
@@ -322,22 +344,25 @@ def _attention_bwd_dkdv_kernel(
     _store_tile(dv_dst, dv.to(v.dtype), n_start, seqlen_k, stride_dvn, head_dim, BLOCK_N, HEAD_DIM_PADDED, EVEN_D)
 
 
-@triton.heuristics({**KV_LOOP_FLAGS, "STORE_DS": lambda args: args["ds_ptr"] is not None})
+@triton.heuristics({**KV_LOOP_FLAGS, "STORE_DS": lambda args: args["ds_ptr"] is not None,
+                    "HAS_DLSE": lambda args: args["dlse_ptr"] is not None})
 @triton.jit
 def _attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ds_ptr, mask_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dlse_ptr, dq_ptr, ds_ptr, mask_ptr,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
-    n_heads, kv_group, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
+    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, STORE_DS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    EVEN_D: tl.constexpr, UNITS: tl.constexpr, STORE_DS: tl.constexpr, HAS_DLSE: tl.constexpr,
+    DELTA_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
-    # Numbered as the forward (``query_tile``).
+    # Numbered as the forward (``query_tile``). With DELTA_PASS the same walk over the keys writes
+    # δ = Σ_j P_ij dP_ij - dLSE per row (from this P, not from the forward's rounded O) instead of dQ.
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     bh, m_start = query_tile(tl.program_id(0), n_query_tiles, BLOCK_M, IS_CAUSAL)
     b64 = tl.cast(bh // n_heads, tl.int64)
@@ -357,29 +382,39 @@ def _attention_bwd_dq_kernel(
         ds_dst = ds_ptr + bh64 * seqlen_q * seqlen_k
 
     q = _load_tile(q_src, m_start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
-    q_scaled = _scaled_queries(q, qk_scale)
     do = _load_tile(do_src, m_start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
     q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
-    lse2 = _load_rows(lse_ptr + bh64 * seqlen_q, q_idx, seqlen_q) * LOG2E
-    delta = _load_rows(delta_ptr + bh64 * seqlen_q, q_idx, seqlen_q)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+    row_m, row_logd2 = _load_row_stats(stats_ptr, bh64 * seqlen_q + q_idx, q_idx < seqlen_q,
+                                       tl.cast(n_bh, tl.int64) * seqlen_q, UNITS)
+    rows = bh64 * seqlen_q + q_idx
+    if DELTA_PASS:
+        delta = tl.zeros([BLOCK_M], tl.float32)
+        dq = tl.zeros([BLOCK_M], tl.float32)
+    else:
+        delta = _load_rows(delta_ptr + bh64 * seqlen_q, q_idx, seqlen_q)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
     # Key ranges as the forward's: [0, full_end) full tiles, [full_end, key_end) masked ones.
     full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
                                    BLOCK_N, IS_CAUSAL, HAS_MASK)
     if not HAS_MASK:
         dq = _dq_over_key_tiles(
-            dq, q_scaled, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, seqlen_k,
-            0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-            BLOCK_N, HEAD_DIM_PADDED, False, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, False, DOT_PRECISION, UPCAST_DOTS,
+            dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
+            seqlen_k, 0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
+            BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            EVEN_D, False, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS,
         )
     dq = _dq_over_key_tiles(
-        dq, q_scaled, do, lse2, delta, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, seqlen_k,
-        full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-        BLOCK_N, HEAD_DIM_PADDED, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-        EVEN_D, STORE_DS, DOT_PRECISION, UPCAST_DOTS,
+        dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
+        seqlen_k, full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
+        BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+        EVEN_D, STORE_DS and not DELTA_PASS, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS,
     )
+    if DELTA_PASS:
+        if HAS_DLSE:
+            dq -= tl.load(dlse_ptr + rows, mask=q_idx < seqlen_q, other=0.0)
+        tl.store(delta_ptr + rows, dq, mask=q_idx < seqlen_q)
+        return
     dq_dst = dq_ptr + b64 * stride_dqb + h64 * stride_dqh
     _store_tile(dq_dst, (dq * scale).to(q.dtype), m_start, seqlen_q, stride_dqm, head_dim, BLOCK_M, HEAD_DIM_PADDED, EVEN_D)
 
@@ -432,10 +467,10 @@ def default_backward_config(head_dim: int, dtype: torch.dtype, device: torch.dev
     return table[head_dim_padded(head_dim)]
 
 
-# The Triton backward on CUDA. `bench/check_backward.py` checks it on a GPU (fp16/bf16, D = 64/128,
-# GQA, causal, Lq != Lk, key-padding / boolean / additive masks with the additive mask's gradient):
-# the first run found dK wrong (a Triton 3.6 miscompile, see `_dkdv_over_query_tiles`); since the fix
-# every gradient is within FlashAttention's bound (bench/results/h100/check_backward.log, 128 of 128).
+# The Triton backward on CUDA, checked on the H200 by `pytest -m gpu` (tests/test_gpu_attention.py:
+# FlashAttention's test matrix, fp16/bf16, every head dim, MHA/GQA/MQA, causal and not; the masked cases of
+# bench/check_backward.py). Its dK once hit a Triton 3.6 miscompile (H100, 2 stages) when it scaled the
+# loaded Q tile that also fed a dot; scores are now scaled after the dot, in fp32, and that matrix passes.
 # fp32 has not been checked on a GPU, so CUDA fp32 keeps `_attention_backward_torch` (correct, but it
 # materialises the (Lq, Lk) scores), as every dtype does with this flag set to False.
 TRITON_BACKWARD_ON_GPU = True
@@ -475,19 +510,23 @@ def _bhl_strides(t: torch.Tensor) -> tuple[int, int, int]:
 def attention_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool,
-    mask_needs_grad: bool = False, config: BackwardConfig | None = None,
+    mask_needs_grad: bool = False, config: BackwardConfig | None = None, row_stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of ``flash_attention`` from the saved forward, on (B, H, L, D) tensors whose head dim has stride 1.
 
     Args:
         do: (B, H, Lq, D) gradient of the output ``o`` (head dim stride 1).
-        q, k, v, o: the forward's inputs and output; k, v have H_kv heads.
+        q, k, v, o: the forward's inputs and output (``o`` may be its fp32 copy:
+            ``attention.forward_for_backward``); k, v have H_kv heads.
         lse: (B, H, Lq) fp32 natural-log LSE from the forward (``-inf`` for empty rows).
         dlse: None or the (B, H, Lq) gradient of the returned LSE.
         causal, scale, mask, mask_is_bool: as given to ``attention_forward`` (``mask``
             broadcast to (B, H, Lq, Lk)).
         mask_needs_grad: also return the gradient of an additive mask.
         config: forces the tiles (tests); by default ``default_backward_config``.
+        row_stats: under an additive mask, the forward's (2, B, H, Lq) ``(m, log d)``
+            of each row (``forward_for_backward``); None takes ``(lse, 0)``, exact
+            unless a bias near -1e9 or below hides a whole row.
 
     Returns:
         ``(dq, dk, dv, dmask)``: dq like q, dk/dv like k/v (summed over each GQA
@@ -504,40 +543,47 @@ def attention_backward(
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    qk_scale = scale * LOG2E.value  # the forward's: log2(e) folded into the scale (a float: one kernel for any scale)
-    q_scaled = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    launch(
-        _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, DELTA_BLOCK_M) * bh,),
-        (o, do, dlse, delta, q, q_scaled,
-         *_bhl_strides(o), *_bhl_strides(do), *_bhl_strides(q), *_bhl_strides(q_scaled),
-         n_heads, seqlen_q, head_dim, qk_scale),
-        BLOCK_M=DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
-    )
-
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device) if mask_needs_grad else None
-    lse = lse.contiguous()
+    additive = mask is not None and not mask_is_bool
+    qk_scale = qk_scale_for(scale, additive)  # the forward's (a float: one kernel for any scale)
+    if additive and row_stats is None:  # (m, log d) = (lse, 0): the same P wherever the LSE kept log d
+        row_stats = torch.stack([lse.float(), torch.zeros_like(lse, dtype=torch.float32)])
+    stats = (row_stats if additive else lse).contiguous()
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
-    common = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, head_dim)
+    common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale)
     meta = dict(
         HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see attention._dot)
     )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    c = config.dq
+    dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
+    dq_meta = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
+    dq_strides = (*_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dq))
+    if mask_needs_grad:
+        # δ = Σ_j P_ij dP_ij from the P the kernels below recompute (one more walk over the keys), so that the bias
+        # gradient's row sums Σ_j dS_ij = Σ_j P_ij dP_ij - δ_i come out 0 to fp32 rounding; rowsum(dO ⊙ O)
+        # differs from it by the forward's rounding of P (and of O) to the input dtype.
+        launch(_attention_bwd_dq_kernel, dq_grid,
+               (q, k, v, do, stats, delta, dlse, dq, None, mask, *dq_strides, *mask_strides, *common),
+               DELTA_PASS=True, **dq_meta)
+        ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
+    else:
+        launch(
+            _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, DELTA_BLOCK_M) * bh,),
+            (o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim),
+            BLOCK_M=DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
+        )
+        ds = None
     c = config.dkdv
     launch(
         _attention_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],),
-        (q, q_scaled, k, v, do, lse, delta, dk, dv, mask,
-         *_bhl_strides(q), *_bhl_strides(q_scaled), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do),
-         *_bhl_strides(dk), *_bhl_strides(dv), *mask_strides, *common, scale),
+        (q, k, v, do, stats, delta, dk, dv, mask,
+         *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do),
+         *_bhl_strides(dk), *_bhl_strides(dv), *mask_strides, *common),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
     )
-    c = config.dq
-    launch(
-        _attention_bwd_dq_kernel, (triton.cdiv(seqlen_q, c.block_m) * bh,),
-        (q, k, v, do, lse, delta, dq, ds, mask,
-         *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dq),
-         *mask_strides, *common, qk_scale, scale),
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
-    )
+    launch(_attention_bwd_dq_kernel, dq_grid,
+           (q, k, v, do, stats, delta, None, dq, ds, mask, *dq_strides, *mask_strides, *common),
+           DELTA_PASS=False, **dq_meta)
     return dq, dk, dv, ds

@@ -16,11 +16,13 @@ the softmax of K tile ``j`` while the tensor cores still work on tile ``j - 1``:
     (m, d), P_j, alpha = online_update(S_j)     <- overlaps the P V product
     wait for O; release the K and V slots read (refill by TMA, or signal the load warp); O *= alpha
 
-The online-softmax state is the same ``(m, d)`` and the same ``online_update``
-as every other kernel of flashlite (``flashlite.online_softmax``); masking is
+The online-softmax state is the same ``(m, d)`` as in every other kernel of
+flashlite (``flashlite.online_softmax``): ``online_update_scaled`` folds
+``qk_scale = scale · log2(e)`` into the exponential of the fp32 scores of the
+unscaled Q and K (base-2 units, one fused multiply-add a score); masking is
 ``flashlite.masking.apply_masks`` on the tiles that need it (the causal
-diagonal, the ragged last K tile). Q is scaled by ``scale · log2(e)`` once,
-so scores are in base-2 units (``BASE2_UNITS``).
+diagonal, the ragged last K tile), which sets hidden scores to ``-inf`` before
+the scale (``scale > 0`` here, so they stay ``-inf``).
 
 Two kernels run that loop (``_attend_kv_tiles``):
 
@@ -77,7 +79,7 @@ except ImportError:  # pragma: no cover - older Triton: the triton.language kern
 from ._runtime import device_info, launch
 from .attention import descriptor_strides, tma_usable, query_tile
 from .masking import apply_masks, key_ranges
-from .online_softmax import BASE2_UNITS, LOG2E, normalize, online_update, state_logsumexp
+from .online_softmax import BASE2_UNITS, LOG2E, normalize, online_update_scaled, state_logsumexp
 
 # wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
 WGMMA_CAPABILITY = (9, 0)
@@ -174,20 +176,20 @@ if gluon is not None:
         return smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
 
     @gluon.jit
-    def _fold_scores(s, m, d, tile, n_full_tiles, q_idx, seqlen_q, seqlen_k,
+    def _fold_scores(s, m, d, tile, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
                      BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):
         """Mask K tile ``tile``'s scores if it is not a full tile, fold them into ``(m, d)``: ``(m, d, P, alpha)``,
         P rounded to the input dtype in the register-operand layout of the P V product."""
         if tile >= n_full_tiles:
             k_idx = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
             s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False, LOG2E)
-        m, d, p, alpha = online_update(m, d, s, BASE2_UNITS)
+        m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
         return m, d, gl.convert_layout(p.to(DTYPE), P_LAYOUT), alpha
 
     @gluon.jit
     def _attend_kv_tiles(
         q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-        b, h_kv, n_kv_tiles, n_full_tiles, q_idx, seqlen_q, seqlen_k,
+        b, h_kv, n_kv_tiles, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
         NUM_WARPS: gl.constexpr, LOAD_WARP: gl.constexpr,
     ):
@@ -208,7 +210,7 @@ if gluon is not None:
             s = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False)
             _release_kv_slot(k_desc, k_ready, k_free, k_smem, 0, b, h_kv, n_kv_tiles,
                              BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
-            m, d, p, alpha = _fold_scores(s, m, d, 0, n_full_tiles, q_idx, seqlen_q, seqlen_k,
+            m, d, p, alpha = _fold_scores(s, m, d, 0, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
                                           BLOCK_N, IS_CAUSAL, p_layout, dtype)
             for j in range(1, n_kv_tiles):
                 k_tile = _wait_kv(k_ready, k_smem, j, BLOCK_N, HEAD_DIM, KV_STAGES)
@@ -218,7 +220,7 @@ if gluon is not None:
                 s = warpgroup_mma_wait(1, deps=(s_token,))  # S_j is ready; P V may still run
                 _release_kv_slot(k_desc, k_ready, k_free, k_smem, j, b, h_kv, n_kv_tiles,
                                  BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
-                m, d, p, alpha = _fold_scores(s, m, d, j, n_full_tiles, q_idx, seqlen_q, seqlen_k,
+                m, d, p, alpha = _fold_scores(s, m, d, j, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
                                               BLOCK_N, IS_CAUSAL, p_layout, dtype)
                 acc = warpgroup_mma_wait(0, deps=(acc_token,))
                 _release_kv_slot(v_desc, v_ready, v_free, v_smem, j - 1, b, h_kv, n_kv_tiles,
@@ -232,10 +234,10 @@ if gluon is not None:
         return m, d, acc
 
     @gluon.jit
-    def _scaled_q_operand(q_tile, qk_scale, S_LAYOUT: gl.constexpr):
-        """Q · scale · log2(e), loaded from its (arrived) tile into registers as the S products' first operand."""
+    def _q_operand(q_tile, S_LAYOUT: gl.constexpr):
+        """Q, loaded from its (arrived) tile into registers as the S products' first operand."""
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2)
-        return (q_tile.load(q_layout).to(gl.float32) * qk_scale).to(q_tile.dtype)
+        return q_tile.load(q_layout)
 
     @gluon.jit
     def _write_output(acc, m, d, q_idx, o_tile, o_smem, o_desc, lse_row, b, h, row_start, seqlen_q,
@@ -292,17 +294,13 @@ if gluon is not None:
             _issue_kv_load(k_desc, k_bars, k_smem, i, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
             _issue_kv_load(v_desc, v_bars, v_smem, i, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
 
-        # Q · scale · log2(e), once: kept in registers as the S products' first operand (Q_IN_REGISTERS:
-        # then only K is read from shared memory by each product), or written back to shared memory.
+        # Q, unscaled: kept in registers as the S products' first operand (Q_IN_REGISTERS: then only K is
+        # read from shared memory by each product), or read by each product from shared memory.
         q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
         mbarrier.wait(q_bar, 0)
         if Q_IN_REGISTERS:
-            q_op = _scaled_q_operand(q_tile, qk_scale, s_layout)
+            q_op = _q_operand(q_tile, s_layout)
         else:
-            q_load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-            q_tile.store((q_tile.load(q_load_layout).to(gl.float32) * qk_scale).to(dtype))
-            fence_async_shared()
-            _barrier()  # every warp's part of Q is written before any warp's product reads it
             q_op = q_tile
 
         q_idx = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
@@ -310,7 +308,7 @@ if gluon is not None:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         # No load warp: the program refills its K/V slots itself (no free-slot barriers: k_bars/v_bars fill in).
         m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_bars, v_bars,
-                                     b, h_kv, n_kv_tiles, full_end // BLOCK_N, q_idx, seqlen_q, seqlen_k,
+                                     b, h_kv, n_kv_tiles, full_end // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale,
                                      BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL, num_warps, False)
 
         mbarrier.invalidate(q_bar)
@@ -363,14 +361,14 @@ if gluon is not None:
                                  BLOCK_N, IS_CAUSAL, False)
         q_tile = q_smem.index(WARPGROUP).reshape([BLOCK_M, HEAD_DIM])
         mbarrier.wait(q_bars.index(WARPGROUP), 0)
-        q_op = _scaled_q_operand(q_tile, qk_scale, s_layout)
+        q_op = _q_operand(q_tile, s_layout)
         q_idx = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         # Both warpgroups walk the K/V tiles of the whole program (masking covers the extra causal tile).
         m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free,
                                      v_free, b, h_kv, n_kv_tiles, full_end // BLOCK_N, q_idx, seqlen_q, seqlen_k,
-                                     BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL, 4, True)
+                                     qk_scale, BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL, 4, True)
         # Q is in registers: O goes out through this warpgroup's Q buffer.
         _write_output(acc, m, d, q_idx, q_tile, q_smem.index(WARPGROUP), o_desc, lse_row, b, h, row_start,
                       seqlen_q, WRITE_LSE)
@@ -430,11 +428,12 @@ def wgmma_available() -> bool:
     return gluon is not None
 
 
-def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: bool) -> bool:
+def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: bool, scale: float) -> bool:
     """True when this kernel takes the call: Gluon present, a Hopper GPU, fp16/bf16, head dim 64 or 128,
-    no user mask, non-empty, TMA-aligned. ``FLASHLITE_WGMMA=0`` turns it off (A/B runs)."""
+    no user mask, ``scale > 0`` (masked scores stay ``-inf`` under it), non-empty, TMA-aligned.
+    ``FLASHLITE_WGMMA=0`` turns it off (A/B runs)."""
     return (
-        gluon is not None and not has_mask and q.is_cuda
+        gluon is not None and not has_mask and scale > 0 and q.is_cuda
         and q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in WGMMA_CONFIGS
         and q.shape[2] > 0 and k.shape[2] > 0
         and device_info(q.device).capability == WGMMA_CAPABILITY

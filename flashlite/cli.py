@@ -33,7 +33,6 @@ import subprocess
 import sys
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -404,8 +403,6 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.call([sys.executable, "-m", "flashlite", *argv], env=env)
     if device == "cuda" and interpreter_enabled():
         print("note: TRITON_INTERPRET is set, so even the GPU kernels run through the interpreter (no timings worth reading)")
-    # The interpreter evaluates masked-off lanes too (0/0 in padding rows) with numpy, which warns.
-    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     results = run_demo(args.out, device, only)
     return 0 if all(r.ok for r in results) else 1
 

@@ -40,9 +40,12 @@ queries see nothing.
 
 Empty rows. A row with every key masked gives zeros (``normalize`` with
 ``ZERO_IF_EMPTY``), where ``torch.softmax`` of a row of ``-inf`` gives NaN; NaN
-in a visible score still makes its row NaN. Masked positions get exactly 0.
+in a visible score still makes its row's visible positions NaN. Masked positions
+get exactly 0, in every row (``torch.softmax(x.masked_fill(~keep, -inf))`` puts
+NaN there too in a NaN row), and gradient 0, as through ``masked_fill``.
 
-Backward: ``dx = scale * y * (dy - sum(dy * y))``, the same two regimes, reading
+Backward: ``dx = scale * y * (dy - sum(dy * y))`` (exactly 0 where ``y = 0``, as
+``masked_fill``'s gradient gives hidden positions even in a NaN row), the same two regimes, reading
 a causal row only up to its diagonal's key group, as the forward (masked
 positions have ``y = 0``, so gradient 0; no mask is read). A float mask that requires grad gets ``y * (dy - sum(dy * y))``
 summed over its broadcast dims; a boolean mask has no gradient.
@@ -60,7 +63,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_float_dtype, check_scale, is_compiling, launch_persistent, runs_kernels
+from ._runtime import (
+    check_dim, check_flag, check_float_dtype, check_scale, is_compiling, launch_persistent, runs_kernels,
+)
 from .masking import apply_masks, broadcast_mask, causal_key_end
 from .online_softmax import (
     LOG2E,
@@ -160,6 +165,14 @@ def _visible_y_dy(y_rows, dy_rows, cols, key_end, col_end, seqlen_k, stride_dyn)
     return y, tl.where(cols[None, :] < key_end[:, None], dy, 0.0)
 
 
+@triton.jit
+def _hidden_zero(hidden, out):
+    """``out`` with exactly 0 where ``hidden``: the forward's hidden positions (scores ``-inf``) are 0 even in a
+    NaN row (``0 * NaN`` otherwise); in the backward, positions with ``y = 0`` get gradient 0 there too, as
+    through PyTorch's ``masked_fill``."""
+    return tl.where(hidden, 0.0, out)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -227,7 +240,7 @@ def _masked_softmax_fwd_kernel(
         if PASS != PARTIAL_PASS:
             y_rows = y_ptr + rows * seqlen_k
             if SINGLE_BLOCK:
-                y = normalize(p, d, True)
+                y = _hidden_zero(s == float("-inf"), normalize(p, d, True))
                 ok = row_ok[:, None] & (cols < seqlen_k)[None, :]
                 tl.store(y_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
             else:
@@ -239,7 +252,7 @@ def _masked_softmax_fwd_kernel(
                         x_rows, mask_rows, q_idx, cols, key_end, col_end, seqlen_q, seqlen_k, scale,
                         stride_xn, stride_mm, stride_mn, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
                     )
-                    y = final_weights(s, m, d, LOG2E, True)
+                    y = _hidden_zero(s == float("-inf"), final_weights(s, m, d, LOG2E, True))
                     ok = row_ok[:, None] & (cols < col_end)[None, :]
                     tl.store(y_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -285,7 +298,7 @@ def _masked_softmax_bwd_kernel(
         if PASS != PARTIAL_PASS:
             dx_rows = dx_ptr + rows * seqlen_k
             if SINGLE_BLOCK:
-                dx = scale * y * (dy - dot[:, None])
+                dx = _hidden_zero(y == 0.0, scale * y * (dy - dot[:, None]))
                 ok = row_ok[:, None] & (cols < seqlen_k)[None, :]
                 tl.store(dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=ok)
             else:
@@ -293,7 +306,7 @@ def _masked_softmax_bwd_kernel(
                 for k in tl.range(0, n_blocks):
                     cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
                     y, dy = _visible_y_dy(y_rows, dy_rows, cols, key_end, col_end, seqlen_k, stride_dyn)
-                    dx = scale * y * (dy - dot[:, None])
+                    dx = _hidden_zero(y == 0.0, scale * y * (dy - dot[:, None]))
                     ok = row_ok[:, None] & (cols < col_end)[None, :]
                     tl.store(dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=ok)
 
@@ -425,12 +438,11 @@ def _check_args(x: torch.Tensor, mask, scale, causal: bool, dim: int, algorithm:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     check_float_dtype("x", x)
+    causal = check_flag("causal", causal)
     if x.dim() < 1 or (causal and x.dim() < 2):
         need = "(..., seqlen_q, seqlen_k)" if causal else "at least one dim"
         raise ValueError(f"x must have shape {need}, got {tuple(x.shape)}")
-    if not -x.dim() <= dim < x.dim():
-        raise IndexError(f"dim={dim} is out of range for x with {x.dim()} dimension(s)")
-    dim %= x.dim()
+    dim = check_dim(dim, x.dim())
     if causal and dim != x.dim() - 1:
         raise ValueError(f"causal=True needs the softmax over the last dim (the keys), got dim={dim}")
     if algorithm not in ALGORITHMS:
@@ -453,9 +465,11 @@ def _masked_softmax_torch(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
     elif mask is not None:
         s = s + mask.float()
     s = s.masked_fill(~keep, float("-inf"))
-    y = torch.softmax(s, dim)
-    empty = (s == float("-inf")).all(dim, keepdim=True)
-    return y.masked_fill(empty, 0.0).to(x.dtype)
+    # Hidden positions exactly 0, also in a NaN row, as the kernels give; an empty row is 0 with gradient 0
+    # (softmax of its -inf would give NaN, and NaN gradients through it).
+    hidden = s == float("-inf")
+    empty = hidden.all(dim, keepdim=True)
+    return torch.softmax(s.masked_fill(empty, 0.0), dim).masked_fill(hidden, 0.0).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- autograd

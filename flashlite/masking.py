@@ -17,9 +17,10 @@ columns keys ``k_idx``:
 Positions that do not count become ``-inf``; the online-softmax core then gives
 them weight 0, and a row with none left has ``d = 0``.
 
-Units: an additive mask is in natural-log units. Callers whose logits are in
-base-2 units (attention folds ``log2(e)`` into its scale) pass
-``BIAS_TO_UNITS = LOG2E``; natural-unit callers pass ``1.0``.
+Units: an additive mask is in natural-log units and is added to logits as
+``bias · BIAS_TO_UNITS``. Every caller adds it to natural-log logits (``1.0``):
+attention keeps the logits of a call with an additive mask in natural-log units,
+so that a bias of any finite size stays finite.
 """
 
 import triton

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ._runtime import check_flag
 from .attention import MAX_HEAD_DIM, MIN_HEAD_DIM, flash_attention
 
 __all__ = ["MultiheadAttention"]
@@ -63,6 +64,7 @@ class MultiheadAttention(nn.Module):
         super().__init__()
         if num_kv_heads is None:
             num_kv_heads = num_heads
+        causal, bias = check_flag("causal", causal), check_flag("bias", bias)
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -19,8 +19,15 @@ unit of its logits is, as the constexpr ``LOG2_PER_UNIT``:
 
 * ``LOG2E`` for natural-log logits (softmax). The difference ``x - m`` is taken
   first, exactly, and only then scaled, so inputs around 1e4 keep fp32 accuracy.
-* ``BASE2_UNITS`` (1.0) for logits already in base-2 units (attention folds ``log2(e)`` into
-  the softmax scale, saving a multiply per score).
+* ``BASE2_UNITS`` (1.0) for logits already in base-2 units.
+
+Attention's scores ``s = q·k`` are fp32 dot products of unscaled inputs; its
+logits are ``s · scale · log2(e)``. ``online_update_scaled`` folds that factor
+into the exponential (one fused multiply-add a score, as FlashAttention does),
+keeping ``m`` in base-2 units; tiles that need masking scale first, then mask,
+then call ``online_update`` in base-2 units, and an additive bias keeps the
+logits in natural-log units instead (``LOG2E``), so that a huge finite bias
+such as ``finfo.min`` is never multiplied past the fp32 range.
 
 Empty states. A state that has seen only ``-inf`` (or nothing) is
 ``(m, d) = (-inf, 0)``. ``e^(m_old - m_new)`` would then be ``e^(-inf + inf)``
@@ -28,6 +35,13 @@ Empty states. A state that has seen only ``-inf`` (or nothing) is
 replaces an empty maximum by 0 before it is subtracted. Merging two empty
 states gives an empty state, never NaN. NaN in the logits still propagates to
 ``d`` (and so to every output of the row), as in ``torch.softmax``.
+
+Infinite states. A row holding ``+inf`` (and no NaN) has ``m = +inf``; ``safe_max``
+replaces that maximum by 0 too, so ``d`` becomes ``+inf`` rather than
+``e^(inf - inf)`` = NaN. The log-sum-exp of such a state is ``+inf`` (as
+``torch.logsumexp``), and ``normalize`` turns ``d = +inf`` into NaN weights for
+the whole row (as ``torch.softmax``). A finite row never reaches ``d = +inf``:
+each of its weights is at most 1.
 
 All helpers work on 2-D tiles ``x`` of shape ``[ROWS, COLS]`` reduced along
 axis 1, with states as 1-D vectors of length ``ROWS``.
@@ -43,14 +57,16 @@ LN2 = tl.constexpr(0.6931471805599453)  # log(y) = log2(y) * LN2
 
 @triton.jit
 def safe_max(m):
-    """The running maximum with an empty state's ``-inf`` replaced by 0 (so ``x - m`` is never ``-inf + inf``)."""
-    return tl.where(m == float("-inf"), 0.0, m)
+    """The running maximum with an infinite one (an empty state's ``-inf``, a ``+inf`` logit) replaced by 0,
+    so that ``x - m`` is never ``inf - inf``."""
+    return tl.where(tl.abs(m) == float("inf"), 0.0, m)
 
 
 @triton.jit
 def rescale_factor(m_old, m_new, LOG2_PER_UNIT: tl.constexpr):
-    """``e^(m_old - m_new)``: how much a sum taken under ``m_old`` shrinks under ``m_new``; 0 for an empty old state."""
-    return tl.where(m_old == float("-inf"), 0.0, tl.exp2((m_old - m_new) * LOG2_PER_UNIT))
+    """``e^(m_old - m_new)``: how much a sum taken under ``m_old`` shrinks under ``m_new``; 0 for an empty old
+    state. Under ``m_new = +inf`` sums are taken under ``safe_max``'s 0, so the factor is ``e^(m_old)``."""
+    return tl.where(m_old == float("-inf"), 0.0, tl.exp2((m_old - safe_max(m_new)) * LOG2_PER_UNIT))
 
 
 @triton.jit
@@ -79,6 +95,25 @@ def online_update(m, d, x, LOG2_PER_UNIT: tl.constexpr):
 
 
 @triton.jit
+def online_update_scaled(m, d, s, qk_scale):
+    """``online_update`` of the base-2 logits ``s * qk_scale``, the scale folded into the exponential.
+
+    ``s`` ``[ROWS, COLS]`` are raw fp32 scores and ``qk_scale >= 0`` (a run-time
+    float); ``m`` is kept in base-2 units. A positive factor keeps the order of
+    floats, so the block's maximum is ``max(s) * qk_scale`` exactly, and each
+    weight ``2^(s * qk_scale - m)`` is one fused multiply-add and an ``exp2``:
+    the scores are never rounded to the input dtype, and scaling costs no
+    instruction of its own. Positions that must not count are ``-inf`` in ``s``
+    (only with ``qk_scale > 0``: callers mask after scaling otherwise).
+    """
+    m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)
+    alpha = rescale_factor(m, m_new, BASE2_UNITS)
+    p = tl.exp2(s * qk_scale - safe_max(m_new)[:, None])
+    d_new = d * alpha + tl.sum(p, axis=1)
+    return m_new, d_new, p, alpha
+
+
+@triton.jit
 def online_update_lanes(m, d, x, LOG2_PER_UNIT: tl.constexpr):
     """Fold one value per lane into per-lane states ``(m, d)`` (all three the same shape): no reduction.
 
@@ -97,7 +132,9 @@ def online_update_lanes(m, d, x, LOG2_PER_UNIT: tl.constexpr):
     e = tl.exp2((tl.minimum(m, x) - m_new) * LOG2_PER_UNIT)
     e = tl.where(m_new == float("-inf"), 0.0, e)  # both empty: e^(-inf + inf) would be NaN
     d_new = tl.where(x > m, d * e + 1.0, d + e)
-    return m_new, d_new
+    # A lane that saw +inf: d = +inf, as online_update gives it (sums under safe_max's 0), whether or not
+    # lanes are merged afterwards.
+    return m_new, tl.where(m_new == float("inf"), float("inf"), d_new)
 
 
 @triton.jit
@@ -138,18 +175,19 @@ def normalize(p, d, ZERO_IF_EMPTY: tl.constexpr):
 
     With ``ZERO_IF_EMPTY`` a row whose every position was masked (``d = 0``)
     gives zeros (masked softmax, attention); without it, 0/0 = NaN, as
-    ``torch.softmax`` gives for a row of ``-inf``.
+    ``torch.softmax`` gives for a row of ``-inf``. A row that held ``+inf``
+    (``d = +inf``) gives NaN everywhere, as ``torch.softmax``.
     """
+    inv_d = tl.where(d == float("inf"), float("nan"), 1.0 / d)
     if ZERO_IF_EMPTY:
-        inv_d = tl.where(d == 0.0, 0.0, 1.0 / d)
-    else:
-        inv_d = 1.0 / d
+        inv_d = tl.where(d == 0.0, 0.0, inv_d)
     return p * inv_d[:, None]
 
 
 @triton.jit
 def state_logsumexp(m, d, LOG2_PER_UNIT: tl.constexpr):
-    """The natural-log log-sum-exp ``log sum e^x`` of a state; ``-inf`` for an empty one."""
+    """The natural-log log-sum-exp ``log sum e^x`` of a state; ``-inf`` for an empty one, ``+inf`` for one that
+    held ``+inf``."""
     return (m + tl.log2(d) / LOG2_PER_UNIT) * (LOG2_PER_UNIT * LN2)
 
 

@@ -7,7 +7,9 @@ each of which the graph keeps as one opaque node:
 
 * ``flashlite::softmax(x, dim, algorithm, dtype)`` and ``flashlite::logsumexp(x, dim)``;
 * ``flashlite::masked_softmax(x, mask, scale, causal, dim, algorithm)``;
-* ``flashlite::flash_attention(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens) -> (o, lse)``;
+* ``flashlite::flash_attention(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens)
+  -> (o, lse, row_stats)`` (row_stats: what the backward of an additive mask needs,
+  ``attention.forward_for_backward``; empty otherwise);
 
 and, for their gradients, ``flashlite::softmax_backward``,
 ``flashlite::masked_softmax_backward`` and ``flashlite::flash_attention_backward``.
@@ -31,10 +33,12 @@ from __future__ import annotations
 import torch
 
 from ._runtime import runs_kernels
-from .attention import SPLIT_HAS_NO_BACKWARD, _attention_torch, _unit_stride_head_dim, attention_forward
+from .attention import SPLIT_HAS_NO_BACKWARD, _attention_torch, _unit_stride_head_dim, forward_for_backward
 from .masked_softmax import _forward_moved, _masked_softmax_torch, masked_softmax_backward
 from .masking import broadcast_mask
-from .softmax import as_rows, from_rows, logsumexp_rows, plan_softmax, reduced_shape, softmax_backward, softmax_rows
+from .softmax import (
+    as_rows, from_rows, logsumexp_grad, logsumexp_rows, plan_softmax, reduced_shape, softmax_backward, softmax_rows,
+)
 
 
 def _empty_rows_layout(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -45,10 +49,12 @@ def _empty_rows_layout(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.T
     return torch.empty(x.movedim(dim, -1).shape, dtype=dtype, device=x.device).movedim(-1, dim)
 
 
-def _softmax_grad_torch(y: torch.Tensor, dy: torch.Tensor, dim: int, scale: float) -> torch.Tensor:
-    """``scale * y * (dy - sum(dy * y))`` along ``dim`` in fp32: the backward of both softmaxes off the kernels."""
+def _softmax_grad_torch(y: torch.Tensor, dy: torch.Tensor, dim: int, scale: float, masked: bool) -> torch.Tensor:
+    """``scale * y * (dy - sum(dy * y))`` along ``dim`` in fp32: the backward of both softmaxes off the kernels;
+    ``masked`` gives hidden positions (``y = 0``) exactly 0, as the masked softmax's kernel does."""
     y, dy = y.float(), dy.float()
-    return scale * y * (dy - (dy * y).sum(dim, keepdim=True))
+    dx = scale * y * (dy - (dy * y).sum(dim, keepdim=True))
+    return torch.where(y == 0, 0.0, dx) if masked else dx
 
 
 # ----------------------------------------------------------------------------- softmax
@@ -74,7 +80,7 @@ def _(x, dim, algorithm, dtype):
                          schema="(Tensor y, Tensor dy, int dim, str algorithm, ScalarType dx_dtype) -> Tensor")
 def _softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, algorithm: str, dx_dtype: torch.dtype) -> torch.Tensor:
     if y.numel() == 0 or not runs_kernels(y):
-        return _empty_rows_layout(y, dim, dx_dtype).copy_(_softmax_grad_torch(y, dy, dim, 1.0))
+        return _empty_rows_layout(y, dim, dx_dtype).copy_(_softmax_grad_torch(y, dy, dim, 1.0, False))
     y2d = as_rows(y, dim).contiguous()  # (rows, n): the kernel reads y with row stride n
     dy2d = as_rows(dy, dim)
     dx2d = softmax_backward(y2d, dy2d, dx_dtype, plan_softmax(y2d.shape[0], y2d.shape[1], y.device, algorithm,
@@ -115,13 +121,13 @@ def _(x, dim):
 
 def _logsumexp_setup(ctx, inputs, output) -> None:
     x, ctx.dim = inputs
-    ctx.save_for_backward(x)
+    ctx.save_for_backward(x, output)
 
 
 def _logsumexp_grad(ctx, g):
-    (x,) = ctx.saved_tensors
+    x, lse = ctx.saved_tensors
     y = torch.ops.flashlite.softmax(x, ctx.dim, "auto", torch.float32)  # d lse / dx = softmax(x)
-    return (y * (g.unsqueeze(ctx.dim) if x.dim() > 0 else g)).to(x.dtype), None
+    return logsumexp_grad(x, lse, y, g, ctx.dim), None
 
 
 _logsumexp.register_autograd(_logsumexp_grad, setup_context=_logsumexp_setup)
@@ -155,7 +161,7 @@ def _(x, mask, scale, causal, dim, algorithm):
 def _masked_softmax_bwd(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool, dim: int, algorithm: str,
                         dx_dtype: torch.dtype) -> torch.Tensor:
     if y.numel() == 0 or not runs_kernels(y):
-        return _empty_rows_layout(y, dim, dx_dtype).copy_(_softmax_grad_torch(y, dy, dim, scale))
+        return _empty_rows_layout(y, dim, dx_dtype).copy_(_softmax_grad_torch(y, dy, dim, scale, True))
     y_keys_last = y.movedim(dim, -1).contiguous()  # (..., Lq, Lk), as the forward wrote it
     seqlen_q = y_keys_last.shape[-2] if y.dim() > 1 else 1
     dy2d = as_rows(dy, dim)  # (rows, Lk)
@@ -204,48 +210,66 @@ def _attention_mask(
     return broadcast_mask(attn_mask, (*q.shape[:3], k.shape[2]), "attn_mask")
 
 
+def _keeps_row_stats(attn_mask: torch.Tensor | None, num_splits: int | None, cache_seqlens) -> bool:
+    """True when the op's forward keeps what an additive mask's backward needs (``forward_for_backward``)."""
+    split = num_splits not in (None, 1) or cache_seqlens is not None
+    return attn_mask is not None and attn_mask.dtype != torch.bool and not split
+
+
 @torch.library.custom_op(
     "flashlite::flash_attention", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? attn_mask, int? num_splits, "
-           "Tensor? cache_seqlens) -> (Tensor, Tensor)",
+           "Tensor? cache_seqlens) -> (Tensor, Tensor, Tensor)",
 )
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                      attn_mask: torch.Tensor | None, num_splits: int | None,
-                     cache_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cache_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     batch, n_heads, seqlen_q, _ = q.shape
+    row_stats = None
     if not runs_kernels(q) or batch * n_heads * seqlen_q == 0 or k.shape[2] == 0:
         o, lse = _attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens)
-        return torch.empty_like(q).copy_(o), lse.contiguous()
-    mask, mask_is_bool = _attention_mask(attn_mask, q, k)
-    if num_splits is None:
-        from .split_kv import auto_num_splits  # split_kv builds on attention: imported on use, as there
+        o, lse = torch.empty_like(q).copy_(o), lse.contiguous()
+    else:
+        mask, mask_is_bool = _attention_mask(attn_mask, q, k)
+        if num_splits is None:
+            from .split_kv import auto_num_splits  # split_kv builds on attention: imported on use, as there
 
-        num_splits = auto_num_splits(q, k, mask)
-    if num_splits == 1 and cache_seqlens is None:
-        return attention_forward(q, k, v, causal, scale, mask, mask_is_bool, True)
-    from .split_kv import split_kv_forward
+            num_splits = auto_num_splits(q, k, mask)
+        if num_splits == 1 and cache_seqlens is None:
+            o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool)
+        else:
+            from .split_kv import split_kv_forward
 
-    return split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, True, num_splits, cache_seqlens)
+            o, lse = split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, True, num_splits, cache_seqlens)
+    # The fake's contract, whatever path ran: (2, B, H, Lq) under an additive mask, else empty.
+    if not _keeps_row_stats(attn_mask, num_splits, cache_seqlens):
+        row_stats = q.new_empty((0,), dtype=torch.float32)
+    elif row_stats is None:  # (lse, 0): the PyTorch path's backward does not read it
+        row_stats = torch.stack([lse, torch.zeros_like(lse)])
+    return o, lse, row_stats
 
 
 @_flash_attention.register_fake
 def _(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens):
     o = torch.empty_like(_unit_stride_head_dim(q))  # q's memory order, as attention_forward allocates it
-    return o, q.new_empty(q.shape[:3], dtype=torch.float32)  # lse (B, H, Lq)
+    keeps = _keeps_row_stats(attn_mask, num_splits, cache_seqlens)
+    row_stats = q.new_empty((2, *q.shape[:3]) if keeps else (0,), dtype=torch.float32)
+    return o, q.new_empty(q.shape[:3], dtype=torch.float32), row_stats  # lse (B, H, Lq)
 
 
 @torch.library.custom_op(
     "flashlite::flash_attention_backward", mutates_args=(),
-    schema="(Tensor do, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
-           "Tensor? attn_mask, bool mask_needs_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+    schema="(Tensor do, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor row_stats, "
+           "bool causal, float scale, Tensor? attn_mask, bool mask_needs_grad) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 def _flash_attention_bwd(
     do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, attn_mask: torch.Tensor | None,
-    mask_needs_grad: bool,
+    o: torch.Tensor, lse: torch.Tensor, row_stats: torch.Tensor, causal: bool, scale: float,
+    attn_mask: torch.Tensor | None, mask_needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dmask)``; dmask is the fp32 gradient of ``attn_mask`` in its shape, or empty when not asked."""
+    """``(dq, dk, dv, dmask)``; dmask is the fp32 gradient of ``attn_mask`` in its shape, or empty when not asked.
+    ``row_stats`` is empty or the forward's ``(m, log d)``."""
     do, q, k, v, o = (_unit_stride_head_dim(t) for t in (do, q, k, v, o))
     batch, n_heads, seqlen_q, _ = q.shape
     if not runs_kernels(q) or batch * n_heads * seqlen_q == 0 or k.shape[2] == 0:
@@ -254,7 +278,8 @@ def _flash_attention_bwd(
 
     mask, mask_is_bool = _attention_mask(attn_mask, q, k)
     dq, dk, dv, ds = attention_backward(do, q, k, v, o, lse, dlse, causal, scale, mask, mask_is_bool,
-                                        mask_needs_grad=mask_needs_grad)
+                                        mask_needs_grad=mask_needs_grad,
+                                        row_stats=row_stats if row_stats.numel() else None)
     return dq, dk, dv, _mask_grad(ds, attn_mask, q.device)
 
 
@@ -280,7 +305,7 @@ def _mask_grad(dmask: torch.Tensor | None, attn_mask: torch.Tensor | None, devic
 
 
 @_flash_attention_bwd.register_fake
-def _(do, dlse, q, k, v, o, lse, causal, scale, attn_mask, mask_needs_grad):
+def _(do, dlse, q, k, v, o, lse, row_stats, causal, scale, attn_mask, mask_needs_grad):
     dq, dk, dv = (torch.empty_like(_unit_stride_head_dim(t)) for t in (q, k, v))
     return dq, dk, dv, q.new_empty(attn_mask.shape if mask_needs_grad else (0,), dtype=torch.float32)
 
@@ -291,13 +316,13 @@ def _flash_attention_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, *output, attn_mask)
 
 
-def _flash_attention_grad(ctx, do, dlse):
+def _flash_attention_grad(ctx, do, dlse, _drow_stats):
     if ctx.split:
         raise NotImplementedError(SPLIT_HAS_NO_BACKWARD)
-    q, k, v, o, lse, attn_mask = ctx.saved_tensors
+    q, k, v, o, lse, row_stats, attn_mask = ctx.saved_tensors
     mask_needs_grad = ctx.needs_input_grad[5]
     dq, dk, dv, ds = torch.ops.flashlite.flash_attention_backward(
-        do, dlse, q, k, v, o, lse, ctx.causal, ctx.scale, attn_mask, mask_needs_grad)
+        do, dlse, q, k, v, o, lse, row_stats, ctx.causal, ctx.scale, attn_mask, mask_needs_grad)
     dmask = ds.to(attn_mask.dtype) if mask_needs_grad else None
     return dq, dk, dv, None, None, dmask, None, None
 

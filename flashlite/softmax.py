@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ._runtime import (
-    check_float_dtype, compiled_launcher, cooperative_launch_supported, device_info, is_compiling, launch,
+    check_dim, check_float_dtype, compiled_launcher, cooperative_launch_supported, device_info, is_compiling, launch,
     launch_persistent, occupancy, persistent_grid, record_residency, runs_kernels, signature_key, zeroed_slots,
     SLOTS_ALIGN,
 )
@@ -1340,10 +1340,7 @@ def _check_args(x: torch.Tensor, dim: int, algorithm: str) -> int:
     check_float_dtype("x", x)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    ndim = max(x.dim(), 1)
-    if not -ndim <= dim < ndim:
-        raise IndexError(f"dim={dim} is out of range for x with {x.dim()} dimension(s)")
-    return dim % ndim
+    return check_dim(dim, x.dim())
 
 
 def as_rows(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -1421,19 +1418,29 @@ class _Softmax(torch.autograd.Function):
         return from_rows(dx2d, dy, ctx.dim), None, None, None
 
 
+def logsumexp_grad(x: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, g: torch.Tensor, dim: int) -> torch.Tensor:
+    """The gradient of ``lse = logsumexp(x, dim)`` from ``y = softmax(x, dim)`` (fp32) and the incoming ``g``:
+    ``g · softmax(x)``, in x's dtype. A row whose LSE is ``+inf`` gets ``torch.logsumexp``'s ``g · e^(x - lse)``
+    instead: NaN at its ``+inf`` entries, 0 elsewhere (where softmax is NaN throughout)."""
+    if x.dim() > 0:
+        g, lse = g.unsqueeze(dim), lse.unsqueeze(dim)
+    y = torch.where(torch.isposinf(lse), torch.exp(x.float() - lse.float()), y)
+    return (y * g).to(x.dtype)
+
+
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.save_for_backward(x)
+        lse = logsumexp_rows(x, dim)
+        ctx.save_for_backward(x, lse)
         ctx.dim = dim
-        return logsumexp_rows(x, dim)
+        return lse
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        (x,) = ctx.saved_tensors
+        x, lse = ctx.saved_tensors
         y = _Softmax.apply(x, ctx.dim, "auto", torch.float32)  # d lse / dx = softmax(x)
-        grad = y * (g.unsqueeze(ctx.dim) if x.dim() > 0 else g)
-        return grad.to(x.dtype), None
+        return logsumexp_grad(x, lse, y, g, ctx.dim), None
 
 
 # ----------------------------------------------------------------------------- public API

@@ -59,9 +59,12 @@ import triton
 import triton.language as tl
 
 from ._runtime import device_info, launch
-from .attention import KV_LOOP_FLAGS, AttentionConfig, _attend_kv_tiles, default_config, head_dim_padded
+from .attention import (
+    KV_LOOP_FLAGS, AttentionConfig, _attend_kv_tiles, default_config, head_dim_padded, logit_units, positive_scale,
+    qk_scale_for,
+)
 from .masking import key_ranges
-from .online_softmax import BASE2_UNITS, LOG2E, empty_state, merge_states, normalize, rescale_factor, state_logsumexp
+from .online_softmax import empty_state, merge_states, normalize, rescale_factor, state_logsumexp
 
 # ----------------------------------------------------------------------------- jit helpers
 
@@ -98,7 +101,8 @@ def _split_kv_kernel(
     seqlen_q, seqlen_k, head_dim, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, HAS_CACHE_SEQLENS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    EVEN_D: tl.constexpr, UNITS: tl.constexpr, HAS_CACHE_SEQLENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
 ):
     # Axis 0: (batch, head group, row tile), row tile fastest; axis 1: the split.
     n_rows = heads_per_program * seqlen_q
@@ -119,7 +123,7 @@ def _split_kv_kernel(
     dim_ok = dims < head_dim
     q_ptrs = q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + q_idx[:, None] * stride_qm + dims[None, :]
     q = tl.load(q_ptrs, mask=valid[:, None] & dim_ok[None, :], other=0.0)
-    q = (q.to(tl.float32) * qk_scale).to(q.dtype)  # scale · log2(e) folded in once, as in the forward kernel
+    q, tile_scale = positive_scale(q, qk_scale)  # scores scaled in fp32, as in the forward kernel
     k_src = k_ptr + b64 * stride_kb + tl.cast(h_kv, tl.int64) * stride_kh
     v_src = v_ptr + b64 * stride_vb + tl.cast(h_kv, tl.int64) * stride_vh
     mask_bh = mask_ptr
@@ -139,15 +143,15 @@ def _split_kv_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
     if not HAS_MASK:  # (with it, full_end = 0 makes key_mid = key_start: every tile masked)
         acc, m, d = _attend_kv_tiles(
-            acc, m, d, q, q_idx, k_src, v_src, stride_kn, stride_vn,
+            acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
             key_start, key_mid, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-            BLOCK_N, HEAD_DIM_PADDED, False, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
             EVEN_D, False, DOT_PRECISION, UPCAST_DOTS,
         )
     acc, m, d = _attend_kv_tiles(
-        acc, m, d, q, q_idx, k_src, v_src, stride_kn, stride_vn,
+        acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
         key_mid, key_stop, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-        BLOCK_N, HEAD_DIM_PADDED, True, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+        BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
         EVEN_D, False, DOT_PRECISION, UPCAST_DOTS,
     )
 
@@ -164,8 +168,10 @@ def _merge_splits_kernel(
     part_m_ptr, part_d_ptr, part_acc_ptr, o_ptr, lse_ptr,
     stride_ob, stride_oh, stride_om,
     n_heads, seqlen_q, n_out_rows, n_splits, head_dim,
-    BLOCK_ROWS: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr, UNITS: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
+    # The partial maxima are in the split kernel's UNITS (attention.logit_units).
     # Rows are (batch, head, query) flattened, as the split kernel wrote them.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < n_out_rows
@@ -178,13 +184,13 @@ def _merge_splits_kernel(
         d_split = tl.load(part_d_ptr + part_rows, mask=row_ok, other=0.0)
         acc_split = tl.load(part_acc_ptr + part_rows[:, None] * HEAD_DIM_PADDED + dims[None, :],
                             mask=row_ok[:, None], other=0.0)
-        m_new, d = merge_states(m, d, m_split, d_split, BASE2_UNITS)
-        acc = (acc * rescale_factor(m, m_new, BASE2_UNITS)[:, None]
-               + acc_split * rescale_factor(m_split, m_new, BASE2_UNITS)[:, None])
+        m_new, d = merge_states(m, d, m_split, d_split, UNITS)
+        acc = (acc * rescale_factor(m, m_new, UNITS)[:, None]
+               + acc_split * rescale_factor(m_split, m_new, UNITS)[:, None])
         m = m_new
 
     if WRITE_LSE:
-        tl.store(lse_ptr + rows, state_logsumexp(m, d, BASE2_UNITS), mask=row_ok)
+        tl.store(lse_ptr + rows, state_logsumexp(m, d, UNITS), mask=row_ok)
     o = normalize(acc, d, True)  # rows no split saw (d = 0) give zeros
     query = rows % seqlen_q
     head = rows // seqlen_q % n_heads
@@ -352,6 +358,7 @@ def split_kv_forward(
     num_splits = max(1, min(num_splits, triton.cdiv(seqlen_k, config.block_n), MAX_GRID_SPLITS))
 
     n_out_rows = batch * n_heads * seqlen_q
+    additive = mask is not None and not mask_is_bool
     part_m = torch.empty((num_splits, n_out_rows), dtype=torch.float32, device=q.device)
     part_d = torch.empty_like(part_m)
     part_acc = torch.empty((num_splits, n_out_rows, hd_pad), dtype=torch.float32, device=q.device)
@@ -367,7 +374,7 @@ def split_kv_forward(
         *(mask.stride() if mask is not None else (0, 0, 0, 0)),
         cache_seqlens.stride(0) if cache_seqlens is not None else 0,
         n_heads, n_heads // k.shape[1], pack, n_heads // pack, num_splits, n_out_rows,
-        seqlen_q, seqlen_k, head_dim, scale * LOG2E.value),
+        seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive)),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM_PADDED=hd_pad,
         IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -379,6 +386,7 @@ def split_kv_forward(
         (part_m, part_d, part_acc, o, lse if lse is not None else part_m,
          o.stride(0), o.stride(1), o.stride(2),
          n_heads, seqlen_q, n_out_rows, num_splits, head_dim),
-        BLOCK_ROWS=MERGE_BLOCK_ROWS, HEAD_DIM_PADDED=hd_pad, WRITE_LSE=write_lse, num_warps=4,
+        BLOCK_ROWS=MERGE_BLOCK_ROWS, HEAD_DIM_PADDED=hd_pad, UNITS=logit_units(additive), WRITE_LSE=write_lse,
+        num_warps=4,
     )
     return o, lse

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_float_dtype, runs_kernels
+from ._runtime import check_flag, check_float_dtype, check_scale, launch, runs_kernels
 from .attention import _attend_kv_tiles
 from .masking import causal_key_end
 from .online_softmax import (
@@ -136,9 +136,7 @@ def _attention_trace_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + q_idx[:, None] * head_dim + dims[None, :],
                 mask=(q_idx < seqlen_q)[:, None] & (dims < head_dim)[None, :], other=0.0)
-    q = q * qk_scale  # scale * log2(e) folded into q once: the scores come out in base-2 units
-
-    m, d = empty_state(BLOCK_M)  # base-2 units: qk_scale holds log2(e)
+    m, d = empty_state(BLOCK_M)  # base-2 units: qk_scale = scale * log2(e) scales the fp32 scores
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     key_end = seqlen_k
     if IS_CAUSAL:
@@ -150,9 +148,9 @@ def _attention_trace_kernel(
         # The production K/V loop (flash attention's _attend_kv_tiles) over this one tile, masked:
         # scores, masks, online_update, and acc = acc * alpha + p v.
         acc, m, d = _attend_kv_tiles(
-            acc, m, d, q, q_idx, k_ptr, v_ptr, head_dim, head_dim,
+            acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, head_dim, head_dim,
             t * BLOCK_N, (t + 1) * BLOCK_N, seqlen_q, seqlen_k, head_dim, q_ptr, 0, 0,
-            BLOCK_N, HEAD_DIM, True, IS_CAUSAL, False, False, False, EVEN_D, False, "ieee", False,
+            BLOCK_N, HEAD_DIM, True, BASE2_UNITS, IS_CAUSAL, False, False, False, EVEN_D, False, "ieee", False,
         )
         alpha = rescale_factor(m_old, m, BASE2_UNITS)  # the factor the loop applied to d and acc
         here = t * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -253,11 +251,10 @@ def trace_softmax(x: torch.Tensor, block_n: int = 16) -> SoftmaxTrace:
     m, d, alpha, block_max, block_sum = (buf(n_rows, n_blocks) for _ in range(5))
     merged_m, merged_d = buf(n_rows), buf(n_rows)
     block_m = min(TRACE_BLOCK_M, triton.next_power_of_2(n_rows))
-    _softmax_trace_kernel[(triton.cdiv(n_rows, block_m),)](
+    launch(_softmax_trace_kernel, (triton.cdiv(n_rows, block_m),), (
         x2d, y, lse, m, d, alpha, block_max, block_sum, merged_m, merged_d,
         n_rows, n_cols, n_blocks, x2d.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_POW2=triton.next_power_of_2(n_blocks),
-    )
+    ), BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_POW2=triton.next_power_of_2(n_blocks))
     return SoftmaxTrace(x2d, block_n, m, d, alpha, block_max, block_sum, merged_m, merged_d, y, lse)
 
 
@@ -328,7 +325,8 @@ def trace_attention(
     seqlen_k = k.shape[0]
     if seqlen_k == 0 or not 0 <= q_tile * block_m < seqlen_q:
         raise ValueError(f"q_tile={q_tile} of {block_m} rows is outside seqlen_q={seqlen_q} (or seqlen_k is 0)")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scale = check_scale(scale, 1.0 / math.sqrt(head_dim))
+    causal = check_flag("causal", causal)
     q32, k32, v32 = (t.to(torch.float32).contiguous() for t in (q, k, v))
     n_tiles_max = triton.cdiv(seqlen_k, block_n)
     HEAD_DIM = max(DOT_MIN, triton.next_power_of_2(head_dim))
@@ -336,11 +334,10 @@ def trace_attention(
     out = torch.full((n_tiles_max, block_m, HEAD_DIM), float("nan"), device=q.device)
     n_tiles = torch.zeros(1, dtype=torch.int32, device=q.device)
     q_start = q_tile * block_m
-    _attention_trace_kernel[(1,)](
+    launch(_attention_trace_kernel, (1,), (
         q32, k32, v32, m, d, alpha, out, n_tiles,
         seqlen_q, seqlen_k, head_dim, q_start, scale * LOG2E.value,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, IS_CAUSAL=causal, EVEN_D=head_dim == HEAD_DIM,
-    )
+    ), BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM, IS_CAUSAL=causal, EVEN_D=head_dim == HEAD_DIM)
     t, n_q = int(n_tiles.item()), min(block_m, seqlen_q - q_start)
     rows = torch.arange(q_start, q_start + n_q, device=q.device)
     return AttentionTrace(

@@ -1,4 +1,9 @@
-"""Run every kernel through Triton's CPU interpreter: set before triton is first imported."""
+"""Test setup: where kernels run, fresh seeds, property-test profiles, GPU tests.
+
+Without a GPU every kernel runs through Triton's CPU interpreter (``TRITON_INTERPRET=1``, set here before
+triton is first imported: importing torch does not import it). With one, ``pytest -m gpu`` runs the tests
+marked ``gpu`` on it; the CPU tests need the interpreter and are skipped there unless it was asked for.
+"""
 
 import atexit
 import os
@@ -6,7 +11,11 @@ import shutil
 import tempfile
 import zlib
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # torch.compile's on-disk caches, fresh for each run: a cache left by a checkout whose custom ops had another
 # schema replayed its stale graph here (flashlite::flash_attention's outputs unpacked as before: IndexError).
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
@@ -14,7 +23,16 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Property-based tests (tests/test_properties.py): "ci" keeps the suite within CI's budget; "long" runs many
+# more examples on demand: `pytest tests/test_properties.py --hypothesis-profile=long --hypothesis-show-statistics`
+# (or HYPOTHESIS_PROFILE=long). Examples are fresh on every run; a failure prints its reproduction blob.
+_PROPERTY_SETTINGS = dict(deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=40, **_PROPERTY_SETTINGS)
+settings.register_profile("long", max_examples=2000, **_PROPERTY_SETTINGS)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
@@ -22,3 +40,18 @@ def _fresh_seed(request):
     """A different, reproducible seed per test: fresh random data, never zeros."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))  # str hash() changes between runs
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests need CUDA; the others run their kernels through the interpreter, so on a GPU machine
+    (where the kernels are built for the GPU) they run only when TRITON_INTERPRET=1 was set."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (pytest -m gpu on the device)")
+    no_interpreter = pytest.mark.skip(reason="CPU test: runs the kernels through Triton's interpreter; "
+                                             "set TRITON_INTERPRET=1 to run it on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            if not HAS_GPU:
+                item.add_marker(no_gpu)
+        elif HAS_GPU and not interpreted:
+            item.add_marker(no_interpreter)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 import flashlite.attention as fa
+from flashlite._runtime import launch
 from flashlite.attention import AttentionConfig, flash_attention
 from flashlite.online_softmax import empty_state, merge_states, normalize, rescale_factor
 
@@ -286,13 +287,13 @@ def test_tma_needs_aligned_rows(monkeypatch):
 
 
 @triton.jit
-def _key_range(q, q_idx, k_ptr, v_ptr, lo, hi, seqlen_q, seqlen_k,
+def _key_range(q, q_idx, qk_scale, k_ptr, v_ptr, lo, hi, seqlen_q, seqlen_k,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     m, d = empty_state(BLOCK_M)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     return fa._attend_kv_tiles(
-        acc, m, d, q, q_idx, k_ptr, v_ptr, D, D, lo, hi, seqlen_q, seqlen_k, D, None, 0, 0,
-        BLOCK_N, D, True, True, False, False, False, True, False, "ieee", False,
+        acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, D, D, lo, hi, seqlen_q, seqlen_k, D, None, 0, 0,
+        BLOCK_N, D, True, 1.0, True, False, False, False, True, False, "ieee", False,
     )
 
 
@@ -300,10 +301,11 @@ def _key_range(q, q_idx, k_ptr, v_ptr, lo, hi, seqlen_q, seqlen_k,
 def _two_ranges_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seqlen_q, seqlen_k, split, qk_scale,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     # What a split-K/V kernel does: the loop helper on two key ranges, states merged with the core's merge.
-    q = fa._load_tile(q_ptr, 0, seqlen_q, D, D, BLOCK_M, D, True, True, False) * qk_scale
+    q = fa._load_tile(q_ptr, 0, seqlen_q, D, D, BLOCK_M, D, True, True, False)
     q_idx = tl.cast(tl.arange(0, BLOCK_M), tl.int64)
-    acc_a, m_a, d_a = _key_range(q, q_idx, k_ptr, v_ptr, 0, split, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, D)
-    acc_b, m_b, d_b = _key_range(q, q_idx, k_ptr, v_ptr, split, seqlen_k, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, D)
+    acc_a, m_a, d_a = _key_range(q, q_idx, qk_scale, k_ptr, v_ptr, 0, split, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, D)
+    acc_b, m_b, d_b = _key_range(q, q_idx, qk_scale, k_ptr, v_ptr, split, seqlen_k, seqlen_q, seqlen_k,
+                                 BLOCK_M, BLOCK_N, D)
     m, d = merge_states(m_a, d_a, m_b, d_b, 1.0)
     acc = acc_a * rescale_factor(m_a, m, 1.0)[:, None] + acc_b * rescale_factor(m_b, m, 1.0)[:, None]
     rows = tl.arange(0, BLOCK_M)
@@ -316,8 +318,8 @@ def test_kv_loop_on_sub_ranges(split):
     # The K/V loop helper takes a key range and the running state: a split-K/V kernel's building block.
     q, k, v = (t[0, 0].contiguous() for t in qkv(1, 1, 12, 50, 32, dtype=torch.float32))
     o = torch.empty_like(q)
-    qk_scale = math.log2(math.e) / math.sqrt(32)  # base-2 units, as the attention kernel's q
-    _two_ranges_kernel[(1,)](q, k, v, o, 12, 50, split, qk_scale, BLOCK_M=16, BLOCK_N=16, D=32)
+    qk_scale = math.log2(math.e) / math.sqrt(32)  # base-2 units, as the attention kernel scales its scores
+    launch(_two_ranges_kernel, (1,), (q, k, v, o, 12, 50, split, qk_scale), BLOCK_M=16, BLOCK_N=16, D=32)
     ref = attention_ref(q[None, None], k[None, None], v[None, None], causal=True)[0, 0]
     torch.testing.assert_close(o.double(), ref, atol=1e-5, rtol=1e-5)
 

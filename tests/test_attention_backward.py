@@ -17,7 +17,7 @@ import flashlite.attention as fa
 import flashlite.attention_backward as fb
 from flashlite.attention import AttentionConfig, flash_attention
 
-from .utils import assert_attention_close, attention_ref, randn
+from .utils import assert_attention_close, attention_grads_ref as grads_ref, attention_ref, randn
 
 TILES_16 = AttentionConfig(16, 16, 4, 1)
 BWD_TILES_16 = fb.BackwardConfig(TILES_16, TILES_16)
@@ -36,17 +36,6 @@ def qkv(b, h, lq, lk, d, dtype=torch.float32, h_kv=None):
     h_kv = h if h_kv is None else h_kv
     return (randn(b, h, lq, d, dtype=dtype, requires_grad=True), randn(b, h_kv, lk, d, dtype=dtype, requires_grad=True),
             randn(b, h_kv, lk, d, dtype=dtype, requires_grad=True))
-
-
-def grads_ref(q, k, v, do, dtype=torch.float64, **kw):
-    """dq, dk, dv (and d attn_mask if it requires grad) by autograd of ``attention_ref`` in ``dtype``."""
-    inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    mask = kw.pop("attn_mask", None)
-    if mask is not None and mask.requires_grad:
-        mask = mask.detach().to(dtype).requires_grad_()
-        inputs.append(mask)
-    out = attention_ref(*inputs[:3], attn_mask=mask, dtype=dtype, **kw)
-    return torch.autograd.grad(out, inputs, do.to(out.dtype))
 
 
 def check_grads(q, k, v, do=None, **kw):

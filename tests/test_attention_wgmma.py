@@ -61,14 +61,14 @@ def test_eligible_calls(hopper):
     for head_dim in (64, 128):
         for dtype in (torch.float16, torch.bfloat16):
             q, k, v = map(_on_hopper, _qkv(head_dim, dtype))
-            assert fw.wgmma_eligible(q, k, v, has_mask=False)
+            assert fw.wgmma_eligible(q, k, v, has_mask=False, scale=0.1)
     # A (B, L, H, D) tensor viewed as (B, H, L, D): strides TMA accepts, no copy needed.
     q = _on_hopper(torch.randn(2, 100, 4, 128, dtype=torch.bfloat16).transpose(1, 2))
-    assert fw.wgmma_eligible(q, q, q, has_mask=False)
+    assert fw.wgmma_eligible(q, q, q, has_mask=False, scale=0.1)
 
 
 @pytest.mark.parametrize("case", ["cpu", "mask", "fp32", "head_dim_80", "empty_q", "empty_k", "misaligned",
-                                  "not_hopper", "switched_off"])
+                                  "not_hopper", "switched_off", "zero_scale", "negative_scale"])
 def test_calls_left_to_the_tl_kernel(hopper, monkeypatch, case):
     head_dim = 80 if case == "head_dim_80" else 128
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
@@ -83,13 +83,14 @@ def test_calls_left_to_the_tl_kernel(hopper, monkeypatch, case):
             monkeypatch.setattr(module, "device_info", lambda device: blackwell)
     if case == "switched_off":
         monkeypatch.setenv("FLASHLITE_WGMMA", "0")
-    assert not fw.wgmma_eligible(q, k, v, has_mask=case == "mask")
+    scale = {"zero_scale": 0.0, "negative_scale": -0.1}.get(case, 0.1)  # masked scores stay -inf only under > 0
+    assert not fw.wgmma_eligible(q, k, v, has_mask=case == "mask", scale=scale)
 
 
 def test_attention_forward_dispatch(monkeypatch):
     """Eligible calls without forced tiles go to the Hopper kernel with their own arguments; forced tiles never do."""
     calls = []
-    monkeypatch.setattr(fa, "wgmma_eligible", lambda q, k, v, has_mask: not has_mask)
+    monkeypatch.setattr(fa, "wgmma_eligible", lambda q, k, v, has_mask, scale: not has_mask)
     monkeypatch.setattr(fa, "attention_forward_wgmma", lambda *args: calls.append(args) or ("o", "lse"))
     q, k, v = _qkv(64, torch.float32, 17, 33, kv_heads=4)
     assert fa.attention_forward(q, k, v, True, 0.5, None, False, True) == ("o", "lse")

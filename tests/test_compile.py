@@ -177,6 +177,12 @@ OPCHECK_CASES = {
         (randn(1, 2, 5, 16, requires_grad=True), randn(1, 1, 7, 16, requires_grad=True),
          randn(1, 1, 7, 16, requires_grad=True), True, 0.25, torch.rand(1, 1, 5, 7) > 0.3, None, None),
     ),
+    # An additive mask that wants its gradient: the op also returns each row's (m, log d).
+    "flash_attention_additive": lambda: (
+        torch.ops.flashlite.flash_attention,
+        (randn(1, 2, 5, 16, requires_grad=True), randn(1, 1, 7, 16, requires_grad=True),
+         randn(1, 1, 7, 16, requires_grad=True), False, 0.25, randn(1, 2, 5, 7, requires_grad=True), None, None),
+    ),
 }
 
 

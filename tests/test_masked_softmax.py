@@ -109,11 +109,12 @@ def test_nan_and_inf_scores():
     x = randn(1, 2, 4, 6)
     mask = bool_mask((4, 6))
     mask[0] = True
-    x[0, 0, 0, 2] = float("nan")  # NaN in a visible score: its row is NaN, as in torch
+    x[0, 0, 0, 2] = float("nan")  # NaN in a visible score: its row is NaN where visible, as in torch
     x[0, 0, 1, :] = float("-inf")  # a row of -inf scores, unmasked: empty, zeros
     x[0, 1, 0, 5] = float("nan")  # NaN where causal masking hides it (query 0 sees keys 0..2) does not leak
     y = masked_softmax(x, mask, causal=True)
-    assert torch.isnan(y[0, 0, 0]).all()
+    visible = mask[0] & torch.ones(4, 6, dtype=torch.bool).tril(2)[0]
+    assert torch.isnan(y[0, 0, 0, visible]).all() and (y[0, 0, 0, ~visible] == 0).all()  # hidden: exactly 0
     assert (y[0, 0, 1] == 0).all()
     assert not torch.isnan(y[0, 1]).any()
     ref = masked_softmax_ref(x.nan_to_num(nan=0.0), mask, causal=True)

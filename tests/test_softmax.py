@@ -299,12 +299,13 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, head_group_n, 
     y = torch.full_like(x, float("nan"))
     lse = torch.full((n_rows,), float("nan"))
     clear = torch.randint(1, 1 << 40, (37,))  # what an earlier launch published: zeroed for the next one
-    fs._softmax_shared_rows_kernel[(n_parts,)](
-        x, y, lse, slots, clear, 35, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
-        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="", PARTS_POW2=n_parts,
-        HAS_HEAD=head_cols > 0,
-        PREFETCH=prefetch, VEC_COLS=1, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=8,
-    )
+    with _runtime.quiet_interpreter():  # the test's own launch: as flashlite's
+        fs._softmax_shared_rows_kernel[(n_parts,)](
+            x, y, lse, slots, clear, 35, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
+            BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="", PARTS_POW2=n_parts,
+            HAS_HEAD=head_cols > 0,
+            PREFETCH=prefetch, VEC_COLS=1, EVEN_COLS=even, WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=8,
+        )
     assert_close(y, softmax_ref(x))
     assert_close(lse, torch.logsumexp(x.double(), -1))
     assert (clear[:35] == 0).all() and (clear[35:] != 0).all()  # n_clear slots over 4 programs, 8 a turn
@@ -337,13 +338,14 @@ def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts, head_gro
     y = torch.full_like(x, float("nan"))
     lse = torch.full((n_rows,), float("nan"))
     slots = _host_packed(part_m.flatten(), part_d.flatten())
-    fs._softmax_shared_rows_kernel[(n_parts,)](
-        x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
-        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="evict_last",
-        PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True,
-        PREFETCH=fs.PREFETCH_NONE, VEC_COLS=1, EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
-        CLEAR_BLOCK=16,
-    )
+    with _runtime.quiet_interpreter():  # the test's own launch: as flashlite's
+        fs._softmax_shared_rows_kernel[(n_parts,)](
+            x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
+            BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="evict_last",
+            PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True,
+            PREFETCH=fs.PREFETCH_NONE, VEC_COLS=1, EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
+            CLEAR_BLOCK=16,
+        )
     assert_close(y, softmax_ref(x))
     assert_close(lse, torch.logsumexp(x.double(), -1))
 
@@ -395,14 +397,15 @@ def test_shared_rows_kernel_reads_unaligned_rows_from_their_first_boundary(dtype
     y_frame = torch.full((base_lead + n_rows * (n_cols + gap),), float("nan"), dtype=out_dtype)
     y = y_frame[base_lead:].view(n_rows, n_cols + gap)
     lse = torch.full((n_rows,), float("nan"))
-    fs._softmax_shared_rows_kernel[(n_parts,)](
-        x_frame, y_frame, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, base_lead, x.stride(0),
-        x.stride(1), y.stride(0),
-        BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="",
-        PARTS_POW2=triton.next_power_of_2(n_parts),
-        HAS_HEAD=head_cols > 0, PREFETCH=fs.PREFETCH_NONE, VEC_COLS=vec_cols, EVEN_COLS=False,
-        WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=16,
-    )
+    with _runtime.quiet_interpreter():  # the test's own launch: as flashlite's
+        fs._softmax_shared_rows_kernel[(n_parts,)](
+            x_frame, y_frame, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, base_lead, x.stride(0),
+            x.stride(1), y.stride(0),
+            BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="",
+            PARTS_POW2=triton.next_power_of_2(n_parts),
+            HAS_HEAD=head_cols > 0, PREFETCH=fs.PREFETCH_NONE, VEC_COLS=vec_cols, EVEN_COLS=False,
+            WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=16,
+        )
     assert_close(y[:, :n_cols], softmax_ref(x))
     assert y[:, n_cols:].isnan().all() and y_frame[:base_lead].isnan().all()
     assert_close(lse, torch.logsumexp(x.double(), -1))
@@ -569,7 +572,7 @@ def test_repeated_calls_repeat_the_first_launch(monkeypatch):
     def interpreted_launcher(kernel, grid, args, **meta):
         def run(new_args):
             repeats.append(grid)
-            kernel[grid](*new_args, **meta)
+            _runtime.launch(kernel, grid, new_args, **meta)
         return run
 
     monkeypatch.setattr(fs, "compiled_launcher", interpreted_launcher)

@@ -123,7 +123,7 @@ def test_static_cache_prefill(monkeypatch):
 def test_float_mask_is_an_additive_bias():
     # A 4-D float mask (0 or the dtype's minimum, as transformers < 4.53 builds it), one key longer
     # than K (cut to Lk), with a query row that sees no key: the same as the boolean mask on the
-    # other rows, and finite (zeros) on that one.
+    # other rows, and on that one what SDPA gives under the same bias (finite: the mean of the values).
     q = torch.randn(2, 4, 6, 16)
     k, v = (torch.randn(2, 2, 7, 16) for _ in range(2))
     keep = torch.rand(2, 1, 6, 8) > 0.3
@@ -134,8 +134,12 @@ def test_float_mask_is_an_additive_bias():
     out_float, _ = fl_hf.attention_forward(module, q, k, v, bias)
     out_bool, _ = fl_hf.attention_forward(module, q, k, v, keep)
     assert torch.isfinite(out_float).all()
-    torch.testing.assert_close(out_float, out_bool, atol=1e-5, rtol=1e-5)
-    assert out_float[0, 2].abs().max() == 0
+    visible = torch.ones(2, 6, dtype=torch.bool)
+    visible[0, 2] = False
+    torch.testing.assert_close(out_float[visible], out_bool[visible], atol=1e-5, rtol=1e-5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=bias[..., :7])
+    torch.testing.assert_close(out_float, sdpa.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
 def test_unsupported_arguments():

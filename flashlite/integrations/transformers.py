@@ -32,7 +32,8 @@ That builder gives
 
 A float mask (additive, 0 or the dtype's minimum: what transformers < 4.53
 builds for a custom name, or a user's 4-D mask) is passed through as an additive
-bias; rows masked with the minimum everywhere come out finite too.
+bias; a row masked with the minimum everywhere gives what SDPA gives there (the
+mean of the values: the scores are lost to the bias's rounding).
 """
 
 from __future__ import annotations

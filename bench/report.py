@@ -1,0 +1,125 @@
+"""Headline tables from a results folder's JSON, for the README and the folder's own README.md (no GPU needed).
+
+    python bench/report.py [DIR]            # print the tables (default bench/results/h200)
+    python bench/report.py [DIR] --write    # also write DIR/README.md
+
+Each table keeps flashlite's column, the peers', the ratio to the best peer
+and the fraction of the ceiling measured in the same run (the files' meta:
+copy bandwidth, matrix rate). Missing files are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _fmt(value, digits: int = 0) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if digits else f"{value:.0f}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell if isinstance(cell, str) else _fmt(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _load(folder: str, name: str) -> dict | None:
+    path = os.path.join(folder, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+
+
+def softmax_table(data: dict) -> str:
+    rows = [[_short(r["dtype"]), f"{r['M']} × {r['N']}", r["flashlite"], f"{r['frac_copy']:.0%}", r["torch"],
+             r["compile"], f"{r['x_best_peer']:.2f}"] for r in data["rows"]]
+    return _table(["dtype", "M × N", "flashlite GB/s", "% of copy", "torch.softmax", "torch.compile",
+                   "× best peer"], rows)
+
+
+def attention_table(data: dict) -> str:
+    rows = [[r["D"], "yes" if r["causal"] else "no", r["L"], r["flashlite"], f"{r['frac_matmul']:.0%}", r["flash"],
+             r["cudnn"], f"{r['x_flash']:.2f}", f"{r['x_cudnn']:.2f}"] for r in data["rows"]]
+    return _table(["D", "causal", "L", "flashlite TFLOP/s", "% of matmul", "SDPA flash", "SDPA cuDNN", "× flash",
+                   "× cuDNN"], rows)
+
+
+def backward_table(data: dict) -> str:
+    rows = [[r["D"], "yes" if r["causal"] else "no", r["L"], r["flashlite_bwd"], r["flash_bwd"], r["cudnn_bwd"],
+             f"{r['x_flash_bwd']:.2f}", f"{r['x_cudnn_bwd']:.2f}"] for r in data["rows"]]
+    return _table(["D", "causal", "L", "flashlite TFLOP/s", "SDPA flash", "SDPA cuDNN", "× flash", "× cuDNN"], rows)
+
+
+def masked_table(data: dict) -> str:
+    rows = [[r["mask"], _short(r["dtype"]), f"{r['B']}×{r['H']}×{r['L']}²", r["flashlite"], f"{r['frac_copy']:.0%}",
+             r["torch"], r["compile"], f"{r['x_compile']:.2f}"] for r in data["rows"]]
+    return _table(["mask", "dtype", "scores", "flashlite GB/s", "% of copy", "PyTorch chain", "torch.compile",
+                   "× compile"], rows)
+
+
+def decode_table(data: dict) -> str:
+    rows = []
+    for r in data["rows"]:
+        best = max((r[p] for p in ("flash", "cudnn") if r.get(p)), default=None)
+        rows.append([r["B"], r["H_kv"], r["Lk"], r["flashlite_us"], r["flashlite"], f"{r['frac_copy']:.0%}",
+                     r["flash"], r["cudnn"], f"{r['flashlite'] / best:.2f}" if best else "—"])
+    return _table(["B", "H_kv", "Lk", "flashlite µs", "flashlite GB/s", "% of copy", "SDPA flash", "SDPA cuDNN",
+                   "× faster SDPA"], rows)
+
+
+SECTIONS = [
+    ("softmax", "Softmax (`bench/softmax.py`): GB/s, one read and one write", softmax_table),
+    ("attention", "Attention forward (`bench/attention.py`): TFLOP/s, bf16, H = 16, B·L = 16K", attention_table),
+    ("attention_backward", "Attention backward (`bench/attention.py --backward`): TFLOP/s (2.5× the forward's FLOPs)",
+     backward_table),
+    ("masked_softmax", "Masked softmax (`bench/masked_softmax.py`): effective GB/s", masked_table),
+    ("decode", "Decoding (`bench/decode.py`): Lq = 1, bf16, H = 32, D = 128, K/V GB/s (CUDA graph)", decode_table),
+]
+
+
+def report(folder: str, heading: str = "###", link_prefix: str = "") -> str:
+    parts = []
+    for name, title, table in SECTIONS:
+        data = _load(folder, name)
+        if data is None:
+            continue
+        meta = data["meta"]
+        ceiling = (f"copy {meta['copy_gbs']:.0f} GB/s" if "copy_gbs" in meta else
+                   f"copy {meta['copy_GBs']:.0f} GB/s" if "copy_GBs" in meta else
+                   f"bf16 matmul {meta['matmul_tflops_bf16']:.0f} TFLOP/s")
+        parts.append(f"{heading} {title}\n\n{meta['gpu']}, {meta['date']}, {ceiling} measured in the same run "
+                     f"([`{name}.json`]({link_prefix}{name}.json)).\n\n{table(data)}\n")
+    return "\n".join(parts)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", nargs="?", default=os.path.join(HERE, "results", "h200"))
+    parser.add_argument("--write", action="store_true", help="also write FOLDER/README.md")
+    parser.add_argument("--link-prefix", default="", help="prefix of the JSON links (the README: bench/results/h200/)")
+    args = parser.parse_args(argv)
+    text = report(args.folder, link_prefix=args.link_prefix)
+    print(text)
+    if args.write:
+        with open(os.path.join(args.folder, "README.md"), "w") as f:
+            f.write("# Results on this GPU\n\nGenerated from the JSON files beside this one by `python bench/report.py "
+                    f"{os.path.relpath(args.folder, os.path.dirname(HERE))} --write`; each table's file says how it "
+                    "was measured (its meta) and `bench/headline.sh` made them. TUNING.md holds the measurements "
+                    "behind the tuning tables.\n\n" + report(args.folder, "##"))
+
+
+if __name__ == "__main__":
+    main()
