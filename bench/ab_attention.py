@@ -21,6 +21,7 @@ import math
 import os
 import statistics
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -34,16 +35,28 @@ LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 ROUNDS = 3  # alternating rounds a shape (--rounds)
 
 
+def attention_api(package: str) -> SimpleNamespace:
+    """``flash_attention``, ``attention_forward`` and ``default_config`` of the flashlite tree ``package`` (``flashlite``
+    or ``flashlite_base``), wherever its layout keeps them: the ``attention`` package's ``api`` and ``plan``
+    modules, or (a baseline from before the package was split into subpackages) one ``attention`` module."""
+    try:
+        api = importlib.import_module(f"{package}.attention.api")
+        plan = importlib.import_module(f"{package}.attention.plan")
+    except ModuleNotFoundError:  # 'flashlite_base.attention' is not a package: the flat layout
+        api = plan = importlib.import_module(f"{package}.attention")
+    return SimpleNamespace(flash_attention=api.flash_attention, attention_forward=api.attention_forward,
+                           default_config=plan.default_config)
+
+
 def trees(baseline_dir: str) -> dict:
-    """``{"base": attention module, "new": attention module}``; the baseline from ``baseline_dir/flashlite_base``."""
+    """``{"base": attention_api, "new": attention_api}``; the baseline from ``baseline_dir/flashlite_base``."""
     sys.path.insert(0, baseline_dir)
     import flashlite  # noqa: F401  (the working tree, with its ops registered)
 
-    return {"base": importlib.import_module("flashlite_base.attention"),
-            "new": importlib.import_module("flashlite.attention")}
+    return {"base": attention_api("flashlite_base"), "new": attention_api("flashlite")}
 
 
-def forward_call(module, q, k, v, causal: bool, tl_kernel: bool):
+def forward_call(module: SimpleNamespace, q, k, v, causal: bool, tl_kernel: bool):
     """One tree's forward, as ``flash_attention`` runs it, or its tl kernel forced on that kernel's own tiles."""
     scale = 1 / math.sqrt(q.shape[3])
     if tl_kernel:

@@ -12,18 +12,19 @@ calls exceed when the host's launch cost shows. Modes:
 
     python bench/attention.py            # full sweep -> bench/results/<gpu>/attention.{json,md,png}
     python bench/attention.py --quick    # L in {1024, 8192} only
-    python bench/attention.py --check    # GPU correctness against float64, poisoned memory, all head dims
-    python bench/attention.py --check --quick   # the same on four head dims and two length pairs
     python bench/attention.py --tune     # time tile configs at L = 4096 and print the table
     python bench/attention.py --tune-wgmma   # time the Hopper (Gluon) kernel's tile configs
     python bench/attention.py --backward # bwd and fwd+bwd TFLOP/s vs SDPA flash/cuDNN -> attention_backward.*
+
+GPU correctness (float64 references, poisoned memory, every head dim and kernel) is pytest's
+(pytest -m gpu): tests/test_gpu_attention.py, tests/test_gpu_decode.py and tests/test_gpu_backward.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
+import functools
 import math
 import os
 import statistics
@@ -36,11 +37,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-fa = importlib.import_module("flashlite.attention")  # the module; flash_attention is its public function
-fw = importlib.import_module("flashlite.attention_wgmma")
+import flashlite  # noqa: E402
+from flashlite.attention.api import attention_forward  # noqa: E402
+from flashlite.attention.forward_hopper import attention_forward_hopper  # noqa: E402
+from flashlite.attention.plan import default_config, wgmma_config  # noqa: E402
+from flashlite.attention.tuning import AttentionConfig, WgmmaConfig  # noqa: E402
 from common import (  # noqa: E402
-    environment, graph_time_ms, markdown_table, matmul_tflops, plot_lines, poison_allocator, results_dir, tflops,
-    time_ms, write_results,
+    environment, graph_time_ms, markdown_table, matmul_tflops, plot_lines, results_dir, tflops, time_ms, write_results,
 )
 
 HEADS = 16
@@ -115,7 +118,7 @@ def providers(causal: bool) -> dict:
     """name -> fn(q, k, v) for every provider; each SDPA backend pinned with sdpa_kernel."""
     from torch.nn.attention import sdpa_kernel
 
-    provs = {"flashlite": lambda q, k, v: fa.flash_attention(q, k, v, causal=causal),
+    provs = {"flashlite": lambda q, k, v: flashlite.flash_attention(q, k, v, causal=causal),
              "flashlite_tl": lambda q, k, v: tl_kernel_forward(q, k, v, causal)}
     for name, backend in sdpa_backends().items():
         def run(q, k, v, backend=backend):
@@ -128,8 +131,8 @@ def providers(causal: bool) -> dict:
 
 def tl_kernel_forward(q, k, v, causal: bool):
     """flashlite's ``triton.language`` kernel alone, on its own tiles (the calls the Hopper kernel does not take)."""
-    config = fa.default_config(q.shape[3], q.dtype, q.device, causal, k.shape[2])
-    return fa.attention_forward(q, k, v, causal, 1 / math.sqrt(q.shape[3]), None, False, False, config)[0]
+    config = default_config(q.shape[3], q.dtype, q.device, causal, k.shape[2])
+    return attention_forward(q, k, v, causal, 1 / math.sqrt(q.shape[3]), None, False, False, config)[0]
 
 
 def make_qkv(batch: int, length: int, head_dim: int, dtype=torch.bfloat16):
@@ -142,9 +145,9 @@ def measure(length: int, head_dim: int, causal: bool, ceiling: float) -> dict:
     flops = attention_flops(batch, HEADS, length, length, head_dim, causal)
     row = {"D": head_dim, "causal": causal, "L": length, "B": batch}
     for name, fn in providers(causal).items():
-        row[name] = tflops(flops, measure_ms(lambda: fn(q, k, v)))
+        row[name] = tflops(flops, measure_ms(functools.partial(fn, q, k, v)))
     try:  # the same call replayed from a CUDA graph: its device time, without the host's launch cost
-        row["flashlite_graph"] = tflops(flops, graph_time_ms(lambda: fa.flash_attention(q, k, v, causal=causal)))
+        row["flashlite_graph"] = tflops(flops, graph_time_ms(functools.partial(flashlite.flash_attention, q, k, v, causal=causal)))
     except (torch.OutOfMemoryError, RuntimeError):
         row["flashlite_graph"] = None
     mine = row["flashlite"]
@@ -179,7 +182,7 @@ def measure_memory(length: int, head_dim: int) -> dict:
     provs = providers(False)
     row = {"D": head_dim, "L": length, "B": batch, "inputs_MB": 3 * q.numel() * q.element_size() / 2**20}
     for name in ("flashlite", "flash", "naive"):
-        row[f"{name}_MB"] = peak_memory_mb(lambda: provs[name](q, k, v))
+        row[f"{name}_MB"] = peak_memory_mb(functools.partial(provs[name], q, k, v))
     del q, k, v
     torch.cuda.empty_cache()
     return row
@@ -270,14 +273,14 @@ def measure_backward(length: int, head_dim: int, causal: bool, ceiling: float) -
     row = {"D": head_dim, "causal": causal, "L": length, "B": batch}
     provs = providers(causal)
     for name in ("flashlite",) + BACKWARD_PEERS:
-        def fwd_bwd(fn=provs[name]):
-            return torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+        def fwd_bwd(fn=provs[name], inputs=(q, k, v), do=do):
+            return torch.autograd.grad(fn(*inputs), inputs, do)
         try:
             out = provs[name](q, k, v)
         except RuntimeError:  # backend unavailable for this shape
             row[f"{name}_bwd"] = row[f"{name}_fwdbwd"] = None
             continue
-        row[f"{name}_bwd"] = tflops(bwd, measure_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)))
+        row[f"{name}_bwd"] = tflops(bwd, measure_ms(functools.partial(torch.autograd.grad, out, (q, k, v), do, retain_graph=True)))
         row[f"{name}_fwdbwd"] = tflops(fwd + bwd, measure_ms(fwd_bwd))
         del out
     mine = row["flashlite_bwd"]
@@ -318,129 +321,6 @@ def run_backward(args) -> None:
     plot_lines(os.path.join(out, "attention_backward.png"), panels)
 
 
-# ----------------------------------------------------------------------------- --check
-
-
-def poisoned(shape: tuple, dtype: torch.dtype, layout: str, pad_rows: int = 5, pad_dim: int = 8) -> torch.Tensor:
-    """Fresh normal data, shape (B, H, L, D), as a view into a NaN-filled buffer.
-
-    ``contiguous``: rows padded by ``pad_rows`` and the head dim by ``pad_dim`` NaN
-    columns, so any read past L or D poisons the output. ``blhd``: a (B, L, H, D)
-    buffer transposed. Every layout keeps the head dim at stride 1.
-    """
-    b, h, l, d = shape
-    if layout == "blhd":
-        buf = torch.full((b, l + pad_rows, h, d + pad_dim), float("nan"), device="cuda", dtype=dtype)
-        view = buf[:, :l, :, :d].transpose(1, 2)
-    else:
-        buf = torch.full((b, h, l + pad_rows, d + pad_dim), float("nan"), device="cuda", dtype=dtype)
-        view = buf[:, :, :l, :d]
-    view.copy_(torch.randn(shape, device="cuda", dtype=torch.float32))
-    return view
-
-
-def check_cases(quick: bool = False) -> list[dict]:
-    """The GPU correctness cases: odd lengths, GQA/MQA, every head dim class, masks, layouts, dtypes."""
-    cases = []
-    head_dims = (64, 80, 128, 256) if quick else (16, 32, 64, 80, 96, 128, 160, 192, 256)
-    lengths = ((1, 4099), (2047, 2049)) if quick else ((1, 4099), (1000, 1000), (4099, 17), (2047, 2049))
-    for d in head_dims:
-        for lq, lk in lengths:
-            for causal in (False, True):
-                cases.append(dict(b=2, h=4, h_kv=4, lq=lq, lk=lk, d=d, causal=causal))
-    for d in (64, 128):
-        for causal in (False, True):
-            cases.append(dict(b=1, h=8, h_kv=2, lq=4096, lk=4096, d=d, causal=causal))  # GQA
-            cases.append(dict(b=2, h=8, h_kv=1, lq=333, lk=3000, d=d, causal=causal, layout="blhd"))  # MQA
-            cases.append(dict(b=2, h=4, h_kv=4, lq=1500, lk=1500, d=d, causal=causal, mask="key_padding"))
-            cases.append(dict(b=2, h=4, h_kv=4, lq=700, lk=900, d=d, causal=causal, mask="additive"))
-            cases.append(dict(b=1, h=4, h_kv=4, lq=500, lk=600, d=d, causal=causal, mask="empty_rows"))
-            cases.append(dict(b=2, h=4, h_kv=2, lq=1000, lk=1000, d=d, causal=causal, dtype=torch.float16))
-    cases.append(dict(b=1, h=2, h_kv=2, lq=300, lk=257, d=128, causal=True, dtype=torch.float32))
-    cases.append(dict(b=1, h=2, h_kv=1, lq=129, lk=400, d=80, causal=False, dtype=torch.float32, mask="key_padding"))
-    return cases
-
-
-def make_mask(kind: str | None, b: int, h: int, lq: int, lk: int) -> torch.Tensor | None:
-    if kind is None:
-        return None
-    if kind == "key_padding":  # (B, 1, 1, Lk) bool: each sequence keeps a prefix
-        lengths = torch.randint(1, lk + 1, (b,), device="cuda")
-        return (torch.arange(lk, device="cuda")[None, :] < lengths[:, None]).view(b, 1, 1, lk)
-    if kind == "additive":  # (B, H, Lq, Lk) float bias
-        return torch.randn(b, h, lq, lk, device="cuda") * 2
-    mask = torch.rand(b, h, lq, lk, device="cuda") > 0.5  # empty_rows: random keep, some rows see nothing
-    mask[:, :, ::7] = False
-    return mask
-
-
-def run_check(args) -> None:
-    from tests.utils import ATTN_ATOL, attention_ref
-
-    failures = 0
-    variants = {"default": None}
-    t_start = time.time()
-    for case in check_cases(args.quick):
-        b, h, h_kv, lq, lk, d = (case[key] for key in ("b", "h", "h_kv", "lq", "lk", "d"))
-        dtype, causal, layout = case.get("dtype", torch.bfloat16), case["causal"], case.get("layout", "contiguous")
-        q = poisoned((b, h, lq, d), dtype, layout)
-        k, v = (poisoned((b, h_kv, lk, d), dtype, layout) for _ in range(2))
-        mask = make_mask(case.get("mask"), b, h, lq, lk)
-        kw = dict(causal=causal, attn_mask=mask)
-        mask_view, is_bool = fa._check_inputs(q, k, v, mask)
-        base = fa.default_config(d, dtype, q.device, causal, lk, mask is not None)  # the call's own tiles
-        runs = dict(variants)
-        if d in (64, 80, 128) and dtype != torch.float32:  # the other load path and the persistent grid too
-            runs["pointers" if base.use_tma else "tma"] = dataclasses.replace(base, use_tma=not base.use_tma)
-            runs["persistent"] = dataclasses.replace(base, persistent=True)
-        if d == 64 and dtype != torch.float32 and mask is not None:  # square TMA boxes: tma_safe's fallback
-            runs["square"] = fa._SHORT_WORK_CONFIGS[64]
-        if mask is None and dtype == torch.bfloat16:  # the same shapes at another scale: never the first call's
-            runs["scale 0.05"] = None
-        refs = {}
-        for variant, config in runs.items():
-            scale = 0.05 if variant == "scale 0.05" else 1 / math.sqrt(d)
-            if scale not in refs:
-                ref, ref_lse = attention_ref(q, k, v, scale=scale, return_lse=True, **kw)
-                torch_err = (attention_ref(q, k, v, scale=scale, dtype=dtype, **kw).double() - ref).abs().max().item()
-                refs[scale] = ref, ref_lse, 2 * torch_err + ATTN_ATOL[dtype]
-            ref, ref_lse, tol = refs[scale]
-            poison_allocator()
-            if config is None:
-                out, lse = fa.flash_attention(q, k, v, scale=scale, return_lse=True, **kw)
-            else:
-                out, lse = fa.attention_forward(q, k, v, causal, scale, mask_view, is_bool, True, config)
-            err = (out.double() - ref).abs().max().item()
-            finite = torch.isfinite(ref_lse)
-            lse_err = (lse.double() - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
-            lse_ok = bool((lse[~finite] == float("-inf")).all())
-            ok = err <= tol and lse_err <= 2e-2 and lse_ok  # NaN fails every comparison
-            failures += not ok
-            name = (f"{str(dtype)[6:]:8} B={b} H={h}/{h_kv} Lq={lq:5} Lk={lk:5} D={d:3} causal={causal!s:5} "
-                    f"{layout:10} mask={case.get('mask')!s:11} {variant:10}")
-            print(f"{'ok ' if ok else 'BAD'} {name} err {err:.1e} (tol {tol:.1e}) lse err {lse_err:.1e}", flush=True)
-        del q, k, v, mask, refs, ref, ref_lse
-    # The longest length: 1024 query tiles a head, 1024 to 2048 key tiles a row; a few rows against fp32.
-    for causal in (False, True):
-        q, k, v = make_qkv(1, 131072, 128)
-        q, k, v = q[:, :2], k[:, :2], v[:, :2]
-        out = fa.flash_attention(q, k, v, causal=causal)
-        rows = torch.tensor([0, 4097, 131071], device="cuda")
-        ref = attention_ref(q[:, :, rows].float(), k.float(), v.float(), dtype=torch.float32)
-        if causal:  # only keys up to each row's index count
-            ref = torch.stack([attention_ref(q[:, :, r:r + 1].float(), k[:, :, :r + 1].float(), v[:, :, :r + 1].float(),
-                                             dtype=torch.float32)[:, :, 0] for r in rows.tolist()], dim=2)
-        err = (out[:, :, rows].float() - ref).abs().max().item()
-        ok = err <= 2e-2
-        failures += not ok
-        print(f"{'ok ' if ok else 'BAD'} L=131072 causal={causal}: err {err:.1e} (tol 2e-2)", flush=True)
-        del q, k, v, out
-        torch.cuda.empty_cache()
-    print(f"\n{failures} failure(s) in {time.time() - t_start:.0f}s")
-    if failures:
-        sys.exit(1)
-
-
 # ----------------------------------------------------------------------------- --tune
 
 
@@ -455,10 +335,10 @@ def tune_configs(head_dim: int) -> list:
     shapes = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),
               (64, 128, 4, 2)]
     shapes += [(128, 128, 4, 3), (64, 128, 4, 3)] if head_dim <= 64 else [(128, 64, 8, 4)]
-    configs = [fa.AttentionConfig(bm, bn, w, s, use_tma=tma) for bm, bn, w, s in shapes for tma in (True, False)]
-    configs += [dataclasses.replace(fa.default_config(head_dim, torch.bfloat16, torch.device("cuda")), persistent=True),
-                fa.AttentionConfig(128, 64, 8, 3, use_tma=True, persistent=True),
-                fa.AttentionConfig(64, 64, 4, 2, use_tma=True, persistent=True)]
+    configs = [AttentionConfig(bm, bn, w, s, use_tma=tma) for bm, bn, w, s in shapes for tma in (True, False)]
+    configs += [dataclasses.replace(default_config(head_dim, torch.bfloat16, torch.device("cuda")), persistent=True),
+                AttentionConfig(128, 64, 8, 3, use_tma=True, persistent=True),
+                AttentionConfig(64, 64, 4, 2, use_tma=True, persistent=True)]
     return list(dict.fromkeys(configs))
 
 
@@ -475,14 +355,13 @@ def run_tune(args) -> None:
             peers = {}
             for name, backend in sdpa_backends().items():
                 with sdpa_kernel(backend):
-                    peers[name] = tflops(flops, measure_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+                    peers[name] = tflops(flops, measure_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal)))
             print(f"\nD={head_dim} causal={causal} L={length} B={batch} H={HEADS}: SDPA "
                   + "  ".join(f"{n} {p:.0f}" for n, p in peers.items() if p) + " TFLOP/s", flush=True)
-            default = fa.default_config(head_dim, q.dtype, q.device, causal, length)
+            default = default_config(head_dim, q.dtype, q.device, causal, length)
             results = []
             for config in tune_configs(head_dim):
-                def run(c=config):
-                    return fa.attention_forward(q, k, v, causal, 1 / math.sqrt(head_dim), None, False, False, c)
+                run = functools.partial(attention_forward, q, k, v, causal, 1 / math.sqrt(head_dim), None, False, False, config)
 
                 t0 = time.time()
                 try:
@@ -506,11 +385,11 @@ WGMMA_TUNE_SHAPES = {
     128: [(length, causal) for length in (512, 1024, 2048, 4096, 16384, 65536) for causal in (False, True)],
 }
 WGMMA_TUNE_CONFIGS = {
-    64: [fw.WgmmaConfig(64, 128, 4, 2), fw.WgmmaConfig(64, 64, 4, 2),
-         fw.WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True)],
-    128: [fw.WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True),
-          fw.WgmmaConfig(64, 64, 4, 4, True, warp_specialized=True),
-          fw.WgmmaConfig(64, 64, 4, 2, True), fw.WgmmaConfig(64, 64, 4, 2)],
+    64: [WgmmaConfig(64, 128, 4, 2), WgmmaConfig(64, 64, 4, 2),
+         WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True)],
+    128: [WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True),
+          WgmmaConfig(64, 64, 4, 4, True, warp_specialized=True),
+          WgmmaConfig(64, 64, 4, 2, True), WgmmaConfig(64, 64, 4, 2)],
 }
 
 
@@ -522,7 +401,7 @@ def _wgmma_config_str(c) -> str:
 
 
 def run_tune_wgmma(args) -> None:
-    """Time the Hopper kernel's tile configs (``flashlite.attention_wgmma``) next to SDPA cuDNN and flashlite's tl kernel."""
+    """Time the Hopper kernel's tile configs (``flashlite.attention.forward_hopper``) next to SDPA cuDNN and flashlite's tl kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     for head_dim in args.head_dims:
@@ -531,13 +410,12 @@ def run_tune_wgmma(args) -> None:
             q, k, v = make_qkv(batch, length, head_dim)
             flops = attention_flops(batch, HEADS, length, length, head_dim, causal)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                cudnn = tflops(flops, measure_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
-            tl_value = tflops(flops, measure_ms(lambda: tl_kernel_forward(q, k, v, causal)))
-            chosen = fw.wgmma_config(head_dim, causal, length)
+                cudnn = tflops(flops, measure_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal)))
+            tl_value = tflops(flops, measure_ms(functools.partial(tl_kernel_forward, q, k, v, causal)))
+            chosen = wgmma_config(head_dim, causal, length)
             cells = []
             for config in WGMMA_TUNE_CONFIGS[head_dim]:
-                def run(c=config):
-                    return fw.attention_forward_wgmma(q, k, v, causal, 1 / math.sqrt(head_dim), False, c)
+                run = functools.partial(attention_forward_hopper, q, k, v, causal, 1 / math.sqrt(head_dim), False, config)
                 value = tflops(flops, measure_ms(run))
                 mark = "*" if config == chosen else ""
                 cells.append(f"{_wgmma_config_str(config)}{mark} {value:.0f}" if value else "failed")
@@ -557,10 +435,9 @@ def _config_str(c) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
-    parser.add_argument("--quick", action="store_true", help=f"L in {QUICK_LENGTHS} only (with --check: fewer cases)")
+    parser.add_argument("--quick", action="store_true", help=f"L in {QUICK_LENGTHS} only")
     parser.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default: the full sweep)")
     parser.add_argument("--head-dims", type=int, nargs="+", default=HEAD_DIMS, help="head dims (default 64 128)")
-    parser.add_argument("--check", action="store_true", help="GPU correctness checks instead of timing")
     parser.add_argument("--tune", action="store_true", help="time tile configs instead of the sweep")
     parser.add_argument("--tune-length", type=int, default=4096, help="sequence length of --tune (default 4096)")
     parser.add_argument("--tune-wgmma", action="store_true", help="time the Hopper kernel's tile configs")
@@ -568,8 +445,6 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.backward:
         run_backward(args)
-    elif args.check:
-        run_check(args)
     elif args.tune:
         run_tune(args)
     elif args.tune_wgmma:

@@ -9,6 +9,7 @@ versions and date), a Markdown table and a PNG plot under
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
@@ -109,7 +110,7 @@ def copy_bandwidth_gbs(n_bytes: int = 2 * 2**30) -> float:
     """Measured device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(n_bytes // 4, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
+    ms = time_ms(functools.partial(dst.copy_, src))
     del src, dst
     torch.cuda.empty_cache()
     return 2 * n_bytes / ms * 1e-6

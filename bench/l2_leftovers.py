@@ -8,7 +8,6 @@ time each provider on inputs of its own, as bench/softmax.py does.
 
     PYTHONPATH=. python bench/l2_leftovers.py
 """
-import importlib
 import os
 import sys
 
@@ -18,11 +17,8 @@ from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/common.py
 import flashlite  # noqa: E402
-import flashlite.attention as fa  # noqa: E402
 from attention import sdpa_backends  # noqa: E402  (bench/attention.py: the SDPA backends the benchmarks pin)
 from common import fresh_copy, time_ms  # noqa: E402
-
-fms = importlib.import_module("flashlite.masked_softmax")
 
 
 def read_gbs(ts):
@@ -60,7 +56,7 @@ def sdpa(backend, causal=False):
 def probe_attention(label: str, make_inputs, rows) -> None:
     """``probe`` flashlite.flash_attention and each SDPA backend on ``make_inputs()`` (q, k, v); ``label`` has a
     ``{}`` for the provider's name."""
-    probe(label.format("flashlite"), make_inputs, lambda q, k, v: fa.flash_attention(q, k, v), rows)
+    probe(label.format("flashlite"), make_inputs, lambda q, k, v: flashlite.flash_attention(q, k, v), rows)
     for name, backend in sdpa_backends().items():
         try:
             probe(label.format(f"sdpa {name}"), make_inputs, sdpa(backend), rows)
@@ -84,11 +80,11 @@ def main():
     # masked softmax, (4, 16, 1024, 1024) bf16 with a full mask
     shape = (4, 16, 1024, 1024)
     mk = lambda: [torch.randn(shape, device="cuda", dtype=torch.bfloat16), torch.rand(shape, device="cuda") < 0.5]  # noqa: E731
-    probe("masked flashlite full", mk, lambda s, k: fms.masked_softmax(s, scale=0.3, mask=k), rows)
+    probe("masked flashlite full", mk, lambda s, k: flashlite.masked_softmax(s, scale=0.3, mask=k), rows)
     probe("masked torch chain full", mk, chain, rows)
     probe("masked compile chain full", mk, comp_chain, rows)
     mk1 = lambda: [torch.randn(shape, device="cuda", dtype=torch.bfloat16)]  # noqa: E731
-    probe("masked flashlite causal", mk1, lambda s: fms.masked_softmax(s, scale=0.3, causal=True), rows)
+    probe("masked flashlite causal", mk1, lambda s: flashlite.masked_softmax(s, scale=0.3, causal=True), rows)
     # decode: q (1, 32, 1, 128), K/V (1, 32, 4096 / 16384, 128)
     for lk in (4096, 16384):
         mk = lambda lk=lk: [torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16),  # noqa: E731

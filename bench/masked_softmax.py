@@ -16,13 +16,13 @@ bandwidth measured in the same run is the ceiling. Modes:
 
     python bench/masked_softmax.py            # full sweep -> bench/results/<gpu>/masked_softmax.{json,md,png}
     python bench/masked_softmax.py --quick    # L = 2048 only
-    python bench/masked_softmax.py --check    # GPU correctness against a float64 reference, poisoned memory
+
+GPU correctness (float64 references, poisoned memory) is tests/test_gpu_masked_softmax.py's (pytest -m gpu).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -34,9 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flashlite  # noqa: E402
 
-fms = importlib.import_module("flashlite.masked_softmax")  # the module (flashlite.masked_softmax may be the function)
 from common import (  # noqa: E402
-    copy_bandwidth_gbs, environment, gbs, plot_lines, poison_allocator, results_dir, try_time_ms, write_results,
+    copy_bandwidth_gbs, environment, gbs, plot_lines, results_dir, try_time_ms, write_results,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,7 +87,7 @@ def measure(kind: str, shape: tuple, dtype: torch.dtype, compiled, scale: float)
     row = {"mask": kind, "dtype": str(dtype).replace("torch.", ""), "B": shape[0], "H": shape[1], "L": shape[3],
            "MB": n_bytes / 2**20}
     provs = {
-        "flashlite": lambda: fms.masked_softmax(s, scale=scale, **kw),
+        "flashlite": lambda: flashlite.masked_softmax(s, scale=scale, **kw),
         "torch": lambda: torch_chain(s, keep, scale),
         "compile": lambda: compiled(s, keep, scale),
         "softmax": lambda: flashlite.softmax(s),  # plain softmax, no mask: the bandwidth causal should pass
@@ -148,81 +147,6 @@ def print_summary(rows: list[dict], copy: float) -> None:
               f"{r['x_torch'] or 0:>8.2f}{r['x_compile'] or 0:>7.2f}  {'met' if met else 'MISSED'}")
 
 
-# ----------------------------------------------------------------------------- --check
-
-
-def run_check(args) -> None:
-    """flashlite on the GPU against the float64 reference of tests/utils.py (run on CPU copies)."""
-    from tests.utils import masked_softmax_ref
-
-    failures = 0
-    tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
-
-    def report(name: str, y: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
-        """Max error within ``atol``, no NaN the reference lacks, exact zeros where the reference is 0."""
-        nonlocal failures
-        y = y.detach().double().cpu()
-        err = (y - ref).abs().nan_to_num(nan=float("inf")).max().item() if y.numel() else 0.0
-        new_nan = bool((torch.isnan(y) & ~torch.isnan(ref)).any())
-        not_zero = bool(((ref == 0) & (y != 0)).any())  # masked positions (and empty rows) must be exactly 0
-        ok = err <= atol and not new_nan and not not_zero
-        failures += not ok
-        print(f"{'ok ' if ok else 'BAD'} {name}: max err {err:.2e} (tol {atol:.0e})"
-              + (" NaN where the reference has none" if new_nan else "")
-              + (" nonzero where masked" if not_zero else ""), flush=True)
-
-    def rand_mask(shape, keep=0.7):
-        return torch.rand(shape, device="cuda") < keep
-
-    # (name, scores shape, mask maker or None, causal, scale, algorithm)
-    cases = [
-        ("causal Lq = Lk", (2, 4, 257, 257), None, True, 1.0, "auto"),
-        ("causal Lq < Lk", (2, 4, 100, 1000), None, True, 0.125, "auto"),
-        ("causal Lq > Lk (empty rows)", (2, 4, 300, 129), None, True, 1.0, "auto"),
-        ("key padding", (3, 4, 64, 1000), lambda s: rand_mask((s[0], 1, 1, s[3])), False, 0.5, "auto"),
-        ("key padding + causal", (3, 4, 512, 512), lambda s: rand_mask((s[0], 1, 1, s[3])), True, 0.5, "auto"),
-        ("full bool, fully masked rows", (2, 3, 128, 333), lambda s: rand_mask(s, 0.02), False, 1.0, "auto"),
-        ("(Lq, Lk) float bias + causal", (2, 4, 200, 300),
-         lambda s: torch.randn(s[2:], device="cuda") * 2, True, 0.3, "auto"),
-        ("per-head bias, 3 leading dims", (2, 3, 2, 64, 100),
-         lambda s: torch.randn((2, 1, 2, 1, 100), device="cuda"), False, 1.0, "auto"),
-        ("long rows, few (split)", (1, 2, 3, 100_003), lambda s: rand_mask((1, 1, 1, s[3])), True, 1.0, "auto"),
-        ("long rows, many", (2, 8, 64, 20_000), lambda s: rand_mask((s[0], 1, 1, s[3])), True, 1.0, "auto"),
-        ("online forced", (2, 4, 333, 5000), lambda s: rand_mask((s[0], 1, s[2], s[3])), True, 1.0, "online"),
-    ]
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for name, shape, make_mask, causal, scale, algo in cases:
-            x = torch.randn(shape, device="cuda", dtype=dtype) * 3
-            mask = make_mask(shape) if make_mask else None
-            poison_allocator()
-            y = fms.masked_softmax(x, mask, scale=scale, causal=causal, algorithm=algo)
-            ref = masked_softmax_ref(x.cpu(), None if mask is None else mask.cpu(), scale, causal)
-            report(f"{name} {shape} {str(dtype)[6:]}", y, ref, tol[dtype])
-            del x, mask, y
-        for name, shape in (("backward", (2, 4, 300, 700)), ("backward long rows", (1, 2, 4, 70_000))):
-            x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
-            bias = torch.randn(shape[1], 1, shape[3], device="cuda", dtype=dtype, requires_grad=True)
-            dy = torch.randn(shape, device="cuda", dtype=dtype)
-            poison_allocator()
-            dx, dbias = torch.autograd.grad(fms.masked_softmax(x, bias, scale=0.7, causal=True), (x, bias), dy)
-            x64 = x.detach().cpu().double().requires_grad_()
-            b64 = bias.detach().cpu().double().requires_grad_()
-            rx, rb = torch.autograd.grad(masked_softmax_ref(x64, b64, 0.7, True), (x64, b64), dy.cpu().double())
-            report(f"{name} dx {str(dtype)[6:]}", dx, rx, 4 * tol[dtype])
-            # The bias gradient sums B x Lq terms: its tolerance is relative to its size.
-            report(f"{name} dbias {str(dtype)[6:]}", dbias, rb, 4 * tol[dtype] * max(1.0, rb.abs().max().item()))
-    # More than 2^31 scores: 64-bit row offsets, checked on the last rows of the last head.
-    b, h, length = 1, 33, 8192
-    x = torch.randn(b, h, length, length, device="cuda", dtype=torch.bfloat16)
-    pad = rand_mask((b, 1, 1, length), 0.8)
-    y = fms.masked_softmax(x, pad, causal=True)
-    tail = masked_softmax_ref(x[:, -1:, -4:].cpu(), pad.cpu(), None, True)  # Lq = 4 keeps the bottom-right diagonal
-    report(f"> 2^31 scores {tuple(x.shape)}", y[:, -1:, -4:], tail, tol[torch.bfloat16])
-    del x, y
-    torch.cuda.empty_cache()
-    print(f"\n{failures} failure(s)")
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
@@ -233,12 +157,7 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--scale", type=float, default=0.125, help="score scale (1/sqrt(64))")
     parser.add_argument("--quick", action="store_true", help="L = 2048 only")
-    parser.add_argument("--check", action="store_true", help="GPU correctness checks instead of timing")
-    args = parser.parse_args(argv)
-    if args.check:
-        run_check(args)
-    else:
-        run_bench(args)
+    run_bench(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

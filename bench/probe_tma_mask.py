@@ -1,4 +1,4 @@
-"""GPU probe of the Triton miscompile behind ``flashlite.attention.tma_safe``.
+"""GPU probe of the Triton miscompile behind ``flashlite.attention.plan.tma_safe``.
 
 Runs the forward kernel with a user mask on forced tile configs (TMA or pointer loads,
 1-3 stages, square and non-square K/V boxes) at D = 64, 32 and 128 and prints each
@@ -18,8 +18,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import flashlite.attention as fa  # noqa: E402
-from flashlite.masking import broadcast_mask  # noqa: E402
+from flashlite.attention import forward  # noqa: E402
+from flashlite.attention.api import attention_forward  # noqa: E402
+from flashlite.attention.tuning import AttentionConfig  # noqa: E402
+from flashlite.core.masking import broadcast_mask  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps, stages, TMA)
 CONFIGS = [(64, 64, 4, 3, True), (64, 64, 4, 2, True), (64, 64, 4, 1, True), (64, 64, 4, 3, False),
@@ -29,8 +31,8 @@ SHAPES = [(700, 900, "additive"), (500, 600, "bool"), (256, 256, "additive"), (6
 
 
 def main() -> None:
-    # attention_forward would route square boxes with a mask to pointer loads (tma_safe): lift that here.
-    fa.tma_safe = lambda has_mask, block_n, head_dim_pad: True
+    # The tl kernel's launcher would route square boxes with a mask to pointer loads (tma_safe): lift that here.
+    forward.tma_safe = lambda has_mask, block_n, head_dim_pad: True
     torch.manual_seed(0)
     for head_dim in (64, 32, 128):
         for seqlen_q, seqlen_k, kind in SHAPES:
@@ -45,8 +47,8 @@ def main() -> None:
             ref = torch.softmax(s, -1) @ v.double()
             mask_view, is_bool = broadcast_mask(mask, (2, 4, seqlen_q, seqlen_k))
             for bm, bn, warps, stages, tma in CONFIGS:
-                config = fa.AttentionConfig(bm, bn, warps, stages, use_tma=tma)
-                out, _ = fa.attention_forward(q, k, v, False, 1 / math.sqrt(head_dim), mask_view, is_bool, False, config)
+                config = AttentionConfig(bm, bn, warps, stages, use_tma=tma)
+                out, _ = attention_forward(q, k, v, False, 1 / math.sqrt(head_dim), mask_view, is_bool, False, config)
                 err = (out.double() - ref).abs().max().item()
                 print(f"probe: D={head_dim} {seqlen_q}x{seqlen_k} {kind:8s} {bm}x{bn} w{warps} s{stages} "
                       f"tma={int(tma)} -> {err:.1e}{'   BAD' if err > 0.05 else ''}", flush=True)

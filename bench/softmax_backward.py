@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import os
 import sys
 import time
@@ -26,13 +25,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from flashlite.softmax.backward import softmax_backward  # noqa: E402
+from flashlite.softmax.plan import plan_rows  # noqa: E402
+
 from common import (  # noqa: E402
     copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, results_dir, try_time_ms,
     write_results,
 )
 from softmax import DTYPES, LONG_ROWS, ODD_ROWS, WIDE_N, backward_plan, raise_recompile_limits  # noqa: E402
 
-fs = importlib.import_module("flashlite.softmax")
 PEERS = ["torch", "compile"]
 
 
@@ -59,7 +60,7 @@ def _compiled_backward():
 
 def flashlite_backward(y: torch.Tensor, dy: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
     """flashlite's backward under the plan its forward makes for an input like ``y`` (``algorithm``)."""
-    return fs.softmax_backward(y, dy, y.dtype, fs.plan_rows(y, y.dtype, algorithm))
+    return softmax_backward(y, dy, y.dtype, plan_rows(y, y.dtype, algorithm))
 
 
 def providers(compiled) -> dict:

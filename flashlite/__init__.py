@@ -1,10 +1,15 @@
-"""flashlite: Triton kernels built on the online-softmax rescaling of a running maximum and denominator."""
+"""flashlite: Triton kernels built on the online-softmax rescaling of a running maximum and denominator.
 
-from . import nn, study
+Layers, each importing only those below it (``.importlinter`` holds this):
+``cli``; ``nn``, ``study``, ``integrations``, ``ops``; ``attention``,
+``masked_softmax``; ``softmax``, ``textbook``; ``core``.
+"""
+
 from .attention import flash_attention
 from .masked_softmax import masked_softmax
 from .softmax import logsumexp, softmax
+from . import nn, study, textbook  # noqa: E402,I001  (after the functions: flashlite.softmax is the function)
 from . import ops  # noqa: E402,I001  registers torch.ops.flashlite.* (torch.compile), after the op modules
 
-__all__ = ["softmax", "logsumexp", "masked_softmax", "flash_attention", "study", "nn"]
-__version__ = "0.1.0"
+__all__ = ["softmax", "logsumexp", "masked_softmax", "flash_attention", "study", "nn", "textbook"]
+__version__ = "0.2.0"

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from ._runtime import interpreter_enabled
+from .core.runtime import interpreter_enabled
 
 DEFAULT_OUT = "flashlite_demo"
 
@@ -57,8 +57,8 @@ class DemoSizes:
     attention_dtype: torch.dtype
 
 
-# CPU: 4 rows of 40000 (the interpreter's plan: 20 blocks of 2048 a row, each row split across 4 programs
-# whose (m, d) states are merged).
+# CPU: 4 rows of 40000, past what one program holds (the interpreter's plan: the online kernel, 10 blocks of
+# 4096 a row, one program a row).
 CPU_SIZES = DemoSizes((64, 1000), (4, 40_000), (1, 2, 128, 128), (1, 2, 128, 32), torch.float32)
 # GPU: 256 MB fp32 softmax inputs (well past L2); attention at a typical training shape.
 GPU_SIZES = DemoSizes((8192, 8192), (128, 524_288), (4, 16, 1024, 1024), (4, 16, 2048, 64), torch.float16)
@@ -168,7 +168,7 @@ def stage_fused(demo: _Demo, res: StageResult) -> None:
 def stage_online(demo: _Demo, res: StageResult) -> None:
     """Stage 3: the online softmax on long rows, blocks streamed and rows split across programs."""
     import flashlite
-    from flashlite.softmax import plan_softmax
+    from flashlite.softmax.plan import plan_softmax
 
     n_rows, n_cols = demo.sizes.online
     plan = plan_softmax(n_rows, n_cols, demo.device, "online")

@@ -5,13 +5,13 @@
 causal masking count as ``-inf``. Both regimes of ``flashlite.softmax`` are
 kept, in one kernel (``SINGLE_BLOCK`` picks the first):
 
-* **fused**: rows of up to ``softmax.FUSED_MAX_COLS`` keys, several short rows
+* **fused**: rows of up to ``flashlite.softmax.tuning.FUSED_MAX_COLS`` keys, several short rows
   a tile, one tile on chip: one read of ``x``, one write of ``y``, persistent grid.
 * **online**: longer rows stream in blocks of ``BLOCK_N`` through the core's
   ``online_update_lanes`` (a running state per lane, lanes merged after the
   loop), then are re-read (from L2) and normalised; when rows
   are few, each is split across programs whose partial ``(m, d)`` are merged
-  with ``merge_partial_states``. The planner is ``softmax.plan_softmax``.
+  with ``merge_partial_states``. The planner is ``flashlite.softmax.plan.plan_softmax``.
 
 Masks. The keep/bias logic is ``masking.apply_masks``, the same helper the
 attention kernel calls. A mask is boolean (True = keep, as in
@@ -63,36 +63,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import (
-    check_dim, check_flag, check_float_dtype, check_scale, is_compiling, launch_persistent, runs_kernels,
+from .core.checks import check_dim, check_flag, check_float_dtype, check_scale
+from .core.masking import apply_masks, broadcast_mask, causal_key_end
+from .core.online_softmax import (
+    LOG2E, empty_state, final_weights, merge_partial_states, normalize, online_update, online_update_lanes,
 )
-from .masking import apply_masks, broadcast_mask, causal_key_end
-from .online_softmax import (
-    LOG2E,
-    empty_state,
-    final_weights,
-    merge_partial_states,
-    normalize,
-    online_update,
-    online_update_lanes,
-)
-from .softmax import (
-    ALGORITHMS,
-    BOTH_PASSES,
-    FINAL_PASS,
-    PARTIAL_PASS,
-    SoftmaxPlan,
-    _tile_rows,
-    _work_item,
-    as_rows,
-    fused_warps,
-    launch_online,
-    plan_softmax,
-)
+from .core.partials import BOTH_PASSES, FINAL_PASS, PARTIAL_PASS, work_item
+from .core.runtime import is_compiling, launch_persistent, runs_kernels
+from .core.tiles import tile_rows
+from .softmax.api import as_rows
+from .softmax.online import launch_online
+from .softmax.plan import ALGORITHMS, SoftmaxPlan, fused_warps, plan_softmax
 
-# Elements a thread of the fused masked kernels holds. Plain softmax moved to 64 (half the warps from 8192
-# columns); causal masked rows lost 4-10% there (H100, do_bench GB/s, same process, 32 -> 64: bf16 1 x 16 x 8192^2
-# 3335 -> 3211, fp32 1 x 4 x 16384^2 3411 -> 3205, bf16 1 x 8 x 16384^2 2505 -> 2268; softmax_fused_warps_ab.log).
+# Elements a thread of the fused masked kernels holds: 32, where plain softmax holds 64
+# (tuning.FUSED_ELEMS_PER_THREAD, half the warps from 8192 columns): causal masked rows were slower with 64.
+# H100 2026-11-25, no committed script; TUNING.md#masked-elems-per-thread
 MASKED_ELEMS_PER_THREAD = 32
 # Additive masks are in the same natural-log units as the scores here.
 NATURAL_UNITS = tl.constexpr(1.0)
@@ -193,8 +178,8 @@ def _masked_softmax_fwd_kernel(
     # A work item is (tile of BLOCK_M rows, chunk of columns); chunks exist only when rows are split (BLOCK_M = 1).
     n_items = tl.cdiv(n_rows, BLOCK_M) * n_splits
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-        tile, col_start, col_end = _work_item(item, n_items, n_splits, cols_per_split, seqlen_k, PASS)
-        rows = _tile_rows(tile, BLOCK_M)
+        tile, col_start, col_end = work_item(item, n_items, n_splits, cols_per_split, seqlen_k, PASS)
+        rows = tile_rows(tile, BLOCK_M)
         row_ok = rows < n_rows
         b0, b1, q = _row_coords(rows, seqlen_q, n_inner)
         x_rows = x_ptr + b0 * stride_xb + b1 * stride_xh + q * stride_xm
@@ -269,8 +254,8 @@ def _masked_softmax_bwd_kernel(
     # y and dx are contiguous (n_rows, seqlen_k); y is 0 wherever the forward masked, so no mask is needed here.
     n_items = tl.cdiv(n_rows, BLOCK_M) * n_splits
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
-        tile, col_start, col_end = _work_item(item, n_items, n_splits, cols_per_split, seqlen_k, PASS)
-        rows = _tile_rows(tile, BLOCK_M)
+        tile, col_start, col_end = work_item(item, n_items, n_splits, cols_per_split, seqlen_k, PASS)
+        rows = tile_rows(tile, BLOCK_M)
         row_ok = rows < n_rows
         key_end = _visible_end(rows % seqlen_q, row_ok, seqlen_q, seqlen_k, IS_CAUSAL)
         tile_end = tl.minimum(col_end, tl.max(key_end, axis=0))
@@ -452,7 +437,7 @@ def _check_args(x: torch.Tensor, mask, scale, causal: bool, dim: int, algorithm:
     return dim, check_scale(scale, 1.0)
 
 
-def _masked_softmax_torch(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
+def masked_softmax_torch(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool,
                           dim: int) -> torch.Tensor:
     """The same function in PyTorch (fp32), for tensors the kernels do not run on."""
     s = x.float() * scale
@@ -475,7 +460,7 @@ def _masked_softmax_torch(x: torch.Tensor, mask: torch.Tensor | None, scale: flo
 # ----------------------------------------------------------------------------- autograd
 
 
-def _forward_moved(x: torch.Tensor, mask_view: torch.Tensor | None, scale: float, causal: bool, dim: int,
+def forward_keys_last(x: torch.Tensor, mask_view: torch.Tensor | None, scale: float, causal: bool, dim: int,
                    algorithm: str) -> torch.Tensor:
     """The masked softmax of ``x`` in the layout of ``x.movedim(dim, -1)`` (contiguous); ``mask_view`` is
     ``broadcast_mask(mask, x.shape)``'s view."""
@@ -494,7 +479,7 @@ class _MaskedSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mask: torch.Tensor | None, mask_view: torch.Tensor | None, scale: float,
                 causal: bool, dim: int, algorithm: str) -> torch.Tensor:
-        y = _forward_moved(x, mask_view, scale, causal, dim, algorithm)
+        y = forward_keys_last(x, mask_view, scale, causal, dim, algorithm)
         ctx.save_for_backward(y)
         ctx.scale, ctx.causal, ctx.dim, ctx.algorithm = scale, causal, dim, algorithm
         ctx.mask_shape, ctx.mask_dtype = (None, None) if mask is None else (mask.shape, mask.dtype)
@@ -541,7 +526,7 @@ def masked_softmax(
             and their outputs are 0. Combines with ``mask``.
         dim: the keys' dim. Must be the last one when ``causal``; otherwise any
             dim, with ``mask`` still broadcast against ``x``'s own shape.
-        algorithm: ``"auto"``, ``"fused"`` (rows up to ``softmax.FUSED_MAX_COLS``
+        algorithm: ``"auto"``, ``"fused"`` (rows up to ``flashlite.softmax.tuning.FUSED_MAX_COLS``
             keys) or ``"online"``, as in ``flashlite.softmax``.
 
     Returns:
@@ -563,8 +548,8 @@ def masked_softmax(
     if x.numel() == 0:
         return torch.empty_like(x)
     if not runs_kernels(x):
-        return _masked_softmax_torch(x, mask, scale, causal, dim)
+        return masked_softmax_torch(x, mask, scale, causal, dim)
     if torch.is_grad_enabled() and (x.requires_grad or (mask is not None and mask.requires_grad)):
         return _MaskedSoftmax.apply(x, mask, mask_view, scale, causal, dim, algorithm)
-    y = _forward_moved(x, mask_view, scale, causal, dim, algorithm)
+    y = forward_keys_last(x, mask_view, scale, causal, dim, algorithm)
     return y if dim == x.dim() - 1 else y.movedim(-1, dim)

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from ._runtime import check_flag
-from .attention import MAX_HEAD_DIM, MIN_HEAD_DIM, flash_attention
+from .attention.api import flash_attention
+from .attention.tuning import MAX_HEAD_DIM, MIN_HEAD_DIM
+from .core.checks import check_flag
 
 __all__ = ["MultiheadAttention"]
 

@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import torch
 
-from ._runtime import runs_kernels
-from .attention import SPLIT_HAS_NO_BACKWARD, _attention_torch, _unit_stride_head_dim, forward_for_backward
-from .masked_softmax import _forward_moved, _masked_softmax_torch, masked_softmax_backward
-from .masking import broadcast_mask
-from .softmax import (
-    as_rows, from_rows, logsumexp_grad, logsumexp_rows, plan_softmax, reduced_shape, softmax_backward, softmax_rows,
-)
+from .attention.api import SPLIT_HAS_NO_BACKWARD, forward_for_backward, unit_stride_head_dim
+from .attention.backward import attention_backward
+from .attention.reference import attention_torch
+from .attention.split_kv import auto_num_splits, split_kv_forward
+from .core.masking import broadcast_mask
+from .core.runtime import runs_kernels
+from .masked_softmax import forward_keys_last, masked_softmax_backward, masked_softmax_torch
+from .softmax.api import as_rows, from_rows, logsumexp_grad, logsumexp_rows, reduced_shape, softmax_rows
+from .softmax.backward import softmax_backward
+from .softmax.plan import plan_softmax
 
 
 def _empty_rows_layout(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -144,9 +147,9 @@ def _masked_softmax(x: torch.Tensor, mask: torch.Tensor | None, scale: float, ca
                     algorithm: str) -> torch.Tensor:
     if x.numel() == 0 or not runs_kernels(x):
         out = _empty_rows_layout(x, dim, x.dtype)
-        return out if x.numel() == 0 else out.copy_(_masked_softmax_torch(x, mask, scale, causal, dim))
+        return out if x.numel() == 0 else out.copy_(masked_softmax_torch(x, mask, scale, causal, dim))
     mask_view = None if mask is None else broadcast_mask(mask, x.shape)[0]
-    return _forward_moved(x, mask_view, scale, causal, dim, algorithm).movedim(-1, dim)
+    return forward_keys_last(x, mask_view, scale, causal, dim, algorithm).movedim(-1, dim)
 
 
 @_masked_softmax.register_fake
@@ -224,23 +227,19 @@ def _keeps_row_stats(attn_mask: torch.Tensor | None, num_splits: int | None, cac
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                      attn_mask: torch.Tensor | None, num_splits: int | None,
                      cache_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
+    q, k, v = (unit_stride_head_dim(t) for t in (q, k, v))
     batch, n_heads, seqlen_q, _ = q.shape
     row_stats = None
     if not runs_kernels(q) or batch * n_heads * seqlen_q == 0 or k.shape[2] == 0:
-        o, lse = _attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens)
+        o, lse = attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens)
         o, lse = torch.empty_like(q).copy_(o), lse.contiguous()
     else:
         mask, mask_is_bool = _attention_mask(attn_mask, q, k)
         if num_splits is None:
-            from .split_kv import auto_num_splits  # split_kv builds on attention: imported on use, as there
-
-            num_splits = auto_num_splits(q, k, mask)
+                num_splits = auto_num_splits(q, k, mask)
         if num_splits == 1 and cache_seqlens is None:
             o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool)
         else:
-            from .split_kv import split_kv_forward
-
             o, lse = split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, True, num_splits, cache_seqlens)
     # The fake's contract, whatever path ran: (2, B, H, Lq) under an additive mask, else empty.
     if not _keeps_row_stats(attn_mask, num_splits, cache_seqlens):
@@ -252,7 +251,7 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 @_flash_attention.register_fake
 def _(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens):
-    o = torch.empty_like(_unit_stride_head_dim(q))  # q's memory order, as attention_forward allocates it
+    o = torch.empty_like(unit_stride_head_dim(q))  # q's memory order, as attention_forward allocates it
     keeps = _keeps_row_stats(attn_mask, num_splits, cache_seqlens)
     row_stats = q.new_empty((2, *q.shape[:3]) if keeps else (0,), dtype=torch.float32)
     return o, q.new_empty(q.shape[:3], dtype=torch.float32), row_stats  # lse (B, H, Lq)
@@ -270,12 +269,10 @@ def _flash_attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dmask)``; dmask is the fp32 gradient of ``attn_mask`` in its shape, or empty when not asked.
     ``row_stats`` is empty or the forward's ``(m, log d)``."""
-    do, q, k, v, o = (_unit_stride_head_dim(t) for t in (do, q, k, v, o))
+    do, q, k, v, o = (unit_stride_head_dim(t) for t in (do, q, k, v, o))
     batch, n_heads, seqlen_q, _ = q.shape
     if not runs_kernels(q) or batch * n_heads * seqlen_q == 0 or k.shape[2] == 0:
         return _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad)
-    from .attention_backward import attention_backward  # builds on attention's tile helpers: imported on use
-
     mask, mask_is_bool = _attention_mask(attn_mask, q, k)
     dq, dk, dv, ds = attention_backward(do, q, k, v, o, lse, dlse, causal, scale, mask, mask_is_bool,
                                         mask_needs_grad=mask_needs_grad,
@@ -287,7 +284,7 @@ def _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_nee
     """The gradients of the PyTorch path by ``torch.func.vjp`` (plain autograd does not record below the
     dispatcher's autograd layer, where op implementations run)."""
     def attend(q, k, v, bias):
-        return _attention_torch(q, k, v, causal, scale, bias if mask_needs_grad else attn_mask)
+        return attention_torch(q, k, v, causal, scale, bias if mask_needs_grad else attn_mask)
 
     bias = attn_mask if mask_needs_grad else q.new_empty((0,))
     (o, lse), vjp = torch.func.vjp(attend, q, k, v, bias)
@@ -306,7 +303,7 @@ def _mask_grad(dmask: torch.Tensor | None, attn_mask: torch.Tensor | None, devic
 
 @_flash_attention_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, row_stats, causal, scale, attn_mask, mask_needs_grad):
-    dq, dk, dv = (torch.empty_like(_unit_stride_head_dim(t)) for t in (q, k, v))
+    dq, dk, dv = (torch.empty_like(unit_stride_head_dim(t)) for t in (q, k, v))
     return dq, dk, dv, q.new_empty(attn_mask.shape if mask_needs_grad else (0,), dtype=torch.float32)
 
 

@@ -1,7 +1,7 @@
 """Study tools: watch the online-softmax state ``(m, d)`` move block by block, built from the kernels' own helpers.
 
-Two tracing kernels replay the algorithms of ``softmax.py`` and of flash
-attention on a small input and store the state after every block:
+Two tracing kernels replay the algorithms of ``flashlite.softmax`` (its online
+kernel) and of flash attention on a small input and store the state after every block:
 
 * ``trace_softmax``: pass 1 of the online softmax over blocks of ``block_n``
   columns, storing the running maximum ``m``, the denominator ``d`` and the
@@ -9,19 +9,19 @@ attention on a small input and store the state after every block:
   block's own state, merged with ``merge_partial_states`` as a split row is;
   then pass 2 (``y = e^(x - m) / d``) and the log-sum-exp.
 * ``trace_attention``: one tile of queries against every K/V tile. The trace
-  kernel calls flash attention's own K/V loop, ``_attend_kv_tiles`` (scores,
+  kernel calls flash attention's own K/V loop, ``attend_kv_tiles`` (scores,
   ``apply_masks``, ``online_update``, the output accumulator rescaled by the
   same ``alpha``: ``acc = acc * alpha + p v``), one tile per call, and stores
   ``m``, ``d``, ``alpha`` and the partial output ``acc / d`` after each.
 
 Both are built from the helpers the production kernels use (``empty_state``,
 ``online_update``, ``merge_partial_states``, ``final_weights``,
-``_attend_kv_tiles``, ``causal_key_end`` ...): nothing of the algorithm is
+``attend_kv_tiles``, ``causal_key_end`` ...): nothing of the algorithm is
 written again. Where a trace differs from the production schedule, it is to
 have one state per block to show: the online softmax kernel keeps one state
 per lane (``online_update_lanes``) and merges the lanes once per row, where
 the trace folds each whole block with ``online_update``; the attention trace
-runs every tile through the masked branch of the loop (``_attention_fwd_kernel``
+runs every tile through the masked branch of the loop (``attention_fwd_kernel``
 takes full tiles through the unmasked one, with the same result) and in fp32
 with IEEE dots whatever the input dtype. The states agree to rounding. What
 Python computes is the *direct* answer, from the definitions, for every prefix
@@ -49,10 +49,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_flag, check_float_dtype, check_scale, launch, runs_kernels
-from .attention import _attend_kv_tiles
-from .masking import causal_key_end
-from .online_softmax import (
+from .attention.forward import attend_kv_tiles
+from .core.checks import check_flag, check_float_dtype, check_scale
+from .core.masking import causal_key_end
+from .core.online_softmax import (
     BASE2_UNITS,
     LN2,
     LOG2E,
@@ -64,6 +64,7 @@ from .online_softmax import (
     rescale_factor,
     state_logsumexp,
 )
+from .core.runtime import launch, runs_kernels
 
 # ----------------------------------------------------------------------------- jit helpers
 
@@ -145,9 +146,9 @@ def _attention_trace_kernel(
     n_tiles = tl.cdiv(key_end, BLOCK_N)
     for t in range(0, n_tiles):
         m_old = m
-        # The production K/V loop (flash attention's _attend_kv_tiles) over this one tile, masked:
+        # The production K/V loop (flash attention's attend_kv_tiles) over this one tile, masked:
         # scores, masks, online_update, and acc = acc * alpha + p v.
-        acc, m, d = _attend_kv_tiles(
+        acc, m, d = attend_kv_tiles(
             acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, head_dim, head_dim,
             t * BLOCK_N, (t + 1) * BLOCK_N, seqlen_q, seqlen_k, head_dim, q_ptr, 0, 0,
             BLOCK_N, HEAD_DIM, True, BASE2_UNITS, IS_CAUSAL, False, False, False, EVEN_D, False, "ieee", False,

@@ -14,10 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-import flashlite.attention as fa
-from flashlite._runtime import launch
-from flashlite.attention import AttentionConfig, flash_attention
-from flashlite.online_softmax import empty_state, merge_states, normalize, rescale_factor
+from flashlite import flash_attention
+from flashlite.attention import api, forward, plan, tuning
+from flashlite.attention.tuning import AttentionConfig
+from flashlite.core.online_softmax import empty_state, merge_accumulators, normalize
+from flashlite.core.runtime import launch
+from flashlite.core.tiles import load_tile, tma_usable
 
 from .utils import assert_attention_close, attention_ref, randn
 
@@ -29,11 +31,11 @@ TILES_32x16 = AttentionConfig(32, 16, 4, 1)  # BLOCK_M > BLOCK_N: a causal diago
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(fa, "INTERPRETER_CONFIG", TILES_16)
+    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", TILES_16)
 
 
 def use_tiles(monkeypatch, config: AttentionConfig) -> None:
-    monkeypatch.setattr(fa, "INTERPRETER_CONFIG", config)
+    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", config)
 
 
 def qkv(b, h, lq, lk, d, dtype=torch.bfloat16, h_kv=None, scale=1.0):
@@ -146,7 +148,7 @@ def test_key_padding_mask(causal):
     q, k, v = qkv(2, 2, 40, 50, 32)
     lengths = torch.tensor([50, 23])
     mask = (torch.arange(50)[None, :] < lengths[:, None]).view(2, 1, 1, 50)
-    assert fa._check_inputs(q, k, v, mask)[0].stride(2) == 0  # what MASK_PER_KEY keys on
+    assert api.check_inputs(q, k, v, mask)[0].stride(2) == 0  # what MASK_PER_KEY keys on
     check(q, k, v, attn_mask=mask, causal=causal)
 
 
@@ -235,7 +237,7 @@ def test_lse_low_precision():
 def test_launch_variants(monkeypatch, config, causal):
     use_tiles(monkeypatch, config)
     q, k, v = qkv(2, 2, 33, 50, 80, h_kv=1)  # ragged lengths, padded head dim, MQA
-    assert fa.tma_usable(q, k, v)  # 160-byte rows: the descriptor path when asked for
+    assert tma_usable(q, k, v)  # 160-byte rows: the descriptor path when asked for
     check(q, k, v, causal=causal)
     mask = torch.rand(2, 1, 1, 50) > 0.3
     check(*qkv(2, 2, 33, 50, 32), attn_mask=mask, causal=causal)
@@ -244,21 +246,21 @@ def test_launch_variants(monkeypatch, config, causal):
 def test_default_tiles():
     # The fixed table's rules (read on CUDA only; the interpreter has its own tiles).
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    short = fa._SHORT_WORK_CONFIGS[64]
-    assert fa.default_config(64, bf16, cuda, causal=True, seqlen_k=fa.SHORT_SEQLEN_K_CAUSAL) == short
-    assert fa.default_config(64, bf16, cuda, causal=True, seqlen_k=8192) == fa._CONFIGS[64]
-    assert fa.default_config(40, bf16, cuda, causal=False, seqlen_k=fa.SHORT_SEQLEN_K) == short
-    assert fa.default_config(64, bf16, cuda, causal=False, seqlen_k=2048) == fa._CONFIGS[64]
-    assert fa.default_config(64, bf16, cuda, True, 512, has_mask=True) == fa._CONFIGS[64]  # masks: 64 x 128
-    assert fa.default_config(128, bf16, cuda, True, 512) == fa._CONFIGS[128]
-    assert fa.default_config(64, torch.float32, cuda, True, 512) == fa._FP32_CONFIGS[64]
+    short = tuning.SHORT_WORK_CONFIGS[64]
+    assert plan.default_config(64, bf16, cuda, causal=True, seqlen_k=tuning.SHORT_SEQLEN_K_CAUSAL) == short
+    assert plan.default_config(64, bf16, cuda, causal=True, seqlen_k=8192) == tuning.FORWARD_CONFIGS[64]
+    assert plan.default_config(40, bf16, cuda, causal=False, seqlen_k=tuning.SHORT_SEQLEN_K) == short
+    assert plan.default_config(64, bf16, cuda, causal=False, seqlen_k=2048) == tuning.FORWARD_CONFIGS[64]
+    assert plan.default_config(64, bf16, cuda, True, 512, has_mask=True) == tuning.FORWARD_CONFIGS[64]  # masks: 64 x 128
+    assert plan.default_config(128, bf16, cuda, True, 512) == tuning.FORWARD_CONFIGS[128]
+    assert plan.default_config(64, torch.float32, cuda, True, 512) == tuning.FP32_CONFIGS[64]
     for hd in (16, 32, 64, 128, 256):  # no default config is ruled out for masks
-        assert fa.tma_safe(True, fa.default_config(hd, bf16, cuda, True, 512, has_mask=True).block_n, hd)
+        assert plan.tma_safe(True, plan.default_config(hd, bf16, cuda, True, 512, has_mask=True).block_n, hd)
 
 
 def test_tma_safe():
-    assert not fa.tma_safe(True, 64, 64)
-    assert fa.tma_safe(True, 128, 64) and fa.tma_safe(False, 64, 64)
+    assert not plan.tma_safe(True, 64, 64)
+    assert plan.tma_safe(True, 128, 64) and plan.tma_safe(False, 64, 64)
 
 
 @pytest.mark.parametrize("mask_kind", ["full", "per_key"])
@@ -267,8 +269,8 @@ def test_square_tma_boxes_with_a_mask_take_pointers(monkeypatch, mask_kind):
     # launcher must not build descriptors (tma_safe); without one it does.
     use_tiles(monkeypatch, TILES_16_TMA)
     built = []
-    real = fa._descriptor
-    monkeypatch.setattr(fa, "_descriptor", lambda *a: built.append(a) or real(*a))
+    real = forward.tensor_descriptor
+    monkeypatch.setattr(forward, "tensor_descriptor", lambda *a: built.append(a) or real(*a))
     q, k, v = qkv(1, 2, 40, 40, 16)
     check(q, k, v)
     assert built
@@ -282,7 +284,7 @@ def test_tma_needs_aligned_rows(monkeypatch):
     # D = 20 in fp16: 40-byte rows are not 16-byte aligned, so the launcher falls back to pointers.
     use_tiles(monkeypatch, TILES_16_TMA)
     q, k, v = qkv(1, 2, 20, 20, 20, dtype=torch.float16)
-    assert not fa.tma_usable(q, k, v)
+    assert not tma_usable(q, k, v)
     check(q, k, v)
 
 
@@ -291,7 +293,7 @@ def _key_range(q, q_idx, qk_scale, k_ptr, v_ptr, lo, hi, seqlen_q, seqlen_k,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     m, d = empty_state(BLOCK_M)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    return fa._attend_kv_tiles(
+    return forward.attend_kv_tiles(
         acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, D, D, lo, hi, seqlen_q, seqlen_k, D, None, 0, 0,
         BLOCK_N, D, True, 1.0, True, False, False, False, True, False, "ieee", False,
     )
@@ -301,13 +303,12 @@ def _key_range(q, q_idx, qk_scale, k_ptr, v_ptr, lo, hi, seqlen_q, seqlen_k,
 def _two_ranges_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seqlen_q, seqlen_k, split, qk_scale,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     # What a split-K/V kernel does: the loop helper on two key ranges, states merged with the core's merge.
-    q = fa._load_tile(q_ptr, 0, seqlen_q, D, D, BLOCK_M, D, True, True, False)
+    q = load_tile(q_ptr, 0, seqlen_q, D, D, BLOCK_M, D, True, True, False)
     q_idx = tl.cast(tl.arange(0, BLOCK_M), tl.int64)
     acc_a, m_a, d_a = _key_range(q, q_idx, qk_scale, k_ptr, v_ptr, 0, split, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, D)
     acc_b, m_b, d_b = _key_range(q, q_idx, qk_scale, k_ptr, v_ptr, split, seqlen_k, seqlen_q, seqlen_k,
                                  BLOCK_M, BLOCK_N, D)
-    m, d = merge_states(m_a, d_a, m_b, d_b, 1.0)
-    acc = acc_a * rescale_factor(m_a, m, 1.0)[:, None] + acc_b * rescale_factor(m_b, m, 1.0)[:, None]
+    m, d, acc = merge_accumulators(m_a, d_a, acc_a, m_b, d_b, acc_b, 1.0)
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, D)
     tl.store(o_ptr + rows[:, None] * D + dims[None, :], normalize(acc, d, True), mask=(rows < seqlen_q)[:, None])
@@ -327,13 +328,13 @@ def test_kv_loop_on_sub_ranges(split):
 def test_autotune_candidates():
     # FLASHLITE_AUTOTUNE=1 compiles at most six configs per head dim on first use, and none that
     # tma_safe rules out for the call's mask layout.
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in fa._TUNE_SPACE]
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tuning.TUNE_SPACE]
     for hd in (16, 32, 64, 128, 256):
-        assert 1 <= len(fa._prune_tune_space(configs, {}, HEAD_DIM_PADDED=hd)) <= 6
-        for layout in (fa.MASK_LAYOUT_PER_KEY, fa.MASK_LAYOUT_FULL):
-            masked = fa._prune_tune_space(configs, {"tune_mask_layout": layout}, HEAD_DIM_PADDED=hd)
+        assert 1 <= len(plan.prune_tune_space(configs, {}, HEAD_DIM_PADDED=hd)) <= 6
+        for layout in (plan.MASK_LAYOUT_PER_KEY, plan.MASK_LAYOUT_FULL):
+            masked = plan.prune_tune_space(configs, {"tune_mask_layout": layout}, HEAD_DIM_PADDED=hd)
             assert masked and all(c.kwargs["BLOCK_N"] != hd for c in masked)
-    unmasked = fa._prune_tune_space(configs, {"tune_mask_layout": fa.MASK_LAYOUT_NONE}, HEAD_DIM_PADDED=64)
+    unmasked = plan.prune_tune_space(configs, {"tune_mask_layout": plan.MASK_LAYOUT_NONE}, HEAD_DIM_PADDED=64)
     assert any(c.kwargs["BLOCK_N"] == 64 for c in unmasked)  # only masked calls lose them
 
 
@@ -386,7 +387,7 @@ def test_input_errors():
 @pytest.mark.parametrize("causal", [False, True])
 def test_pytorch_path(monkeypatch, causal):
     # CPU tensors without the interpreter: plain PyTorch, same answers (GQA, mask, empty rows, LSE).
-    monkeypatch.setattr(fa, "runs_kernels", lambda t: False)
+    monkeypatch.setattr(api, "runs_kernels", lambda t: False)
     q, k, v = qkv(1, 4, 30, 20, 32, h_kv=2, dtype=torch.float32)
     mask = torch.rand(1, 1, 30, 20) > 0.3
     out, lse = flash_attention(q, k, v, causal=causal, attn_mask=mask, return_lse=True)

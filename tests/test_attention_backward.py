@@ -13,23 +13,24 @@ import types
 import pytest
 import torch
 
-import flashlite.attention as fa
-import flashlite.attention_backward as fb
-from flashlite.attention import AttentionConfig, flash_attention
+from flashlite import flash_attention
+from flashlite.attention import backward as fb
+from flashlite.attention import tuning
+from flashlite.attention.tuning import AttentionConfig, BackwardConfig
 
 from .utils import assert_attention_close, attention_grads_ref as grads_ref, attention_ref, randn
 
 TILES_16 = AttentionConfig(16, 16, 4, 1)
-BWD_TILES_16 = fb.BackwardConfig(TILES_16, TILES_16)
+BWD_TILES_16 = BackwardConfig(TILES_16, TILES_16)
 # dK/dV: 16 query rows against a 32-key tile (the diagonal spans three query tiles);
 # dQ: 32 query rows against 16-key tiles (the diagonal spans three key tiles).
-BWD_TILES_UNEVEN = fb.BackwardConfig(AttentionConfig(16, 32, 4, 1), AttentionConfig(32, 16, 4, 1))
+BWD_TILES_UNEVEN = BackwardConfig(AttentionConfig(16, 32, 4, 1), AttentionConfig(32, 16, 4, 1))
 
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(fa, "INTERPRETER_CONFIG", TILES_16)
-    monkeypatch.setattr(fb, "INTERPRETER_CONFIG", BWD_TILES_16)
+    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", TILES_16)
+    monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BWD_TILES_16)
 
 
 def qkv(b, h, lq, lk, d, dtype=torch.float32, h_kv=None):
@@ -74,7 +75,7 @@ def test_lengths(lq, lk, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_uneven_tiles(monkeypatch, causal):
-    monkeypatch.setattr(fb, "INTERPRETER_CONFIG", BWD_TILES_UNEVEN)
+    monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BWD_TILES_UNEVEN)
     check_grads(*qkv(1, 2, 70, 45, 32), causal=causal)
     check_grads(*qkv(1, 2, 45, 70, 32), causal=causal)
 
@@ -99,7 +100,7 @@ def test_head_dims(head_dim):
 
 
 def test_default_interpreter_tiles(monkeypatch):
-    monkeypatch.setattr(fb, "INTERPRETER_CONFIG", fb.BackwardConfig(AttentionConfig(32, 32, 4, 1), AttentionConfig(32, 32, 4, 1)))
+    monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BackwardConfig(AttentionConfig(32, 32, 4, 1), AttentionConfig(32, 32, 4, 1)))
     check_grads(*qkv(1, 1, 70, 70, 32), causal=True)
 
 

@@ -22,9 +22,10 @@ import pytest
 import torch
 import triton
 
-import flashlite.attention as fa
-import flashlite.attention_wgmma as fw
-from flashlite._runtime import DeviceInfo
+from flashlite.attention import api, plan, tuning
+from flashlite.attention import forward_hopper as fw
+from flashlite.core import tiles
+from flashlite.core.runtime import DeviceInfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not fw.wgmma_available(), reason="this Triton has no Gluon Hopper API")
@@ -46,7 +47,7 @@ def _on_hopper(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def hopper(monkeypatch):
-    for module in (fa, fw):
+    for module in (tiles, fw):
         monkeypatch.setattr(module, "device_info", lambda device: HOPPER)
     monkeypatch.delenv("FLASHLITE_WGMMA", raising=False)
 
@@ -79,7 +80,7 @@ def test_calls_left_to_the_tl_kernel(hopper, monkeypatch, case):
         q, k, v = map(_on_hopper, (q, k, v))
     if case == "not_hopper":  # Blackwell has no wgmma
         blackwell = dataclasses.replace(HOPPER, capability=(10, 0))
-        for module in (fa, fw):
+        for module in (tiles, fw):
             monkeypatch.setattr(module, "device_info", lambda device: blackwell)
     if case == "switched_off":
         monkeypatch.setenv("FLASHLITE_WGMMA", "0")
@@ -90,46 +91,46 @@ def test_calls_left_to_the_tl_kernel(hopper, monkeypatch, case):
 def test_attention_forward_dispatch(monkeypatch):
     """Eligible calls without forced tiles go to the Hopper kernel with their own arguments; forced tiles never do."""
     calls = []
-    monkeypatch.setattr(fa, "wgmma_eligible", lambda q, k, v, has_mask, scale: not has_mask)
-    monkeypatch.setattr(fa, "attention_forward_wgmma", lambda *args: calls.append(args) or ("o", "lse"))
+    monkeypatch.setattr(api, "wgmma_eligible", lambda q, k, v, has_mask, scale: not has_mask)
+    monkeypatch.setattr(api, "attention_forward_hopper", lambda *args: calls.append(args) or ("o", "lse"))
     q, k, v = _qkv(64, torch.float32, 17, 33, kv_heads=4)
-    assert fa.attention_forward(q, k, v, True, 0.5, None, False, True) == ("o", "lse")
+    assert api.attention_forward(q, k, v, True, 0.5, None, False, True) == ("o", "lse")
     assert calls == [(q, k, v, True, 0.5, True)]
-    out, _ = fa.attention_forward(q, k, v, True, 0.5, None, False, False, fa.INTERPRETER_CONFIG)
+    out, _ = api.attention_forward(q, k, v, True, 0.5, None, False, False, tuning.INTERPRETER_CONFIG)
     assert len(calls) == 1 and out.shape == q.shape  # forced tiles: the tl kernel
     mask = torch.ones(2, 4, 17, 33, dtype=torch.uint8)
-    fa.attention_forward(q, k, v, False, 0.5, mask, True, False)
+    api.attention_forward(q, k, v, False, 0.5, mask, True, False)
     assert len(calls) == 1  # a user mask: the tl kernel
 
 
 def test_config_rules():
-    assert fw.wgmma_config(128, False, 4096) == fw.WGMMA_CONFIGS[128]
-    assert fw.wgmma_config(128, False, 512) == fw.WGMMA_CONFIGS[128]
-    assert fw.wgmma_config(128, True, 1024) == fw.WGMMA_CONFIGS[128]
-    assert fw.wgmma_config(64, False, 1024) == fw.WGMMA_CONFIGS[64]
-    for head_dim, (max_keys, short) in fw.WGMMA_SHORT_CAUSAL.items():
-        assert fw.wgmma_config(head_dim, True, max_keys) == short
-        assert fw.wgmma_config(head_dim, True, max_keys + 1) == fw.WGMMA_CONFIGS[head_dim]
+    assert plan.wgmma_config(128, False, 4096) == tuning.WGMMA_CONFIGS[128]
+    assert plan.wgmma_config(128, False, 512) == tuning.WGMMA_CONFIGS[128]
+    assert plan.wgmma_config(128, True, 1024) == tuning.WGMMA_CONFIGS[128]
+    assert plan.wgmma_config(64, False, 1024) == tuning.WGMMA_CONFIGS[64]
+    for head_dim, (max_keys, short) in tuning.WGMMA_SHORT_CAUSAL.items():
+        assert plan.wgmma_config(head_dim, True, max_keys) == short
+        assert plan.wgmma_config(head_dim, True, max_keys + 1) == tuning.WGMMA_CONFIGS[head_dim]
         assert not short.warp_specialized
-    ws = fw.WGMMA_CONFIGS[128]
+    ws = tuning.WGMMA_CONFIGS[128]
     assert ws.warp_specialized and ws.num_warps == 4 and ws.rows_per_program == 2 * ws.block_m
-    assert fw.WGMMA_CONFIGS[64].rows_per_program == fw.WGMMA_CONFIGS[64].block_m
+    assert tuning.WGMMA_CONFIGS[64].rows_per_program == tuning.WGMMA_CONFIGS[64].block_m
     # The registers moved between the warp-specialized kernel's warpgroups fit what its launch holds.
-    assert fw.WS_LAUNCH_REGISTERS * 3 >= 2 * fw.WS_SOFTMAX_REGISTERS + fw.WS_LOAD_REGISTERS
-    assert fw.WS_LAUNCH_REGISTERS * 12 * 32 <= 65536
+    assert tuning.WS_LAUNCH_REGISTERS * 3 >= 2 * tuning.WS_SOFTMAX_REGISTERS + tuning.WS_LOAD_REGISTERS
+    assert tuning.WS_LAUNCH_REGISTERS * 12 * 32 <= 65536
 
 
 def test_descriptor_matches_a_checked_one():
     t = torch.randn(2, 100, 4, 136, dtype=torch.float16)[..., :128].transpose(1, 2)  # padded rows, (B, L, H, D)
     fast = fw._gluon_descriptor(t, 64, 128)
     box = [1, 1, 64, 128]
-    checked = fw.GluonTensorDescriptor(t, list(t.shape), fa.descriptor_strides(t), box, fw._box_layout(tuple(box), t.dtype))
+    checked = fw.GluonTensorDescriptor(t, list(t.shape), tiles.descriptor_strides(t), box, fw._box_layout(tuple(box), t.dtype))
     for field in dataclasses.fields(fw.GluonTensorDescriptor):
         mine, theirs = getattr(fast, field.name), getattr(checked, field.name)
         assert mine is theirs if field.name == "base" else mine == theirs, field.name
 
 
-def _compile_for_hopper(config: fw.WgmmaConfig, head_dim: int, causal: bool, write_lse: bool):
+def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool, write_lse: bool):
     """The kernel ``config`` selects, built for sm_90 from CPU (the types a launch on Hopper would give)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -158,7 +159,7 @@ def _build_report(cases: list) -> dict:
     """For each (head_dim, causal): whether the PTX has wgmma and TMA, its wgmma wait depths, warps and register moves."""
     report = {}
     for head_dim, causal in cases:
-        config = fw.wgmma_config(head_dim, causal, 1024)
+        config = plan.wgmma_config(head_dim, causal, 1024)
         compiled = _compile_for_hopper(config, head_dim, causal, write_lse=causal)
         ptx = compiled.asm["ptx"]
         report[f"{head_dim}-{causal}"] = dict(
@@ -187,7 +188,7 @@ def test_kernel_builds_with_products_in_flight():
         assert 1 in built["waits"], f"{case}: no wgmma left in flight across the softmax (waits {built['waits']})"
         if built["warp_specialized"]:
             assert built["warps"] == 12, case
-            assert {fw.WS_SOFTMAX_REGISTERS, fw.WS_LOAD_REGISTERS} <= set(built["registers"]), case
+            assert {tuning.WS_SOFTMAX_REGISTERS, tuning.WS_LOAD_REGISTERS} <= set(built["registers"]), case
         else:
             assert built["warps"] == 4 and built["registers"] == [], case
     assert report["128-False"]["warp_specialized"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flashlite
-from flashlite._runtime import runs_kernels
+from flashlite.core.runtime import runs_kernels
 from flashlite.nn import MultiheadAttention
 
 from .utils import randn

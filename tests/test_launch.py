@@ -1,4 +1,4 @@
-"""flashlite._runtime.launch: compiled kernels reused by launch signature, without Triton's per-call binding.
+"""flashlite.core.runtime.launch: compiled kernels reused by launch signature, without Triton's per-call binding.
 
 The reuse is only right if two argument lists with the same signature are ones
 Triton compiles to the same kernel. The first test checks that against Triton's
@@ -25,8 +25,8 @@ except ImportError:  # older layout
     from triton.backends.compiler import BaseBackend
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _runtime
-from flashlite.online_softmax import LOG2E
+from flashlite.core import runtime as _runtime
+from flashlite.core.online_softmax import LOG2E
 
 
 def _tritons_specialization(arg):
@@ -107,7 +107,7 @@ class _Kernel:
 
 def _stand_in_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(_runtime, "_current_stream", lambda device: "stream")
+    monkeypatch.setattr(_runtime, "current_stream", lambda device: "stream")
     monkeypatch.setattr(_runtime, "_COMPILED", {})
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashlite import _runtime
+from flashlite.core import runtime as _runtime
 from flashlite.masked_softmax import (
     READ_GROUP,
     batch_layout,
@@ -15,12 +15,14 @@ from flashlite.masked_softmax import (
     masked_softmax_backward,
     masked_softmax_forward,
 )
-from flashlite.masking import broadcast_mask
-from flashlite.softmax import FUSED_MAX_COLS, clear_plans, plan_softmax
+from flashlite.core.masking import broadcast_mask
+from flashlite.softmax import tuning
+from flashlite.softmax.api import clear_plans
+from flashlite.softmax.plan import plan_softmax
+from flashlite.softmax.tuning import FUSED_MAX_COLS
 
 from .utils import DTYPES, assert_close, masked_softmax_ref, randn
 
-softmax_module = importlib.import_module("flashlite.softmax")  # flashlite.softmax is the function
 CPU = torch.device("cpu")
 B, H, LQ, LK = 2, 3, 5, 7  # small scores; LK odd so the fused tile is padded
 
@@ -331,9 +333,9 @@ def test_backward_non_contiguous_and_other_dim():
 def test_rows_longer_than_the_on_chip_limit(monkeypatch):
     # Past FUSED_MAX_COLS keys "auto" takes the online regime. The limit and the block are shrunk here
     # (the interpreter merges per-lane states one lane at a time: 4096-lane blocks take seconds).
-    monkeypatch.setattr(softmax_module, "FUSED_MAX_COLS", 256)
-    for name in ("ONLINE_BLOCK_N", "SPLIT_BLOCK_N"):  # whole-row and split-row blocks, where the planner has them
-        monkeypatch.setattr(softmax_module, name, 64, raising=False)
+    monkeypatch.setattr(tuning, "FUSED_MAX_COLS", 256)
+    for name in ("ONLINE_BLOCK_N", "SPLIT_BLOCK_N"):  # whole-row and split-row blocks
+        monkeypatch.setattr(tuning, name, 64)
     clear_plans()
     try:
         x = randn(1, 1, 2, 700)

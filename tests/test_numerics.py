@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import flashlite
-import flashlite.attention as fa
-from flashlite._runtime import pytorch_path
+from flashlite.core.runtime import pytorch_path, runs_kernels
 
 from .utils import assert_attention_close, attention_grads_ref, attention_ref, randn
 
@@ -293,4 +292,4 @@ def test_fallback_matches_kernels_on_the_gqa_layer():
     with pytorch_path():
         ref = layer(x, key_padding_mask=keep)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert fa.runs_kernels(x)
+    assert runs_kernels(x)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashlite
-from flashlite._runtime import pytorch_path
+from flashlite.core.runtime import pytorch_path
 
 from .utils import TOL, assert_close, attention_ref, masked_softmax_ref, randn, softmax_ref
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 import contextlib
 import math
 
-import pytest
 import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import flashlite
-from flashlite._runtime import pytorch_path
+from flashlite.core.runtime import pytorch_path
 
 from .test_paths import _mha_ref
 from .utils import TOL, assert_attention_close, attention_grads_ref, attention_ref, masked_softmax_ref

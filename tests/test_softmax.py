@@ -7,8 +7,12 @@ import pytest
 import torch
 
 import flashlite
-from flashlite import _runtime
-from flashlite.softmax import as_rows, clear_plans, plan_softmax, softmax_backward, softmax_forward
+from flashlite.softmax import api, frames, plan as softmax_plan, shared_rows, tuning
+from flashlite.core import partials
+from flashlite.core import runtime as _runtime
+from flashlite.softmax.api import as_rows, clear_plans, softmax_forward
+from flashlite.softmax.backward import softmax_backward
+from flashlite.softmax.plan import plan_softmax
 
 from .utils import DTYPES, H100, assert_close, randn, softmax_grad_ref, softmax_ref
 
@@ -228,15 +232,13 @@ def test_bad_inputs():
 
 # ----------------------------------------------------------------------------- rows shared by resident programs
 
-import importlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from flashlite.online_softmax import pack_state, unpack_state  # noqa: E402
+from flashlite.core.partials import pack_state, unpack_state  # noqa: E402
 
-fs = importlib.import_module("flashlite.softmax")  # the module (flashlite.softmax is the function)
 
 
 @triton.jit
@@ -273,10 +275,10 @@ def test_packed_states_round_trip_and_are_never_zero():
 @pytest.mark.parametrize(
     "n_cols,head_cols,even,prefetch",
     [
-        (50, 0, False, fs.PREFETCH_NONE),  # parts of 16 held on chip, the last one ragged (2 columns)
-        (100, 16, False, fs.PREFETCH_NONE),  # parts of 16 streamed twice + 16 on chip; the last tail is past the row
-        (128, 16, True, fs.PREFETCH_NONE),  # every part inside the row: no masks
-        (150, 24, False, fs.PREFETCH_NONE),  # heads of three blocks: the loops (two a turn) fold a padding block of -inf
+        (50, 0, False, tuning.PREFETCH_NONE),  # parts of 16 held on chip, the last one ragged (2 columns)
+        (100, 16, False, tuning.PREFETCH_NONE),  # parts of 16 streamed twice + 16 on chip; the last tail is past the row
+        (128, 16, True, tuning.PREFETCH_NONE),  # every part inside the row: no masks
+        (150, 24, False, tuning.PREFETCH_NONE),  # heads of three blocks: the loops (two a turn) fold a padding block of -inf
     ],
 )
 def test_shared_rows_kernel_with_the_other_parts_published(dtype, head_group_n, n_cols, head_cols, even, prefetch):
@@ -300,7 +302,7 @@ def test_shared_rows_kernel_with_the_other_parts_published(dtype, head_group_n, 
     lse = torch.full((n_rows,), float("nan"))
     clear = torch.randint(1, 1 << 40, (37,))  # what an earlier launch published: zeroed for the next one
     with _runtime.quiet_interpreter():  # the test's own launch: as flashlite's
-        fs._softmax_shared_rows_kernel[(n_parts,)](
+        shared_rows.softmax_shared_rows_kernel[(n_parts,)](
             x, y, lse, slots, clear, 35, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
             BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="", PARTS_POW2=n_parts,
             HAS_HEAD=head_cols > 0,
@@ -339,11 +341,11 @@ def test_shared_rows_kernel_head_boundaries(n_cols, head_cols, n_parts, head_gro
     lse = torch.full((n_rows,), float("nan"))
     slots = _host_packed(part_m.flatten(), part_d.flatten())
     with _runtime.quiet_interpreter():  # the test's own launch: as flashlite's
-        fs._softmax_shared_rows_kernel[(n_parts,)](
+        shared_rows.softmax_shared_rows_kernel[(n_parts,)](
             x, y, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, 0, x.stride(0), x.stride(1), n_cols,
             BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="evict_last",
             PARTS_POW2=triton.next_power_of_2(n_parts), HAS_HEAD=True,
-            PREFETCH=fs.PREFETCH_NONE, VEC_COLS=1, EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
+            PREFETCH=tuning.PREFETCH_NONE, VEC_COLS=1, EVEN_COLS=n_cols == n_parts * part_cols, WRITE_Y=True, WRITE_LSE=True,
             CLEAR_BLOCK=16,
         )
     assert_close(y, softmax_ref(x))
@@ -398,12 +400,12 @@ def test_shared_rows_kernel_reads_unaligned_rows_from_their_first_boundary(dtype
     y = y_frame[base_lead:].view(n_rows, n_cols + gap)
     lse = torch.full((n_rows,), float("nan"))
     with _runtime.quiet_interpreter():  # the test's own launch: as flashlite's
-        fs._softmax_shared_rows_kernel[(n_parts,)](
+        shared_rows.softmax_shared_rows_kernel[(n_parts,)](
             x_frame, y_frame, lse, slots, slots, 0, n_rows, n_cols, n_parts, head_cols, base_lead, x.stride(0),
             x.stride(1), y.stride(0),
             BLOCK_N=block_n, HEAD_BLOCK_N=head_block_n, HEAD_GROUP_N=head_group_n, HEAD_EVICTION="",
             PARTS_POW2=triton.next_power_of_2(n_parts),
-            HAS_HEAD=head_cols > 0, PREFETCH=fs.PREFETCH_NONE, VEC_COLS=vec_cols, EVEN_COLS=False,
+            HAS_HEAD=head_cols > 0, PREFETCH=tuning.PREFETCH_NONE, VEC_COLS=vec_cols, EVEN_COLS=False,
             WRITE_Y=True, WRITE_LSE=True, CLEAR_BLOCK=16,
         )
     assert_close(y[:, :n_cols], softmax_ref(x))
@@ -414,21 +416,21 @@ def test_shared_rows_kernel_reads_unaligned_rows_from_their_first_boundary(dtype
 def test_row_vectors():
     # 1: rows aligned as Triton sees them; > 1: contiguous, rows read from the first 16-byte boundary
     # in each; 0: neither, one element a load.
-    assert fs.row_vectors(torch.empty(8, 64), torch.float32) == 1
-    assert fs.row_vectors(torch.empty(8, 50257), torch.float32) == 4
-    assert fs.row_vectors(torch.empty(8, 50257, dtype=torch.bfloat16), torch.bfloat16) == 8
-    assert fs.row_vectors(torch.empty(8, 50257, dtype=torch.bfloat16), torch.float32) == 8  # y's vectors too
-    assert fs.row_vectors(torch.empty(8, 40), torch.float32) == 4  # 8 vectors, but not 16 columns
-    assert fs.row_vectors(torch.empty(1, 50257), torch.float32) == 4
-    assert fs.row_vectors(torch.empty(8, 50272)[:, :50257], torch.float32) == 0  # y's rows would not align
-    assert fs.row_vectors(torch.empty(8 * 64 + 1)[1:].view(8, 64), torch.float32) == 4  # base 4 bytes past
-    assert fs.row_vectors(torch.empty(8 * 64 + 1, dtype=torch.bfloat16)[1:].view(8, 64), torch.bfloat16) == 8
-    assert fs.row_vectors(torch.empty(8, 128)[:, 1:65], torch.float32) == 0  # rows 128 apart, 64 long
+    assert frames.row_vectors(torch.empty(8, 64), torch.float32) == 1
+    assert frames.row_vectors(torch.empty(8, 50257), torch.float32) == 4
+    assert frames.row_vectors(torch.empty(8, 50257, dtype=torch.bfloat16), torch.bfloat16) == 8
+    assert frames.row_vectors(torch.empty(8, 50257, dtype=torch.bfloat16), torch.float32) == 8  # y's vectors too
+    assert frames.row_vectors(torch.empty(8, 40), torch.float32) == 4  # 8 vectors, but not 16 columns
+    assert frames.row_vectors(torch.empty(1, 50257), torch.float32) == 4
+    assert frames.row_vectors(torch.empty(8, 50272)[:, :50257], torch.float32) == 0  # y's rows would not align
+    assert frames.row_vectors(torch.empty(8 * 64 + 1)[1:].view(8, 64), torch.float32) == 4  # base 4 bytes past
+    assert frames.row_vectors(torch.empty(8 * 64 + 1, dtype=torch.bfloat16)[1:].view(8, 64), torch.bfloat16) == 8
+    assert frames.row_vectors(torch.empty(8, 128)[:, 1:65], torch.float32) == 0  # rows 128 apart, 64 long
     buffer = np.zeros(8 * 50 * 4 + 32, dtype=np.uint8)
     offset = (4 - buffer.ctypes.data) % 16
     from_buffer = torch.frombuffer(buffer, dtype=torch.float32, count=8 * 50, offset=offset).view(8, 50)
     assert from_buffer.data_ptr() % 16 == 4 and from_buffer.storage_offset() == 0
-    assert fs.row_vectors(from_buffer, torch.float32) == 0  # its storage starts unaligned: no boundary before it
+    assert frames.row_vectors(from_buffer, torch.float32) == 0  # its storage starts unaligned: no boundary before it
 
 
 def test_aligned_frame_and_rows_output():
@@ -436,22 +438,22 @@ def test_aligned_frame_and_rows_output():
     # far past one: the shared-row kernel's frame for rows whose base is not aligned.
     storage = torch.randn(3 * 50 + 3)
     x = storage[3:].view(3, 50)
-    frame, lead = fs.aligned_frame(x)
+    frame, lead = frames.aligned_frame(x)
     assert lead == 3 and frame.data_ptr() == storage.data_ptr() and frame.shape == x.shape
     aligned = storage[:8].view(2, 4)
-    assert fs.aligned_frame(aligned)[0] is aligned and fs.aligned_frame(aligned)[1] == 0
+    assert frames.aligned_frame(aligned)[0] is aligned and frames.aligned_frame(aligned)[1] == 0
     for dtype in (torch.float32, torch.bfloat16):
-        y, y_frame = fs.rows_output(3, 50, dtype, CPU, lead)
+        y, y_frame = frames.rows_output(3, 50, dtype, CPU, lead)
         assert y.shape == y_frame.shape == (3, 50) and y.is_contiguous() and y.dtype == dtype
         assert y.data_ptr() - y_frame.data_ptr() == lead * y.element_size() and y_frame.data_ptr() % 16 == 0
     # Only rows read in frames (shared, one-row fused tiles, online) start their output past a boundary.
-    framed = fs.SoftmaxPlan("fused", 1, 16, 4, n_splits=4, cols_per_split=16, vec_cols=4)
-    assert fs.output_lead(x, framed) == lead
-    assert fs.output_lead(x, dataclasses.replace(framed, vec_cols=1)) == 0  # aligned rows
-    assert fs.output_lead(x, dataclasses.replace(framed, vec_cols=0)) == 0  # one element a load
-    assert fs.output_lead(x, fs.SoftmaxPlan("fused", 1, 64, 4)) == 0  # a row a program, not in frames
-    assert fs.output_lead(x, fs.SoftmaxPlan("fused", 1, 64, 4, vec_cols=4)) == lead  # ... in frames
-    assert fs.output_lead(x, fs.SoftmaxPlan("online", 1, 16, 4, vec_cols=4)) == lead
+    framed = softmax_plan.SoftmaxPlan("fused", 1, 16, 4, n_splits=4, cols_per_split=16, vec_cols=4)
+    assert softmax_plan.output_lead(x, framed) == lead
+    assert softmax_plan.output_lead(x, dataclasses.replace(framed, vec_cols=1)) == 0  # aligned rows
+    assert softmax_plan.output_lead(x, dataclasses.replace(framed, vec_cols=0)) == 0  # one element a load
+    assert softmax_plan.output_lead(x, softmax_plan.SoftmaxPlan("fused", 1, 64, 4)) == 0  # a row a program, not in frames
+    assert softmax_plan.output_lead(x, softmax_plan.SoftmaxPlan("fused", 1, 64, 4, vec_cols=4)) == lead  # ... in frames
+    assert softmax_plan.output_lead(x, softmax_plan.SoftmaxPlan("online", 1, 16, 4, vec_cols=4)) == lead
 
 
 def unpack_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,57 +471,57 @@ def test_shared_rows_plan(monkeypatch):
     # waves of SHARED_WAVE_TILES parts (fp32 ones stream a head as long as they hold, unless framed).
     gpu = torch.device("cuda", 0)
     l2_bytes = H100.l2_bytes
-    monkeypatch.setattr(fs, "shares_rows_on_chip", lambda device: device.type == "cuda")
-    monkeypatch.setattr(fs, "device_info", lambda device: H100)
+    monkeypatch.setattr(softmax_plan, "shares_rows_on_chip", lambda device: device.type == "cuda")
+    monkeypatch.setattr(softmax_plan, "device_info", lambda device: H100)
     clear_plans()
     try:
         fp32 = plan_softmax(4096, 65536, gpu, shared_rows=torch.float32)
         assert (fp32.algorithm, fp32.block_n, fp32.n_splits, fp32.num_warps, fp32.head_cols) == ("fused", 16384, 2, 4, 16384)
-        assert fp32.cols_per_split == 32768 and fp32.head_block == fs.SHARED_WAVE_TILES[4].head_block
+        assert fp32.cols_per_split == 32768 and fp32.head_block == tuning.SHARED_WAVE_TILES[4].head_block
         # (bf16 4096 x 65536 is read twice, a program a row: test_softmax_reread.py)
-        bf16_waves, bf16_wave_tile = plan_softmax(4096, 131072, gpu, shared_rows=torch.bfloat16), fs.SHARED_WAVE_TILES[2]
+        bf16_waves, bf16_wave_tile = plan_softmax(4096, 131072, gpu, shared_rows=torch.bfloat16), tuning.SHARED_WAVE_TILES[2]
         assert (bf16_waves.block_n, bf16_waves.n_splits, bf16_waves.num_warps, bf16_waves.head_cols, bf16_waves.prefetch) == (
             bf16_wave_tile.cols, 8, bf16_wave_tile.num_warps, 0, bf16_wave_tile.prefetch)
         one_wave_of_parts = plan_softmax(64, 65536, gpu, shared_rows=torch.bfloat16)  # 128 parts: no waves
-        assert (one_wave_of_parts.block_n, one_wave_of_parts.n_splits) == (fs.SHARED_TILES[2].cols, 2)
+        assert (one_wave_of_parts.block_n, one_wave_of_parts.n_splits) == (tuning.SHARED_TILES[2].cols, 2)
         bf16 = plan_softmax(7, 100_003, gpu, "fused", shared_rows=torch.bfloat16)
         assert (bf16.block_n, bf16.n_splits, bf16.num_warps) == (32768, 4, 16)  # ragged last part
         odd = plan_softmax(3, 40_000, gpu, shared_rows=torch.float32)  # 3 parts of 13334 -> 3 of 16384
         assert (odd.block_n, odd.n_splits) == (16384, 3)
-        fp32_tile, bf16_tile = fs.SHARED_TILES[4], fs.SHARED_TILES[2]
+        fp32_tile, bf16_tile = tuning.SHARED_TILES[4], tuning.SHARED_TILES[2]
         most = fp32_tile.programs_per_sm * 132 * fp32_tile.cols  # what the resident fp32 programs hold on chip
         assert plan_softmax(1, most, gpu, shared_rows=torch.float32).head_cols == 0
         for n_cols in (most + 1, 1 << 24, 3 * most + 17):
-            plan = plan_softmax(1, n_cols, gpu, shared_rows=torch.float32)
-            assert plan.algorithm == "fused" and plan.block_n == fp32_tile.cols
-            assert plan.n_splits <= fp32_tile.programs_per_sm * 132 and plan.head_block == fp32_tile.head_block
-            assert plan.head_cols > 0 and plan.head_cols % plan.head_block == 0 and plan.shares_rows
-            assert plan.cols_per_split == plan.head_cols + plan.block_n
-            assert plan.n_splits * plan.cols_per_split >= n_cols > (plan.n_splits - 1) * plan.cols_per_split
+            chosen = plan_softmax(1, n_cols, gpu, shared_rows=torch.float32)
+            assert chosen.algorithm == "fused" and chosen.block_n == fp32_tile.cols
+            assert chosen.n_splits <= fp32_tile.programs_per_sm * 132 and chosen.head_block == fp32_tile.head_block
+            assert chosen.head_cols > 0 and chosen.head_cols % chosen.head_block == 0 and chosen.shares_rows
+            assert chosen.cols_per_split == chosen.head_cols + chosen.block_n
+            assert chosen.n_splits * chosen.cols_per_split >= n_cols > (chosen.n_splits - 1) * chosen.cols_per_split
         bf16_long = plan_softmax(1, 1 << 24, gpu, shared_rows=torch.bfloat16)  # one 16-bit program a multiprocessor
         assert bf16_long.n_splits <= 132 and bf16_long.head_cols > 0
         assert (fp32.prefetch, bf16.prefetch, bf16_long.prefetch) == (fp32_tile.prefetch, *[bf16_tile.prefetch] * 2)
-        assert (plan.head_group, bf16_long.head_group) == (fp32_tile.head_group, bf16_tile.head_group) == (1, 8)
+        assert (chosen.head_group, bf16_long.head_group) == (fp32_tile.head_group, bf16_tile.head_group) == (1, 8)
         # 16 rows of 1M: 32 held parts a row, 4 rows a wave. bf16: one wave of 8 parts a row (8 x 16 <= 132),
         # 24 MB of heads <= 25 MB; fp32 (48 MB of heads in one wave): two waves of 8 rows, 32 parts a row.
         one_wave = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.bfloat16)
         assert (one_wave.n_splits, one_wave.block_n, one_wave.cols_per_split) == (8, bf16_tile.cols, 1 << 17)
-        assert 16 * one_wave.n_splits * one_wave.head_cols * 2 <= fs.SHARED_HEADS_L2_FRACTION * l2_bytes
+        assert 16 * one_wave.n_splits * one_wave.head_cols * 2 <= tuning.SHARED_HEADS_L2_FRACTION * l2_bytes
         two_waves = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32)
         assert (two_waves.n_splits, two_waves.head_cols, two_waves.block_n) == (32, 16384, fp32_tile.cols)
         assert 8 * two_waves.n_splits <= 2 * 132 < 16 * two_waves.n_splits  # 8 rows a wave, not 16
-        assert 8 * two_waves.n_splits * two_waves.head_cols * 4 <= fs.SHARED_HEADS_L2_FRACTION * l2_bytes
-        max_head_waves = fs.SHARED_MAX_HEAD_WAVES
-        monkeypatch.setattr(fs, "SHARED_MAX_HEAD_WAVES", 1)  # one wave or none: fp32 goes in waves of parts
+        assert 8 * two_waves.n_splits * two_waves.head_cols * 4 <= tuning.SHARED_HEADS_L2_FRACTION * l2_bytes
+        max_head_waves = tuning.SHARED_MAX_HEAD_WAVES
+        monkeypatch.setattr(tuning, "SHARED_MAX_HEAD_WAVES", 1)  # one wave or none: fp32 goes in waves of parts
         clear_plans()
         framed_waves = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32, vec_cols=4)
         assert (framed_waves.n_splits, framed_waves.head_cols) == (64, 0)
         waves = plan_softmax(16, 1 << 20, gpu, shared_rows=torch.float32)  # each part with a wave head
-        assert (waves.n_splits, waves.head_cols) == (32, fs.SHARED_WAVE_TILES[4].wave_head)
+        assert (waves.n_splits, waves.head_cols) == (32, tuning.SHARED_WAVE_TILES[4].wave_head)
         # Wave heads load evict_last; the heads of few long rows carry no hint (measured on the H100).
         assert (waves.head_eviction, fp32.head_eviction) == ("evict_last",) * 2
         assert (two_waves.head_eviction, one_wave.head_eviction, bf16_long.head_eviction) == ("",) * 3
-        monkeypatch.setattr(fs, "SHARED_MAX_HEAD_WAVES", max_head_waves)
+        monkeypatch.setattr(tuning, "SHARED_MAX_HEAD_WAVES", max_head_waves)
         clear_plans()
         rows_128 = plan_softmax(128, 1 << 17, gpu, shared_rows=torch.bfloat16)  # one program a row, with a head
         assert (rows_128.n_splits, rows_128.head_cols) == (1, (1 << 17) - bf16_tile.cols) and rows_128.shares_rows
@@ -533,7 +535,7 @@ def test_shared_rows_plan(monkeypatch):
         assert (framed.block_n, framed.n_splits, framed.head_cols, framed.vec_cols) == (16384, 4, 0, 4)
         assert plan_softmax(4096, 65536, gpu, shared_rows=torch.float32, vec_cols=4) == framed  # an unaligned base
         scalar = plan_softmax(4096, 50257, gpu, shared_rows=torch.bfloat16, vec_cols=0)
-        unaligned_tile = fs.SHARED_TILES_UNALIGNED[2]
+        unaligned_tile = tuning.SHARED_TILES_UNALIGNED[2]
         assert (scalar.block_n, scalar.num_warps, scalar.n_splits, scalar.vec_cols) == (
             unaligned_tile.cols, unaligned_tile.num_warps, math.ceil(50257 / unaligned_tile.cols), 0)
         assert plan_softmax(4, 65536, gpu).algorithm == "online"  # masked softmax: no shared-row kernel
@@ -547,19 +549,19 @@ def test_shared_rows_plan_falls_back_to_streaming_where_programs_cannot_wait():
     # A shared-row plan handed to the interpreter (where a row's programs would wait for each
     # other forever) runs the online path instead, with the right answer.
     x = randn(3, 100, scale=3.0)
-    plan = fs.SoftmaxPlan("fused", 1, 32, 4, 4, 32)
-    y, lse = softmax_forward(x, torch.float32, plan, write_lse=True)
+    shared = softmax_plan.SoftmaxPlan("fused", 1, 32, 4, 4, 32)
+    y, lse = softmax_forward(x, torch.float32, shared, write_lse=True)
     assert_close(y, softmax_ref(x))
     assert_close(lse, torch.logsumexp(x.double(), -1))
 
 
 def test_shared_rows_backward_where_programs_cannot_wait():
     # The interpreter shares no rows: the backward of a forward plan of shared rows runs a row a program there.
-    backward = fs.plan_backward(fs.SoftmaxPlan("fused", 1, 32, 4, 4, 32), 2, 100, 4, torch.device("cpu"))
+    backward = softmax_plan.plan_backward(softmax_plan.SoftmaxPlan("fused", 1, 32, 4, 4, 32), 2, 100, 4, torch.device("cpu"))
     assert backward.algorithm == "fused" and not backward.shares_rows
     y = softmax_ref(randn(2, 100)).float()
     dy = randn(2, 100)
-    dx = softmax_backward(y, dy, torch.float32, fs.SoftmaxPlan("fused", 1, 32, 4, 4, 32))
+    dx = softmax_backward(y, dy, torch.float32, softmax_plan.SoftmaxPlan("fused", 1, 32, 4, 4, 32))
     assert_close(dx, softmax_grad_ref(y, dy))
 
 
@@ -575,8 +577,8 @@ def test_repeated_calls_repeat_the_first_launch(monkeypatch):
             _runtime.launch(kernel, grid, new_args, **meta)
         return run
 
-    monkeypatch.setattr(fs, "compiled_launcher", interpreted_launcher)
-    monkeypatch.setattr(fs, "_REPEATS", {})
+    monkeypatch.setattr(api, "compiled_launcher", interpreted_launcher)
+    monkeypatch.setattr(api, "_REPEATS", {})
     cases = [
         (lambda: randn(37, 100, scale=3.0), None),
         (lambda: randn(2, 3, 300, dtype=torch.bfloat16), torch.float32),  # 3-D, another output dtype
@@ -604,25 +606,25 @@ def test_repeated_calls_repeat_the_first_launch(monkeypatch):
     assert len(repeats) == count
     # clear_plans forgets the repeated launches too: the next call of a seen signature plans afresh.
     seen = randn(37, 100, scale=3.0)
-    fs.clear_plans()
+    api.clear_plans()
     assert_close(flashlite.softmax(seen), softmax_ref(seen))
-    assert len(repeats) == count and len(fs._REPEATS) == 1
+    assert len(repeats) == count and len(api._REPEATS) == 1
 
 
 def test_zeroed_slots_alternate_a_pair_of_buffers_per_stream(monkeypatch):
-    # Host logic of _runtime.zeroed_slots, with CPU tensors: each launch must find its slots zero
+    # Host logic of partials.zeroed_slots, with CPU tensors: each launch must find its slots zero
     # although none is zeroed between launches (the "kernel" below zeroes what it is told to clear
     # and leaves its own slots published), across a capacity that grows, a launch that does not
     # happen, and two streams.
     stream = [7]
-    monkeypatch.setattr(_runtime, "_current_stream", lambda index: stream[0])
+    monkeypatch.setattr(partials, "current_stream", lambda index: stream[0])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(_runtime, "_SLOT_PAIRS", {})
+    monkeypatch.setattr(partials, "_SLOT_PAIRS", {})
     seen = []
 
     def kernel(slots, clear, n_clear):
         assert (slots == 0).all(), "a launch found slots published by an earlier one"
-        assert n_clear % _runtime.SLOTS_ALIGN == 0 and n_clear == clear.numel() >= slots.numel()
+        assert n_clear % partials.SLOTS_ALIGN == 0 and n_clear == clear.numel() >= slots.numel()
         slots.fill_(12345)  # published, left so
         clear[:n_clear] = 0
         seen.append(slots.data_ptr())
@@ -630,12 +632,12 @@ def test_zeroed_slots_alternate_a_pair_of_buffers_per_stream(monkeypatch):
 
     cpu = torch.device("cpu")
     for n_slots in (5, 5, 40, 3, 40, 17):
-        assert _runtime.zeroed_slots(cpu, n_slots, kernel) is True
+        assert partials.zeroed_slots(cpu, n_slots, kernel) is True
     assert seen[0] != seen[1] and seen[-1] != seen[-2]  # one buffer, then the other
     before = list(seen)
-    assert _runtime.zeroed_slots(cpu, 8, lambda *a: False) is False  # nothing launched: the same buffer next
-    _runtime.zeroed_slots(cpu, 8, kernel)
+    assert partials.zeroed_slots(cpu, 8, lambda *a: False) is False  # nothing launched: the same buffer next
+    partials.zeroed_slots(cpu, 8, kernel)
     assert seen[-1] != before[-1]
     stream[0] = 8  # another stream: its own pair
-    _runtime.zeroed_slots(cpu, 8, kernel)
-    assert len(_runtime._SLOT_PAIRS) == 2
+    partials.zeroed_slots(cpu, 8, kernel)
+    assert len(partials._SLOT_PAIRS) == 2

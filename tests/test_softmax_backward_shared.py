@@ -2,7 +2,6 @@
 row of y and dy between them and trade the partial sums of dy * y (online_softmax.share_partial_sums)."""
 
 import dataclasses
-import importlib
 import math
 
 import numpy as np
@@ -11,12 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from flashlite import _runtime
-from flashlite.online_softmax import pack_sum, unpack_sum
+from flashlite.softmax import api, backward, plan as softmax_plan, tuning
+from flashlite.core import runtime as _runtime
+from flashlite.core.partials import pack_sum, unpack_sum
 
 from .utils import H100, assert_close, randn, softmax_grad_ref, softmax_ref
 
-fs = importlib.import_module("flashlite.softmax")
 GPU = torch.device("cuda", 0)  # a stand-in: only plans are made for it
 CPU = torch.device("cpu")
 
@@ -84,9 +83,9 @@ def test_shared_rows_backward_kernel_with_the_other_parts_published(dtype, n_col
     dx = torch.full((n_rows, n_cols), float("nan"), dtype=dtype)
     clear = torch.randint(1, 1 << 40, (21,))  # what an earlier launch published: zeroed for the next one
     with _runtime.quiet_interpreter():  # the test's own launch: as flashlite's
-        fs._softmax_bwd_shared_rows_kernel[(n_parts,)](
+        backward.softmax_bwd_shared_rows_kernel[(n_parts,)](
             y, dy, dx, slots, clear, 19, n_rows, n_cols, n_parts, n_cols, dy.stride(0), dy.stride(1), n_cols,
-            BLOCK_N=block_n, PARTS_POW2=triton.next_power_of_2(n_parts), PREFETCH=fs.PREFETCH_NONE, VEC_COLS=vec_cols,
+            BLOCK_N=block_n, PARTS_POW2=triton.next_power_of_2(n_parts), PREFETCH=tuning.PREFETCH_NONE, VEC_COLS=vec_cols,
             EVEN_COLS=vec_cols == 1 and n_cols == n_parts * block_n, CLEAR_BLOCK=8,
         )
     tol = 2e-6 if dtype == torch.float32 else 8e-3
@@ -99,41 +98,41 @@ def test_backward_plans(monkeypatch):
     # On a (stand-in) H100: rows of 8192 columns and more take a program each that loads y and dy twice, up to
     # 32768 fp32 / 65536 16-bit columns; longer rows are shared by resident programs of BWD_TILES columns;
     # shorter ones keep the forward's tiles; online stays online; rows of more parts than multiprocessors stream.
-    monkeypatch.setattr(fs, "shares_rows_on_chip", lambda device: device.type == "cuda")
-    monkeypatch.setattr(fs, "device_info", lambda device: H100)
-    fs.clear_plans()
+    monkeypatch.setattr(softmax_plan, "shares_rows_on_chip", lambda device: device.type == "cuda")
+    monkeypatch.setattr(softmax_plan, "device_info", lambda device: H100)
+    api.clear_plans()
     try:
         def plans(n_rows, n_cols, dtype, algorithm="auto", device=GPU, vec_cols=1):
-            forward = fs.plan_softmax(n_rows, n_cols, device, algorithm, shared_rows=dtype, vec_cols=vec_cols)
-            return forward, fs.plan_backward(forward, n_rows, n_cols, dtype.itemsize, device)
+            forward = softmax_plan.plan_softmax(n_rows, n_cols, device, algorithm, shared_rows=dtype, vec_cols=vec_cols)
+            return forward, softmax_plan.plan_backward(forward, n_rows, n_cols, dtype.itemsize, device)
 
         for n_cols in (256, 4000, 4096):  # tiles of several rows, and one-row tiles of fewer than 8192 columns
             fwd, bwd = plans(4096, n_cols, torch.float32)
             assert bwd == fwd and not bwd.reread
-        reread = fs.SoftmaxPlan("fused", 1, 32768, 32, reread=True)
+        reread = softmax_plan.SoftmaxPlan("fused", 1, 32768, 32, reread=True)
         assert plans(4096, 32768, torch.float32)[1] == reread
         assert plans(4096, 20000, torch.float32)[1] == reread and plans(4096, 5000, torch.float32)[1].block_n == 8192
         assert plans(4096, 20000, torch.float32, "fused")[1] == reread
-        assert plans(4096, 8192, torch.bfloat16)[1] == fs.SoftmaxPlan("fused", 1, 8192, 32, reread=True)
+        assert plans(4096, 8192, torch.bfloat16)[1] == softmax_plan.SoftmaxPlan("fused", 1, 8192, 32, reread=True)
         fwd, bwd = plans(4096, 50257, torch.bfloat16, vec_cols=8)  # in frames, shared by the forward; a program a row here
-        assert fwd.shares_rows and bwd == fs.SoftmaxPlan("fused", 1, 65536, 32, reread=True)
+        assert fwd.shares_rows and bwd == softmax_plan.SoftmaxPlan("fused", 1, 65536, 32, reread=True)
         fwd, bwd = plans(4096, 65536, torch.float32)  # fp32 past 32768: parts of 8192 columns, held
         assert (bwd.algorithm, bwd.block_n, bwd.n_splits, bwd.num_warps, bwd.prefetch) == ("fused", 8192, 8, 4, 0)
         assert bwd.shares_rows and bwd.cols_per_split == 8192 and bwd.head_cols == 0 and not bwd.reread
         _, bwd = plans(4096, 40000, torch.float32)  # 5 parts of 8000 -> 8192, the last one ragged
         assert (bwd.block_n, bwd.n_splits) == (8192, 5)
         _, bwd = plans(128, 1 << 17, torch.bfloat16)  # 16-bit parts ask the next row's part into L2
-        assert (bwd.block_n, bwd.n_splits, bwd.num_warps, bwd.prefetch) == (8192, 16, 4, fs.PREFETCH_L2.value)
+        assert (bwd.block_n, bwd.n_splits, bwd.num_warps, bwd.prefetch) == (8192, 16, 4, tuning.PREFETCH_L2.value)
         _, bwd = plans(16, 1 << 20, torch.float32)  # 128 parts: one program a multiprocessor still holds them
         assert (bwd.n_splits, bwd.shares_rows) == (128, True)
         _, bwd = plans(4, 1 << 22, torch.float32)  # 512 parts: more than the multiprocessors; streamed
-        assert bwd == fs.plan_softmax(4, 1 << 22, GPU, "online")
+        assert bwd == softmax_plan.plan_softmax(4, 1 << 22, GPU, "online")
         fwd, bwd = plans(4096, 65536, torch.float32, "online")
         assert bwd == fwd
         assert plans(4096, 32768, torch.float32, device=CPU)[1] == reread  # the interpreter too
         assert plans(4, 65536, torch.float32, device=CPU)[1].algorithm == "online"  # it shares no rows
     finally:
-        fs.clear_plans()
+        api.clear_plans()
 
 
 @pytest.mark.parametrize(
@@ -148,12 +147,12 @@ def test_backward_plans(monkeypatch):
 def test_fused_backward_loading_y_and_dy_twice(dtype, n_rows, n_cols, skip):
     # The plan of wide rows (BWD_REREAD_MIN_COLS and more) at a size the interpreter runs: REREAD loads y and dy
     # once for sum(dy * y) and again for dx.
-    plan = fs.SoftmaxPlan("fused", 1, triton.next_power_of_2(n_cols), 4, reread=True)
+    plan = softmax_plan.SoftmaxPlan("fused", 1, triton.next_power_of_2(n_cols), 4, reread=True)
     y = softmax_ref(randn(n_rows, n_cols, scale=3.0)).to(dtype)
     dy = randn(n_rows * n_cols + skip, dtype=dtype)[skip:].view(n_rows, n_cols)
-    assert fs.plan_backward(plan, n_rows, n_cols, y.element_size(), CPU) == plan  # runs as given
-    assert fs.backward_vectors(y, dy, dtype, plan) == (1 if skip or n_cols % 16 == 0 else 16 // y.element_size())
-    dx = fs.softmax_backward(y, dy, dtype, plan)
+    assert softmax_plan.plan_backward(plan, n_rows, n_cols, y.element_size(), CPU) == plan  # runs as given
+    assert softmax_plan.backward_vectors(y, dy, dtype, plan) == (1 if skip or n_cols % 16 == 0 else 16 // y.element_size())
+    dx = backward.softmax_backward(y, dy, dtype, plan)
     ref = softmax_grad_ref(y, dy)
     tol = 2e-6 if dtype == torch.float32 else 8e-3
     assert (dx.double() - ref).abs().max() <= tol * ref.abs().max()
@@ -163,8 +162,8 @@ def test_fused_backward_loading_y_and_dy_twice(dtype, n_rows, n_cols, skip):
 def test_shared_rows_backward_falls_back_to_streaming_where_programs_cannot_wait(monkeypatch, n_cols):
     # A shared backward plan that cannot launch (the interpreter: a row's programs would wait for each other
     # forever) streams the rows instead, with the right answer.
-    shared = fs.SoftmaxPlan("fused", 1, 16, 4, 3, 16)
-    monkeypatch.setattr(fs, "plan_backward", lambda plan, *args: shared)
+    shared = softmax_plan.SoftmaxPlan("fused", 1, 16, 4, 3, 16)
+    monkeypatch.setattr(softmax_plan, "plan_backward", lambda plan, *args: shared)
     y = softmax_ref(randn(5, n_cols, scale=3.0)).float()
     dy = randn(5, n_cols)
-    assert_close(fs.softmax_backward(y, dy, torch.float32, dataclasses.replace(shared, n_splits=9)), softmax_grad_ref(y, dy))
+    assert_close(backward.softmax_backward(y, dy, torch.float32, dataclasses.replace(shared, n_splits=9)), softmax_grad_ref(y, dy))

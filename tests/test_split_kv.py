@@ -11,9 +11,10 @@ equivalent explicit mask (``cache_mask``).
 import pytest
 import torch
 
-import flashlite.attention as fa
-import flashlite.split_kv as sk
-from flashlite.attention import AttentionConfig, flash_attention
+from flashlite import flash_attention
+from flashlite.attention import api, tuning
+from flashlite.attention import split_kv as sk
+from flashlite.attention.tuning import AttentionConfig
 
 from .utils import assert_attention_close, attention_ref, randn
 
@@ -22,7 +23,7 @@ TILES_16 = AttentionConfig(16, 16, 4, 1)
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(fa, "INTERPRETER_CONFIG", TILES_16)
+    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", TILES_16)
 
 
 def qkv(b, h, lq, lk, d=32, dtype=torch.bfloat16, h_kv=None):
@@ -62,15 +63,21 @@ def check_split_equals_unsplit(q, k, v, num_splits, **kw):
 
 
 def spy_split(monkeypatch) -> list:
-    """Record each split launch's num_splits (to check which path a call takes)."""
+    """Record the num_splits of each split launch flash_attention plans (to check which path a call takes)."""
     calls = []
-    real = sk.split_kv_forward
 
-    def spy(*args, **kw):
+    class Spy(sk.SplitLaunch):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            calls.append(args[7])
+
+    def spy_forward(*args, **kw):
         calls.append(args[8])
-        return real(*args, **kw)
+        return sk.split_kv_forward(*args, **kw)
 
-    monkeypatch.setattr(sk, "split_kv_forward", spy)
+    api.clear_routes()  # routes planned before the spy would not show
+    monkeypatch.setattr(api, "SplitLaunch", Spy)
+    monkeypatch.setattr(api, "split_kv_forward", spy_forward)  # the masked path
     return calls
 
 
@@ -86,6 +93,8 @@ def spy_split(monkeypatch) -> list:
         (20, 50, True, 3),  # two query tiles; the first tile's causal end is shorter
         (30, 20, True, 2),  # Lq > Lk: the first 10 queries see no key (zeros, lse -inf)
         (1, 40, False, 99),  # more splits than key tiles: clamped to 3
+        (1, 300, False, 19),  # more splits than the merge loads at once (MERGE_TILE_PARTS): two blocks of them
+        (3, 520, True, 40),  # 33 key tiles in 33 splits: three blocks, the last one split only
     ],
 )
 def test_split_vs_unsplit(lq, lk, causal, num_splits):
@@ -126,7 +135,7 @@ def test_grouped_query_per_head_mask_not_packed():
     # A mask that differs by query head cannot be shared by packed rows: one head per program.
     q, k, v = qkv(1, 4, 3, 50, h_kv=2)
     mask = torch.rand(1, 4, 3, 50) > 0.3
-    view, _ = fa._check_inputs(q, k, v, mask)
+    view, _ = api.check_inputs(q, k, v, mask)
     assert sk.heads_per_program(4, 2, 3, view) == 1
     check_split_equals_unsplit(q, k, v, 2, attn_mask=mask)
 
@@ -239,16 +248,17 @@ def test_interpreter_keeps_forward_kernel(monkeypatch):
 
 
 def test_automatic_rule():
-    sms = 132  # an H100; the expected counts are the fastest ones bench/decode.py --tune measured there
-    # Decoding (Lq = 1), B = 1: about half a program per multiprocessor.
-    assert sk.splits_for(32, 32, True, 65536, sms) == 3  # 32 K/V heads (best measured: 2-4)
-    assert sk.splits_for(32, 8, True, 65536, sms) == 9  # 8 K/V heads, 4 query heads packed (best: 8)
+    sms = 132  # an H200; the expected counts are the fastest ones bench/decode.py --tune measured there
+    # Decoding (Lq = 1), B = 1: about one program per multiprocessor.
+    assert sk.splits_for(32, 32, True, 65536, sms) == 5  # 32 K/V heads (best measured: 4, 8 within 2%)
+    assert sk.splits_for(32, 8, True, 65536, sms) == 17  # 8 K/V heads, 4 query heads packed (best: 16)
+    assert sk.splits_for(32, 8, True, 4096, sms) == 8  # ... each split at least SPLIT_MIN_KEYS keys (best: 8)
     # Decoding with a full grid still takes the split kernel (it packs GQA groups), with 2 splits.
-    assert sk.splits_for(256, 64, True, 65536, sms) == 2
+    assert sk.splits_for(256, 64, True, 65536, sms) == 3
     assert sk.splits_for(256, 256, True, 65536, sms) == 2
     # Longer query blocks: the forward kernel once its grid fills the GPU, else split.
     assert sk.splits_for(256, 256, False, 65536, sms) == 1
-    assert sk.splits_for(16, 16, False, 65536, sms) == 5
+    assert sk.splits_for(16, 16, False, 65536, sms) == 9
     # Below SPLIT_MIN_SEQLEN_K keys: the forward kernel.
     assert sk.splits_for(32, 32, True, sk.SPLIT_MIN_SEQLEN_K - 1, sms) == 1
     # Each split keeps at least SPLIT_MIN_KEYS keys; at most SPLIT_MAX splits.
@@ -284,8 +294,50 @@ def test_argument_errors():
 @pytest.mark.parametrize("causal", [False, True])
 def test_pytorch_path_cache_seqlens(monkeypatch, causal):
     # CPU without the interpreter: the PyTorch path honours cache_seqlens (and ignores num_splits).
-    monkeypatch.setattr(fa, "runs_kernels", lambda t: False)
+    monkeypatch.setattr(api, "runs_kernels", lambda t: False)
     q, k, v = qkv(3, 4, 3, 30, h_kv=2, dtype=torch.float32)
     lengths = torch.tensor([0, 2, 30])
     out, lse, ref_lse = check(q, k, v, causal=causal, cache_seqlens=lengths, num_splits=4)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- repeated calls
+
+
+def test_repeated_calls_replay_the_route(monkeypatch):
+    # The second call of a signature skips the checks and the plan (its route is kept) and still gives the answer
+    # for its own data; another signature (strides, a cache, return_lse) is planned apart.
+    checks = []
+    real_check = api.check_inputs
+    monkeypatch.setattr(api, "check_inputs", lambda *a: checks.append(1) or real_check(*a))
+    calls = spy_split(monkeypatch)
+    for _ in range(2):
+        check(*qkv(2, 4, 2, 70, h_kv=2), causal=True, num_splits=3)
+    assert calls == [3] and len(checks) == 1  # check() passes return_lse=True: one signature
+    flash_attention(*qkv(2, 4, 2, 70, h_kv=2), causal=True, num_splits=3)  # return_lse=False: a new route
+    assert calls == [3, 3] and len(checks) == 2
+    for _ in range(2):  # the same shapes, q's head dim not contiguous: copied, so not kept
+        q, k, v = qkv(2, 4, 2, 70, h_kv=2)
+        check(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, causal=True, num_splits=2)
+    assert calls == [3, 3, 2, 2]
+
+
+def test_repeated_calls_recheck_what_the_key_leaves_out(monkeypatch):
+    # Not kept: a mask, inputs that require grad, a CPU cache_seqlens (its values are checked every call), flags
+    # of another type (checked again, so the error still comes).
+    calls = spy_split(monkeypatch)
+    q, k, v = qkv(1, 2, 1, 50)
+    lengths = torch.tensor([20])
+    for _ in range(2):
+        check(q, k, v, cache_seqlens=lengths, num_splits=2)
+    assert calls == [2, 2]
+    with pytest.raises(ValueError, match="cache_seqlens must lie"):
+        flash_attention(q, k, v, cache_seqlens=torch.tensor([51]), num_splits=2)
+    for _ in range(2):
+        flash_attention(q, k, v, num_splits=2)
+    with pytest.raises(TypeError, match="causal"):
+        flash_attention(q, k, v, num_splits=2, causal="no")
+    assert api.repeat_key(q, k, v, False, None, None, False, 2, None) is not None
+    assert api.repeat_key(q, k, v, False, None, torch.ones(1, 1, 1, 50, dtype=torch.bool), False, 2, None) is None
+    assert api.repeat_key(q.requires_grad_(), k, v, False, None, None, False, 2, None) is None
+    assert api.repeat_key(q, k, v, False, 1, None, False, 2, None) is None  # an int scale: checked each call

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from flashlite._runtime import DeviceInfo
+from flashlite.core.runtime import DeviceInfo
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

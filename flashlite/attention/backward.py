@@ -1,0 +1,520 @@
+"""The attention backward: dQ, dK, dV (and the bias gradient) without storing the L×L probabilities.
+
+The forward saved ``O`` and the natural-log ``LSE`` of every query row. With
+``S = Q Kᵀ · scale + bias`` and ``P = softmax(S) = e^(S - LSE)``:
+
+    dV = Pᵀ dO,   dP = dO Vᵀ,   dS = P ⊙ (dP - δ),   δ = rowsum(dO ⊙ O) - dLSE,
+    dQ = dS K · scale,   dK = dSᵀ Q · scale,   d(bias) = dS.
+
+(``δ_i = Σ_j P_ij dP_ij = rowsum(dO ⊙ O)``; a gradient flowing into the returned
+LSE adds ``P ⊙ dLSE`` to dS, i.e. subtracts ``dLSE`` from δ: supported.)
+
+Three kernels, FlashAttention-2 style:
+
+1. ``_attention_bwd_preprocess_kernel``: δ per query row, in fp32.
+2. ``_attention_bwd_dkdv_kernel``: one program per (batch, K/V head, key tile)
+   keeps its K and V tile and fp32 dK/dV accumulators on chip and streams the
+   Q, dO, LSE and δ tiles of every query head of its GQA group. dK/dV of a
+   shared K/V head are therefore summed over the group in registers: no
+   repeated K/V in memory, no atomics.
+   It works on transposed tiles (``Sᵀ = K Qᵀ``, keys on rows), so that P and dS
+   enter its ``Pᵀ dO`` and ``dSᵀ Q`` dots without a transpose in registers.
+3. ``_attention_bwd_dq_kernel``: one program per (batch, head, query tile)
+   keeps Q, dO and an fp32 dQ accumulator and streams K/V tiles. It recomputes
+   P and dS a second time (FlashAttention-2 trades these FLOPs for having no
+   atomic adds), so every gradient is deterministic: two runs are bitwise equal.
+
+P is never stored: both kernels recompute it from the scores and LSE, the
+scores as the forward made them (fp32 dots of the unscaled Q and K, then
+``qk_scale``: ``flashlite.attention``'s units). In base-2 units the LSE is the
+row's final online-softmax state ``(m, d) = (LSE · log2(e), 1)``, so
+``P = 2^(s · qk_scale - m)``, one fused multiply-add a score on full tiles, with
+the core's ``safe_max`` (a row that saw no key has ``LSE = -inf``; ``safe_max``
+makes ``m = 0``, and every score of that row is ``-inf``, so its P is 0, never
+NaN). Under an additive mask the logits are in natural-log units, and P comes
+from each row's ``(m, log d)`` kept apart by the forward
+(``api.forward_for_backward``): ``P = 2^((s - m) · log2(e) - log2 d)``,
+exact under a bias of any finite size.
+
+Key/query ranges under ``causal`` (bottom-right: query ``i`` sees key
+``j <= i + Lk - Lq``, as the forward). The dQ kernel skips key tiles as the
+forward does. The dK/dV kernel skips the query tiles above the diagonal: key
+tile ``[n, n + BLOCK_N)`` is first seen by query ``n - (Lk - Lq)`` and seen
+whole from query ``n + BLOCK_N - 1 - (Lk - Lq)`` on. Worked example: Lq = 6,
+Lk = 8 (offset 2), BLOCK_M = BLOCK_N = 2, key tile 4..5: query 2 is the first
+to see key 4, query 3 the first to see key 5; query tiles [0, 2) are skipped,
+[2, 4) is masked (the diagonal), [4, 6) is full. Masks (``apply_masks``)
+are applied on the diagonal and, with a user mask, on every tile.
+
+Ragged tiles. Loads are bounds-checked and give zeros past L and D (head dims
+that are not powers of two are padded like the forward). Query rows past Lq
+have dO = 0 and δ = 0, so they add nothing to dK/dV; key rows past Lk only
+produce dK/dV rows that are never stored. The dQ kernel masks its ragged last
+key tile, as the forward does.
+
+Masks. A boolean mask has no gradient. An additive (float) mask that requires
+grad gets ``d(bias) = dS``: the dQ kernel then also writes dS into a
+(B, H, Lq, Lk) fp32 buffer (the only L×L memory of the backward, allocated
+only in that case), and autograd sums it over the mask's broadcast dims. δ then
+comes from a first walk of the dQ kernel over the keys (``DELTA_PASS``:
+``Σ_j P_ij dP_ij`` with the P the kernels recompute), not from the forward's O,
+whose P was rounded to the input dtype: a row's ``Σ_j dS_ij``, exactly 0 for a
+bias broadcast over the keys, is then 0 to fp32 rounding rather than that
+rounding (bf16: up to ~1e-2).
+
+Precision: fp32 accumulators; P and dS are rounded to the input dtype for the
+dots with dO, Q and K (as FlashAttention); fp32 inputs use IEEE fp32 dots.
+Offsets that grow with batch, heads and rows are 64-bit.
+
+Limits: no TMA or persistent-grid variants yet; the tile table is timed for
+D = 64 and 128 only. The split-K/V forward (``num_splits > 1``,
+``cache_seqlens``) has no backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.masking import apply_masks, causal_offset, key_ranges
+from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
+from ..core.runtime import launch
+from ..core.tiles import dot, load_tile, store_tile
+from . import tuning
+from .plan import KV_LOOP_FLAGS, NATURAL_BIAS, default_backward_config, head_dim_padded, qk_scale_for, query_tile
+from .reference import attention_backward_torch
+from .tuning import BackwardConfig
+
+
+@triton.jit
+def _load_row_stats(stats_ptr, rows, ok, n_rows, UNITS: tl.constexpr):
+    """``(row_m, row_logd2)`` of query rows ``rows`` (flat (B, H, Lq) indices, ``ok`` those inside Lq).
+
+    Base-2 units: ``stats_ptr`` is the natural-log LSE; the row's final state is
+    ``(m, d) = (LSE · log2(e), 1)``, so ``row_m`` is that (``safe_max``: 0 for an
+    empty row) and ``row_logd2`` 0. Natural-log units (an additive mask):
+    ``stats_ptr`` holds ``(m, log d)`` (``attention._store_row_stats``), kept
+    apart because their sum loses ``log d`` under a bias of -1e9; ``row_logd2``
+    is ``log2 d`` (0 for an empty row, so its ``P`` is ``2^(-inf)`` = 0, not NaN).
+    """
+    if UNITS == BASE2_UNITS:
+        row_m = safe_max(tl.load(stats_ptr + rows, mask=ok, other=0.0) * LOG2E)
+        row_logd2 = tl.zeros_like(row_m)
+    else:
+        m = tl.load(stats_ptr + rows, mask=ok, other=0.0)
+        logd = tl.load(stats_ptr + n_rows + rows, mask=ok, other=0.0)
+        row_m = safe_max(m)
+        row_logd2 = tl.where(m == float("-inf"), 0.0, logd * LOG2E)
+    return row_m, row_logd2
+
+
+@triton.jit
+def _probs_and_score_grads(
+    q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
+    mask_ptr, stride_mask_q, stride_mask_k,
+    MASKED: tl.constexpr, UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr, KEYS_ON_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    """``P`` and ``dS`` (fp32) of one (query tile, key tile) pair.
+
+    ``[BLOCK_M, BLOCK_N]`` (queries on rows, as the dQ kernel's dot ``dS K``
+    wants them), or with ``KEYS_ON_ROWS`` ``[BLOCK_N, BLOCK_M]`` (as the dK/dV
+    kernel's ``P dO`` and ``dS Q`` want them): each kernel gets its operand
+    untransposed, computed directly in that orientation (``S^T = K Q^T``).
+    The scores are fp32 dots of the unscaled tiles, as in the forward; ``qk_scale``
+    turns them into logits of ``UNITS``, and ``(row_m, row_logd2)`` are the rows'
+    final states (``_load_row_stats``). With ``MASKED``, positions that do not
+    count (bounds, causal, the user's mask) get ``P = 0``; without it every pair
+    must count, and the scale folds into the exponential, as in the forward.
+    """
+    if KEYS_ON_ROWS:
+        s = dot(k, tl.trans(q), None, DOT_PRECISION, UPCAST_DOTS)
+        dp = dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST_DOTS)
+        query_m, query_logd2, query_delta = row_m[None, :], row_logd2[None, :], delta[None, :]
+    else:
+        s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
+        dp = dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST_DOTS)
+        query_m, query_logd2, query_delta = row_m[:, None], row_logd2[:, None], delta[:, None]
+    if MASKED:
+        s = apply_masks(
+            s * qk_scale, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
+            IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY, KEYS_ON_ROWS,
+        )
+        if UNITS == BASE2_UNITS:
+            p = tl.exp2(s - query_m)
+        else:  # the difference to m first, then log2(e): a bias of any finite size keeps its precision
+            p = tl.exp2((s - query_m) * UNITS - query_logd2)
+    else:
+        p = tl.exp2(s * qk_scale - query_m)
+    ds = p * (dp - query_delta)
+    return p, ds
+
+
+@triton.jit
+def _load_rows(ptr, q_idx, seqlen_q):
+    """One fp32 value per query row (δ) of a (batch, head)'s row vector; 0 past ``seqlen_q``."""
+    return tl.load(ptr + q_idx, mask=q_idx < seqlen_q, other=0.0)
+
+
+@triton.jit
+def _dkdv_over_query_tiles(
+    dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh_rows, n_stat_rows, delta_src, stride_qm, stride_dom,
+    query_start, query_end, seqlen_q, seqlen_k, head_dim, qk_scale,
+    mask_ptr, stride_mask_q, stride_mask_k,
+    BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    """Add the query tiles ``[query_start, query_end)`` of one query head to the key tile's (dk, dv) accumulators.
+
+    ``query_start`` must be a multiple of ``BLOCK_M``. Query rows are always
+    bounds-checked (rows past ``seqlen_q`` load as zeros and add nothing).
+    ``bh_rows`` is the flat row index of the head's query 0 in the row statistics.
+    """
+    for start in tl.range(query_start, query_end, BLOCK_M):
+        start = tl.multiple_of(start, BLOCK_M)
+        q_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_M)
+        q = load_tile(q_src, start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+        do = load_tile(do_src, start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+        row_m, row_logd2 = _load_row_stats(stats_ptr, bh_rows + q_idx, q_idx < seqlen_q, n_stat_rows, UNITS)
+        delta = _load_rows(delta_src, q_idx, seqlen_q)
+        p, ds = _probs_and_score_grads(
+            q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
+            mask_ptr, stride_mask_q, stride_mask_k,
+            MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, True, DOT_PRECISION, UPCAST_DOTS,
+        )
+        dv = dot(p.to(do.dtype), do, dv, DOT_PRECISION, UPCAST_DOTS)
+        dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION, UPCAST_DOTS)
+    return dk, dv
+
+
+@triton.jit
+def _dq_over_key_tiles(
+    dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, stride_dsm,
+    key_start, key_end, seqlen_q, seqlen_k, head_dim,
+    mask_ptr, stride_mask_q, stride_mask_k,
+    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, STORE_DS: tl.constexpr, ROW_SUMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
+):
+    """Add keys ``[key_start, key_end)`` to the query tile's dq accumulator (unscaled: ``Σ dS K``).
+
+    As ``attend_kv_tiles``: ``key_start`` a multiple of ``BLOCK_N``; with
+    ``MASKED`` K/V rows are bounds-checked and ``apply_masks`` runs, without it
+    every key of the range counts for every row. ``STORE_DS`` also writes dS
+    (the bias gradient) to ``ds_dst``, the (batch, head)'s (Lq, Lk) fp32 matrix.
+    With ``ROW_SUMS`` ``dq`` is a ``[BLOCK_M]`` vector instead, which gets
+    ``Σ_j dS_ij`` (with ``delta`` 0: ``Σ_j P_ij dP_ij``, δ from this P itself).
+    """
+    for start in tl.range(key_start, key_end, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        k_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_N)
+        k = load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
+        v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
+        p, ds = _probs_and_score_grads(
+            q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
+            mask_ptr, stride_mask_q, stride_mask_k,
+            MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, False, DOT_PRECISION, UPCAST_DOTS,
+        )
+        if ROW_SUMS:
+            dq += tl.sum(ds, axis=1)
+        else:
+            if STORE_DS:
+                ok = (q_idx < seqlen_q)[:, None] & (k_idx < seqlen_k)[None, :]
+                tl.store(ds_dst + q_idx[:, None] * stride_dsm + k_idx[None, :], ds, mask=ok)
+            dq = dot(ds.to(k.dtype), k, dq, DOT_PRECISION, UPCAST_DOTS)
+    return dq
+
+
+@triton.heuristics({
+    "EVEN_D": lambda args: args["head_dim"] == args["HEAD_DIM_PADDED"],
+    "HAS_DLSE": lambda args: args["dlse_ptr"] is not None,
+})
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+    o_ptr, do_ptr, dlse_ptr, delta_ptr,
+    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    n_heads, seqlen_q, head_dim,
+    BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    # For one tile of BLOCK_M rows of one (batch, head): δ = rowsum(dO ⊙ O) - dLSE (dLSE is (B, H, Lq)
+    # contiguous). O is the forward's output, or its fp32 copy (forward_for_backward).
+    n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
+    bh = tl.program_id(0) // n_query_tiles
+    m_start = (tl.program_id(0) % n_query_tiles) * BLOCK_M
+    b64 = tl.cast(bh // n_heads, tl.int64)
+    h64 = tl.cast(bh % n_heads, tl.int64)
+    o_src = o_ptr + b64 * stride_ob + h64 * stride_oh
+    do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
+    o = load_tile(o_src, m_start, seqlen_q, stride_om, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    do = load_tile(do_src, m_start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    rows = tl.cast(bh, tl.int64) * seqlen_q + m_start + tl.arange(0, BLOCK_M)
+    ok = (m_start + tl.arange(0, BLOCK_M)) < seqlen_q
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + rows, mask=ok, other=0.0)
+    tl.store(delta_ptr + rows, delta, mask=ok)
+
+
+@triton.heuristics(KV_LOOP_FLAGS)
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    # Tiles numbered per (batch, kv head), key tile fastest; under causal the first key tiles see the most
+    # queries, and they are the first to start.
+    n_key_tiles = tl.cdiv(seqlen_k, BLOCK_N)
+    bh_kv = tl.program_id(0) // n_key_tiles
+    n_start = (tl.program_id(0) % n_key_tiles) * BLOCK_N
+    n_kv_heads = n_heads // kv_group
+    b64 = tl.cast(bh_kv // n_kv_heads, tl.int64)
+    h_kv64 = tl.cast(bh_kv % n_kv_heads, tl.int64)
+    n_stat_rows = tl.cast(n_bh, tl.int64) * seqlen_q  # B·H·Lq
+
+    k_src = k_ptr + b64 * stride_kb + h_kv64 * stride_kh
+    v_src = v_ptr + b64 * stride_vb + h_kv64 * stride_vh
+    k = load_tile(k_src, n_start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, True, EVEN_D, False)
+    v = load_tile(v_src, n_start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, True, EVEN_D, False)
+    k_idx = tl.cast(n_start, tl.int64) + tl.arange(0, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
+
+    # [query_begin, full_begin): masked query tiles (the causal diagonal, or all with a user mask);
+    # [full_begin, seqlen_q): tiles that see every key of this tile. See the module docstring's example.
+    query_tiles_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        offset = causal_offset(seqlen_q, seqlen_k)
+        query_begin = tl.maximum(n_start - offset, 0) // BLOCK_M * BLOCK_M
+        full_begin = tl.cdiv(tl.maximum(n_start + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
+        full_begin = tl.minimum(full_begin, query_tiles_end)
+    else:
+        query_begin = 0
+        full_begin = 0
+    if HAS_MASK:
+        full_begin = query_tiles_end
+
+    for g in range(0, kv_group):  # every query head that reads this K/V head
+        h64 = h_kv64 * kv_group + g
+        bh64 = b64 * n_heads + h64
+        q_src = q_ptr + b64 * stride_qb + h64 * stride_qh
+        do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
+        delta_src = delta_ptr + bh64 * seqlen_q
+        mask_bh = mask_ptr
+        if HAS_MASK:
+            mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
+        dk, dv = _dkdv_over_query_tiles(
+            dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
+            stride_qm, stride_dom, query_begin, full_begin, seqlen_q, seqlen_k, head_dim, qk_scale,
+            mask_bh, stride_mask_q, stride_mask_k,
+            BLOCK_M, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            EVEN_D, DOT_PRECISION, UPCAST_DOTS,
+        )
+        if not HAS_MASK:
+            dk, dv = _dkdv_over_query_tiles(
+                dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
+                stride_qm, stride_dom, full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim, qk_scale,
+                mask_bh, stride_mask_q, stride_mask_k,
+                BLOCK_M, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+                EVEN_D, DOT_PRECISION, UPCAST_DOTS,
+            )
+
+    dk_dst = dk_ptr + b64 * stride_dkb + h_kv64 * stride_dkh
+    dv_dst = dv_ptr + b64 * stride_dvb + h_kv64 * stride_dvh
+    store_tile(dk_dst, (dk * scale).to(k.dtype), n_start, seqlen_k, stride_dkn, head_dim, BLOCK_N, HEAD_DIM_PADDED, EVEN_D)
+    store_tile(dv_dst, dv.to(v.dtype), n_start, seqlen_k, stride_dvn, head_dim, BLOCK_N, HEAD_DIM_PADDED, EVEN_D)
+
+
+@triton.heuristics({**KV_LOOP_FLAGS, "STORE_DS": lambda args: args["ds_ptr"] is not None,
+                    "HAS_DLSE": lambda args: args["dlse_ptr"] is not None})
+@triton.jit
+def _attention_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dlse_ptr, dq_ptr, ds_ptr, mask_ptr,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, UNITS: tl.constexpr, STORE_DS: tl.constexpr, HAS_DLSE: tl.constexpr,
+    DELTA_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    # Numbered as the forward (``query_tile``). With DELTA_PASS the same walk over the keys writes
+    # δ = Σ_j P_ij dP_ij - dLSE per row (from this P, not from the forward's rounded O) instead of dQ.
+    n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
+    bh, m_start = query_tile(tl.program_id(0), n_query_tiles, BLOCK_M, IS_CAUSAL)
+    b64 = tl.cast(bh // n_heads, tl.int64)
+    h64 = tl.cast(bh % n_heads, tl.int64)
+    h_kv64 = h64 // kv_group
+    bh64 = tl.cast(bh, tl.int64)
+
+    q_src = q_ptr + b64 * stride_qb + h64 * stride_qh
+    do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
+    k_src = k_ptr + b64 * stride_kb + h_kv64 * stride_kh
+    v_src = v_ptr + b64 * stride_vb + h_kv64 * stride_vh
+    mask_bh = mask_ptr
+    if HAS_MASK:
+        mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
+    ds_dst = ds_ptr
+    if STORE_DS:  # a (B, H, Lq, Lk) contiguous fp32 buffer
+        ds_dst = ds_ptr + bh64 * seqlen_q * seqlen_k
+
+    q = load_tile(q_src, m_start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    do = load_tile(do_src, m_start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
+    row_m, row_logd2 = _load_row_stats(stats_ptr, bh64 * seqlen_q + q_idx, q_idx < seqlen_q,
+                                       tl.cast(n_bh, tl.int64) * seqlen_q, UNITS)
+    rows = bh64 * seqlen_q + q_idx
+    if DELTA_PASS:
+        delta = tl.zeros([BLOCK_M], tl.float32)
+        dq = tl.zeros([BLOCK_M], tl.float32)
+    else:
+        delta = _load_rows(delta_ptr + bh64 * seqlen_q, q_idx, seqlen_q)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+
+    # Key ranges as the forward's: [0, full_end) full tiles, [full_end, key_end) masked ones.
+    full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
+                                   BLOCK_N, IS_CAUSAL, HAS_MASK)
+    if not HAS_MASK:
+        dq = _dq_over_key_tiles(
+            dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
+            seqlen_k, 0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
+            BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            EVEN_D, False, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS,
+        )
+    dq = _dq_over_key_tiles(
+        dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
+        seqlen_k, full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
+        BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+        EVEN_D, STORE_DS and not DELTA_PASS, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS,
+    )
+    # Two branches, no early return: Triton 3.6 still builds the code after a `return` inside a constexpr `if`,
+    # where the delta pass's [BLOCK_M] dq does not fit the [BLOCK_M, HEAD_DIM_PADDED] store (a compile error).
+    if DELTA_PASS:
+        if HAS_DLSE:
+            dq -= tl.load(dlse_ptr + rows, mask=q_idx < seqlen_q, other=0.0)
+        tl.store(delta_ptr + rows, dq, mask=q_idx < seqlen_q)
+    else:
+        dq_dst = dq_ptr + b64 * stride_dqb + h64 * stride_dqh
+        store_tile(dq_dst, (dq * scale).to(q.dtype), m_start, seqlen_q, stride_dqm, head_dim, BLOCK_M,
+                   HEAD_DIM_PADDED, EVEN_D)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+# The Triton backward on CUDA, checked by `pytest -m gpu` (tests/test_gpu_attention.py: FlashAttention's
+# test matrix, fp16/bf16, every head dim, MHA/GQA/MQA, causal and not; tests/test_gpu_backward.py: the
+# masks). Scores are scaled after the dot, in fp32: scaling the loaded Q tile that also fed a dot was
+# miscompiled by Triton 3.6 (TUNING.md#backward-dk-miscompile). fp32 has not been checked on a GPU, so
+# CUDA fp32 keeps `attention_backward_torch` (correct, but it materialises the (Lq, Lk) scores), as every
+# dtype does with this flag set to False.
+TRITON_BACKWARD_ON_GPU = True
+
+
+def triton_backward_enabled(q: torch.Tensor) -> bool:
+    """True when ``attention_backward`` runs the Triton kernels for ``q`` (always off CUDA; on CUDA fp16/bf16)."""
+    return not q.is_cuda or (TRITON_BACKWARD_ON_GPU and q.dtype != torch.float32)
+
+
+def _bhl_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """Batch, head and row strides of a (B, H, L, D) tensor whose head dim has stride 1."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def attention_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool,
+    mask_needs_grad: bool = False, config: BackwardConfig | None = None, row_stats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of ``flash_attention`` from the saved forward, on (B, H, L, D) tensors whose head dim has stride 1.
+
+    Args:
+        do: (B, H, Lq, D) gradient of the output ``o`` (head dim stride 1).
+        q, k, v, o: the forward's inputs and output (``o`` may be its fp32 copy:
+            ``attention.forward_for_backward``); k, v have H_kv heads.
+        lse: (B, H, Lq) fp32 natural-log LSE from the forward (``-inf`` for empty rows).
+        dlse: None or the (B, H, Lq) gradient of the returned LSE.
+        causal, scale, mask, mask_is_bool: as given to ``attention_forward`` (``mask``
+            broadcast to (B, H, Lq, Lk)).
+        mask_needs_grad: also return the gradient of an additive mask.
+        config: forces the tiles (tests); by default ``default_backward_config``.
+        row_stats: under an additive mask, the forward's (2, B, H, Lq) ``(m, log d)``
+            of each row (``forward_for_backward``); None takes ``(lse, 0)``, exact
+            unless a bias near -1e9 or below hides a whole row.
+
+    Returns:
+        ``(dq, dk, dv, dmask)``: dq like q, dk/dv like k/v (summed over each GQA
+        group), ``dmask`` (B, H, Lq, Lk) fp32 or None.
+    """
+    if not triton_backward_enabled(q):
+        return attention_backward_torch(do, q, k, v, dlse, causal, scale, mask, mask_is_bool, mask_needs_grad)
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    hd_pad = head_dim_padded(head_dim)
+    if config is None:
+        config = default_backward_config(head_dim, q.dtype, q.device)
+    bh = batch * n_heads
+    delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    additive = mask is not None and not mask_is_bool
+    qk_scale = qk_scale_for(scale, additive)  # the forward's (a float: one kernel for any scale)
+    if additive and row_stats is None:  # (m, log d) = (lse, 0): the same P wherever the LSE kept log d
+        row_stats = torch.stack([lse.float(), torch.zeros_like(lse, dtype=torch.float32)])
+    stats = (row_stats if additive else lse).contiguous()
+    mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+    common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale)
+    meta = dict(
+        HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see core.tiles.dot)
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    c = config.dq
+    dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
+    dq_meta = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
+    dq_strides = (*_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dq))
+    if mask_needs_grad:
+        # δ = Σ_j P_ij dP_ij from the P the kernels below recompute (one more walk over the keys), so that the bias
+        # gradient's row sums Σ_j dS_ij = Σ_j P_ij dP_ij - δ_i come out 0 to fp32 rounding; rowsum(dO ⊙ O)
+        # differs from it by the forward's rounding of P (and of O) to the input dtype.
+        launch(_attention_bwd_dq_kernel, dq_grid,
+               (q, k, v, do, stats, delta, dlse, dq, None, mask, *dq_strides, *mask_strides, *common),
+               DELTA_PASS=True, **dq_meta)
+        ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
+    else:
+        launch(
+            _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, tuning.DELTA_BLOCK_M) * bh,),
+            (o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim),
+            BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
+        )
+        ds = None
+    c = config.dkdv
+    launch(
+        _attention_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],),
+        (q, k, v, do, stats, delta, dk, dv, mask,
+         *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do),
+         *_bhl_strides(dk), *_bhl_strides(dv), *mask_strides, *common),
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
+    )
+    launch(_attention_bwd_dq_kernel, dq_grid,
+           (q, k, v, do, stats, delta, None, dq, ds, mask, *dq_strides, *mask_strides, *common),
+           DELTA_PASS=False, **dq_meta)
+    return dq, dk, dv, ds

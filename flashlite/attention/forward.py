@@ -1,0 +1,295 @@
+"""The attention forward kernel in ``triton.language``: ``O = softmax(Q Kᵀ · scale + mask) V`` without the L×L scores.
+
+Each program owns one tile of ``BLOCK_M`` query rows of one (batch, head). It
+keeps the Q tile on chip and streams the K/V tiles of its key range, ``BLOCK_N``
+keys at a time (``attend_kv_tiles``). Per query row it carries the online-softmax
+state ``(m, d)`` of ``flashlite.core.online_softmax`` and an output accumulator
+``acc = Σ e^(s - m) v``. When a K tile raises the running maximum,
+``online_update`` returns the same ``alpha = e^(m_old - m_new)`` that rescales
+``d``, and ``acc`` is rescaled by it too; at the end ``O = acc / d``
+(``normalize``) and ``LSE = m + log d`` (``state_logsumexp``).
+
+Precision and units: the scores ``s = q·kᵀ`` are fp32 dot products of the
+unscaled inputs (nothing is rounded to the input dtype before the softmax), and
+``qk_scale = scale · log2(e)`` is applied in fp32: on full tiles inside the
+exponential (``online_update_scaled``: ``2^(s · qk_scale - m)``, one fused
+multiply-add a score), on masked tiles before ``apply_masks``. ``m`` is then in
+base-2 units. A negative ``scale`` is taken as ``-q`` with ``|scale|`` (exact).
+With an additive mask the logits stay in natural-log units instead
+(``UNITS = LOG2E``: ``s · scale + bias``, the difference to ``m`` taken before
+the ``log2(e)``), so that a bias as large as ``finfo(fp32).min`` stays finite
+and a row hidden by it averages its values, as PyTorch's softmax does.
+
+Key ranges. For a query tile, keys split into full tiles (every (query, key)
+pair counts; no mask arithmetic at all) and masked tiles (the causal diagonal,
+the ragged last K tile, or every tile under a user mask). Under ``causal``
+(aligned bottom-right), K tiles past the tile's last visible key are never
+read. Worked example: seqlen_q = 4, seqlen_k = 6 (offset 2), BLOCK_M = 2,
+BLOCK_N = 2. Query tile 0 (queries 0, 1) sees keys 0..2 and 0..3: full tiles
+end at 2, masked keys 2..3, keys 4..5 skipped.
+
+Layout. Tensors are (B, H, L, D) as in ``scaled_dot_product_attention``, read
+through their strides (the head dim with stride 1), so views of a packed qkv
+projection or of a (B, L, H, D) tensor cost nothing. K/V may have fewer heads
+(GQA/MQA): query head ``h`` reads K/V head ``h // (H / H_kv)``. Head dims that
+are not powers of two are padded to the next one inside the kernel (masked
+loads). On Hopper, Q/K/V tiles arrive by TMA through host-side tensor
+descriptors (their bounds give zeros past L and D). Scheduling: one program a
+query tile, numbered as ``plan.query_tile`` says; a persistent grid
+(``AttentionConfig.persistent``) runs the same loop with fewer programs.
+
+The loop ``attend_kv_tiles`` takes the running ``(acc, m, d)`` and a key range,
+so the split-K/V kernel (``split_kv``) runs it on a sub-range, and the study
+trace one tile at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.masking import apply_masks, key_ranges
+from ..core.online_softmax import (
+    LN2, empty_state, normalize, online_update, online_update_scaled, rescale_accumulator, state_logsumexp,
+)
+from ..core.runtime import launch, launch_persistent
+from ..core.tiles import dot, load_tile, store_tile, tensor_descriptor, tma_usable
+from . import tuning
+from .plan import (
+    NATURAL_BIAS, autotune_enabled, default_config, head_dim_padded, kv_loop_flags, mask_layout, prune_tune_space, qk_scale_for,
+    query_tile, tma_safe,
+)
+from .tuning import AttentionConfig
+
+
+@triton.jit
+def _store_row_stats(stats_ptr, rows, n_rows, m, d, ok, UNITS: tl.constexpr):
+    """Store each row's final state as ``(m, log d)`` in natural-log units: ``m`` at ``stats_ptr + rows``,
+    ``log d`` ``n_rows`` further on (``(2, B, H, Lq)``). The backward recomputes ``P = e^(s - m - log d)``
+    from these; their sum, the LSE, loses ``log d`` to rounding once ``|m|`` is ~1e8 (a bias of -1e9)."""
+    tl.store(stats_ptr + rows, m * (UNITS * LN2), mask=ok)
+    tl.store(stats_ptr + n_rows + rows, tl.log2(d) * LN2, mask=ok)
+
+
+@triton.jit
+def positive_scale(q, qk_scale):
+    """``(q, qk_scale)`` with the scale made non-negative: ``(-q) · k · |c|`` is ``q · k · c`` exactly (a sign flip
+    rounds nothing), and ``online_update_scaled`` needs ``qk_scale >= 0``. The flip goes through fp32, exactly:
+    Triton's interpreter negates a bf16 tile as the integers of its bit patterns (as it multiplies them, dot)."""
+    return tl.where(qk_scale < 0, (-q.to(tl.float32)).to(q.dtype), q), tl.abs(qk_scale)
+
+
+@triton.jit
+def attend_kv_tiles(
+    acc, m, d, q, q_idx, qk_scale,
+    k_src, v_src, stride_kn, stride_vn,
+    key_start, key_end, seqlen_q, seqlen_k, head_dim,
+    mask_ptr, stride_mask_q, stride_mask_k,
+    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    """Fold keys ``[key_start, key_end)`` into the running ``(acc, m, d)`` of the query tile ``q``.
+
+    ``q`` ``[BLOCK_M, HEAD_DIM_PADDED]`` is the unscaled query tile and ``qk_scale``
+    (>= 0, ``positive_scale``) turns its fp32 scores into logits of ``UNITS``
+    (``BASE2_UNITS``: ``scale · log2(e)``; ``LOG2E``, under an additive mask:
+    ``scale``). ``q_idx`` (64-bit) are its rows. ``key_start`` must be a
+    multiple of ``BLOCK_N``. With ``MASKED`` every tile is scaled, then goes
+    through ``apply_masks`` (bounds, causal, the user's mask) and its K/V rows are
+    bounds-checked; without it every key of the range must count for every row
+    (base-2 units only), and the scale is folded into the exponential.
+    ``k_src``/``v_src`` are the (batch, kv head)'s base pointers, or with
+    ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``).
+    Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
+    """
+    for start in tl.range(key_start, key_end, BLOCK_N):
+        start = tl.multiple_of(start, BLOCK_N)
+        k = load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, USE_TMA)
+        s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
+        if MASKED:
+            k_idx = start + tl.arange(0, BLOCK_N)
+            s = apply_masks(
+                s * qk_scale, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
+                IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY,
+            )
+            m, d, p, alpha = online_update(m, d, s, UNITS)
+        else:
+            m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
+        v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, USE_TMA)
+        acc = dot(p.to(v.dtype), v, rescale_accumulator(acc, alpha), DOT_PRECISION, UPCAST_DOTS)
+    return acc, m, d
+
+
+@triton.jit(do_not_specialize=["tune_bucket", "tune_mask_layout"])
+def attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, mask_ptr,
+    q_desc, k_desc, v_desc,  # (B, H, L, D) tensor descriptors under USE_TMA, else None
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    n_heads, kv_group, n_bh,
+    seqlen_q, seqlen_k, head_dim, qk_scale,
+    # Read by the autotuner's key only: a power-of-two bucket of seqlen_k, and the mask's
+    # layout (MASK_LAYOUT_*), which the heuristics above derive too late for a key.
+    tune_bucket, tune_mask_layout,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, UNITS: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_STATS: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    # Tiles are numbered as ``query_tile`` says. Any grid size is correct: one
+    # program per tile, or a persistent grid where each program takes several.
+    n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
+    n_tiles = n_query_tiles * n_bh
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        bh, m_start = query_tile(tile, n_query_tiles, BLOCK_M, IS_CAUSAL)
+        b = bh // n_heads
+        h = bh % n_heads
+        h_kv = h // kv_group
+        b64 = tl.cast(b, tl.int64)
+
+        o_dst = o_ptr + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh
+        if USE_TMA:
+            q_src = (q_desc, b, h)
+            k_src = (k_desc, b, h_kv)
+            v_src = (v_desc, b, h_kv)
+        else:
+            q_src = q_ptr + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh
+            k_src = k_ptr + b64 * stride_kb + tl.cast(h_kv, tl.int64) * stride_kh
+            v_src = v_ptr + b64 * stride_vb + tl.cast(h_kv, tl.int64) * stride_vh
+        mask_bh = mask_ptr
+        if HAS_MASK:
+            mask_bh = mask_ptr + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
+
+        q = load_tile(q_src, m_start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, USE_TMA)
+        q, tile_scale = positive_scale(q, qk_scale)
+        q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
+        m, d = empty_state(BLOCK_M)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+
+        # [0, full_end): tiles every row of this query tile sees whole; [full_end, key_end): masked tiles.
+        full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
+                                       BLOCK_N, IS_CAUSAL, HAS_MASK)
+        if not HAS_MASK:  # with a user mask every tile is masked (full_end = 0)
+            acc, m, d = attend_kv_tiles(
+                acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
+                0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
+                BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+                EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS,
+            )
+        acc, m, d = attend_kv_tiles(
+            acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
+            full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
+            BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS,
+        )
+
+        rows = tl.cast(bh, tl.int64) * seqlen_q + q_idx
+        if WRITE_LSE:
+            tl.store(lse_ptr + rows, state_logsumexp(m, d, UNITS), mask=q_idx < seqlen_q)
+        if WRITE_STATS:  # (m, log d) apart, natural-log units (forward_for_backward)
+            _store_row_stats(stats_ptr, rows, n_bh * seqlen_q, m, d, q_idx < seqlen_q, UNITS)
+        o = normalize(acc, d, True)  # rows that saw no key (d = 0) give zeros
+        store_tile(o_dst, o.to(q.dtype), m_start, seqlen_q, stride_om, head_dim, BLOCK_M, HEAD_DIM_PADDED, EVEN_D)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _set_descriptor_blocks(nargs: dict) -> None:
+    """Autotune pre-hook: box the descriptors to the BLOCK_M/BLOCK_N being tried."""
+    for name, rows in (("q_desc", "BLOCK_M"), ("k_desc", "BLOCK_N"), ("v_desc", "BLOCK_N")):
+        if nargs[name] is not None:
+            nargs[name].block_shape = [1, 1, nargs[rows], nargs["HEAD_DIM_PADDED"]]
+
+
+@functools.lru_cache(maxsize=None)
+def autotuned_kernel():
+    """``attention_fwd_kernel`` under triton.autotune, built on first use (nothing happens at import).
+
+    Keyed on the head dim (exact and padded), causal, the mask's dtype and layout and
+    a power-of-two bucket of seqlen_k; the winners are kept on disk where this Triton can (``cache_results``).
+    """
+    options = {}
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        options["cache_results"] = True
+    configs = [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s, pre_hook=_set_descriptor_blocks)
+        for bm, bn, w, s in tuning.TUNE_SPACE
+    ]
+    return triton.autotune(
+        configs, key=["tune_bucket", "tune_mask_layout", "head_dim", "HEAD_DIM_PADDED", "IS_CAUSAL", "MASK_IS_BOOL", "WRITE_LSE"],
+        prune_configs_by={"early_config_prune": prune_tune_space}, **options,
+    )(attention_fwd_kernel)
+
+
+def attention_forward_tl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool, config: AttentionConfig | None = None,
+    *, row_stats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch this module's kernel on checked (B, H, L, D) tensors whose head dim has stride 1.
+
+    ``mask`` is broadcast to (B, H, Lq, Lk) already (``broadcast_mask``). ``config``
+    forces the tiles (tests use small ones to cover the multi-tile paths); without
+    it, the fixed table (``plan.default_config``), or triton.autotune under
+    ``FLASHLITE_AUTOTUNE=1``. For the backward of an additive mask ``row_stats``,
+    a (2, B, H, Lq) fp32 tensor, is filled with each row's ``(m, log d)``
+    (``_store_row_stats``). Returns ``(o, lse)``: o like q, lse (B, H, Lq) fp32
+    natural-log, or None.
+    """
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    hd_pad = head_dim_padded(head_dim)
+    o = torch.empty_like(q)  # q's memory order when q is dense, e.g. (B, L, H, D) under a transpose
+    lse = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
+    tuned = config is None and autotune_enabled() and q.is_cuda and q.dtype != torch.float32
+    if config is None:
+        config = default_config(head_dim, q.dtype, q.device, causal, seqlen_k, mask is not None)
+    q_desc = k_desc = v_desc = None
+    if config.use_tma and tma_safe(mask is not None, config.block_n, hd_pad) and tma_usable(q, k, v):
+        q_desc = tensor_descriptor(q, config.block_m, hd_pad)
+        k_desc, v_desc = (tensor_descriptor(t, config.block_n, hd_pad) for t in (k, v))
+
+    bh = batch * n_heads
+    mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+    additive = mask is not None and not mask_is_bool
+    # The scale goes in as a float (LOG2E.value, not the constexpr LOG2E): a runtime argument, one kernel for any scale.
+    args = (
+        q, k, v, o, lse if lse is not None else o, row_stats, mask, q_desc, k_desc, v_desc,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        *mask_strides,
+        n_heads, n_heads // k.shape[1], bh,
+        seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive), triton.next_power_of_2(seqlen_k),
+        mask_layout(mask),
+    )
+    meta = dict(
+        HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, WRITE_LSE=write_lse,
+        WRITE_STATS=row_stats is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see dot)
+        USE_TMA=k_desc is not None,
+        **kv_loop_flags(mask, mask_is_bool, mask_strides[2], head_dim, hd_pad),
+    )
+    if tuned:
+        autotuned_kernel()[lambda cfg: (triton.cdiv(seqlen_q, cfg["BLOCK_M"]) * bh,)](*args, **meta)
+        return o, lse
+
+    n_tiles = triton.cdiv(seqlen_q, config.block_m) * bh
+    meta.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_stages=config.num_stages)
+    if config.persistent:
+        key = ("attention_fwd", config, q.dtype, q.device, k_desc is not None, mask is not None, *meta.values())
+        launch_persistent(attention_fwd_kernel, n_tiles, q.device, key, args, config.num_warps, **meta)
+    else:
+        launch(attention_fwd_kernel, (n_tiles,), args, num_warps=config.num_warps, **meta)
+    return o, lse

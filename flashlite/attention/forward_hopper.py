@@ -1,0 +1,439 @@
+"""The attention forward on Hopper: the K/V loop software-pipelined by hand with asynchronous wgmma.
+
+The kernel of ``flashlite.attention.forward`` is written in ``triton.language``, where
+the compiler decides when a matrix product is waited for. On Hopper (Triton
+3.6) it waits for ``S = Q Kᵀ`` as soon as it is issued and for ``O += P V``
+before the next tile's scores, so a program's tensor cores sit idle during its
+softmax. This module writes the same loop in Gluon (``triton.experimental.gluon``),
+Triton's lower-level language, where tiles live in shared memory that the
+kernel allocates, copies are TMA transfers completing on mbarriers, and a
+``warpgroup_mma`` is waited for explicitly. That lets one turn of the loop run
+the softmax of K tile ``j`` while the tensor cores still work on tile ``j - 1``:
+
+    issue  S_j = Q K_jᵀ                 (async)
+    issue  O  += P_{j-1} V_{j-1}         (async)
+    wait until only the second is in flight: S_j is ready
+    (m, d), P_j, alpha = online_update(S_j)     <- overlaps the P V product
+    wait for O; release the K and V slots read (refill by TMA, or signal the load warp); O *= alpha
+
+The online-softmax state is the same ``(m, d)`` as in every other kernel of
+flashlite (``flashlite.core.online_softmax``): ``online_update_scaled`` folds
+``qk_scale = scale · log2(e)`` into the exponential of the fp32 scores of the
+unscaled Q and K (base-2 units, one fused multiply-add a score); masking is
+``flashlite.core.masking.apply_masks`` on the tiles that need it (the causal
+diagonal, the ragged last K tile), which sets hidden scores to ``-inf`` before
+the scale (``scale > 0`` here, so they stay ``-inf``).
+
+Two kernels run that loop (``_attend_kv_tiles``):
+
+* ``_attention_fwd_wgmma_kernel``: a program is one warpgroup (64 query rows)
+  that loads its own K/V tiles into two buffers and refills a buffer as soon
+  as its product is done; two programs share a multiprocessor, so one's
+  softmax also overlaps the other's products (D = 64; short causal calls).
+* ``_attention_fwd_ws_kernel``, warp-specialized (``gl.warp_specialize``): a
+  load warp streams K/V tiles into a ring of buffers, and two softmax
+  warpgroups of 64 query rows each read every tile, releasing a buffer through
+  an mbarrier that counts both (D = 128). Each K/V tile brought in serves 128
+  rows, and the load warp hands most of its registers to the softmax warpgroups
+  (``setmaxnreg``), which then hold 128-key tiles.
+
+Scope: fp16/bf16, head dims 64 and 128, no user mask, causal or not, GQA/MQA,
+any lengths, Q/K/V whose strides TMA accepts (16-byte aligned), on Hopper.
+``flashlite.attention.api.attention_forward`` sends such calls here and the rest
+to the ``triton.language`` kernel (``forward``). Gluon has no interpreter, so these kernels
+run on the GPU only: ``pytest -m gpu`` (tests/test_gpu_attention.py) tests them
+there against a float64 reference. On CPU, tests/test_attention_wgmma.py checks the dispatch
+rules and builds the kernels for sm_90, asserting that their loop keeps a product
+in flight (``wgmma.wait_group 1``); the jit helpers they share are tested
+through the other kernels.
+
+Speed against the ``triton.language`` kernel and SDPA: bench/results/h200/attention.md
+(column ``flashlite_tl``: that kernel on its own tiles).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import torch
+import triton
+
+try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    # TMA copies: 3.6 names them async_copy_*, 3.9 only async_load / async_store.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # A barrier of the program's threads: thread_barrier in 3.6, barrier in 3.9.
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+except ImportError:  # pragma: no cover - older Triton: the triton.language kernel serves every call
+    gluon = None
+
+from ..core.masking import apply_masks, key_ranges
+from ..core.online_softmax import BASE2_UNITS, LOG2E, normalize, online_update_scaled, state_logsumexp
+from ..core.runtime import device_info, launch
+from ..core.tiles import descriptor_strides, tma_usable
+from . import tuning
+from .plan import query_tile, wgmma_config
+from .tuning import WgmmaConfig
+
+# wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
+WGMMA_CAPABILITY = (9, 0)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _issue_kv_load(desc, bars, smem, tile, b, h_kv, n_tiles, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr):
+        """Start the TMA copy of K (or V) tile ``tile`` into its slot, if the tile exists."""
+        slot = tile % KV_STAGES
+        exists = tile < n_tiles
+        bar = bars.index(slot)
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=exists)
+        _tma_load(desc, [b, h_kv, tile * BLOCK_N, 0], bar, smem.index(slot), pred=exists)
+
+    @gluon.jit
+    def _release_kv_slot(desc, ready_bars, free_bars, smem, tile, b, h_kv, n_tiles,
+                         BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                         LOAD_WARP: gl.constexpr):
+        """K (or V) tile ``tile`` has been read: its slot may take tile ``tile + KV_STAGES``.
+
+        With a load warp, tell it so (the slot is shared by two warpgroups: it waits for both);
+        else refill the slot here: one thread issues the copy, after a barrier when two
+        warpgroups read the slot.
+        """
+        if LOAD_WARP:
+            mbarrier.arrive(free_bars.index(tile % KV_STAGES))
+        else:
+            if NUM_WARPS > 4:
+                _barrier()
+            _issue_kv_load(desc, ready_bars, smem, tile + KV_STAGES, b, h_kv, n_tiles, BLOCK_N, KV_STAGES)
+
+    @gluon.jit
+    def _wait_kv(bars, smem, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr):
+        """Wait for K (or V) tile ``tile`` and return its slot as a [BLOCK_N, HEAD_DIM] view."""
+        slot = tile % KV_STAGES
+        mbarrier.wait(bars.index(slot), (tile // KV_STAGES) & 1)
+        return smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+
+    @gluon.jit
+    def _fold_scores(s, m, d, tile, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
+                     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):
+        """Mask K tile ``tile``'s scores if it is not a full tile, fold them into ``(m, d)``: ``(m, d, P, alpha)``,
+        P rounded to the input dtype in the register-operand layout of the P V product."""
+        if tile >= n_full_tiles:
+            k_idx = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False, LOG2E)
+        m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
+        return m, d, gl.convert_layout(p.to(DTYPE), P_LAYOUT), alpha
+
+    @gluon.jit
+    def _attend_kv_tiles(
+        q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+        b, h_kv, n_kv_tiles, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
+        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+        NUM_WARPS: gl.constexpr, LOAD_WARP: gl.constexpr,
+    ):
+        """The K/V loop of one query tile: ``(m, d, O)`` after every K/V tile, O not yet divided by d.
+
+        Turn j issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` together, waits until only the
+        second is in flight, folds S_j into ``(m, d)`` while P V runs, then waits for O, rescales it and
+        releases the K and V slots it read (``_release_kv_slot``). ``s_zero`` carries the layout of S.
+        """
+        dtype: gl.constexpr = k_desc.dtype
+        o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+        m = gl.full([s_zero.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_zero.type.layout))
+        d = gl.zeros_like(m)
+        if n_kv_tiles > 0:
+            # Turn 0: S_0 alone (there is no P V to overlap yet).
+            k_tile = _wait_kv(k_ready, k_smem, 0, BLOCK_N, HEAD_DIM, KV_STAGES)
+            s = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False)
+            _release_kv_slot(k_desc, k_ready, k_free, k_smem, 0, b, h_kv, n_kv_tiles,
+                             BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
+            m, d, p, alpha = _fold_scores(s, m, d, 0, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
+                                          BLOCK_N, IS_CAUSAL, p_layout, dtype)
+            for j in range(1, n_kv_tiles):
+                k_tile = _wait_kv(k_ready, k_smem, j, BLOCK_N, HEAD_DIM, KV_STAGES)
+                v_tile = _wait_kv(v_ready, v_smem, j - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
+                s_token = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc_token = warpgroup_mma(p, v_tile, acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_token,))  # S_j is ready; P V may still run
+                _release_kv_slot(k_desc, k_ready, k_free, k_smem, j, b, h_kv, n_kv_tiles,
+                                 BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
+                m, d, p, alpha = _fold_scores(s, m, d, j, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
+                                              BLOCK_N, IS_CAUSAL, p_layout, dtype)
+                acc = warpgroup_mma_wait(0, deps=(acc_token,))
+                _release_kv_slot(v_desc, v_ready, v_free, v_smem, j - 1, b, h_kv, n_kv_tiles,
+                                 BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            v_tile = _wait_kv(v_ready, v_smem, n_kv_tiles - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
+            acc = warpgroup_mma(p, v_tile, acc)
+            if LOAD_WARP:  # (without one, nothing is left to load into the slot)
+                _release_kv_slot(v_desc, v_ready, v_free, v_smem, n_kv_tiles - 1, b, h_kv, n_kv_tiles,
+                                 BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
+        return m, d, acc
+
+    @gluon.jit
+    def _q_operand(q_tile, S_LAYOUT: gl.constexpr):
+        """Q, loaded from its (arrived) tile into registers as the S products' first operand."""
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2)
+        return q_tile.load(q_layout)
+
+    @gluon.jit
+    def _write_output(acc, m, d, q_idx, o_tile, o_smem, o_desc, lse_row, b, h, row_start, seqlen_q,
+                      WRITE_LSE: gl.constexpr):
+        """O / d through shared memory ``o_tile`` (a view of ``o_smem``) by TMA (rows past seqlen_q dropped),
+        and the LSE into ``lse_row`` (this batch and head's); rows that saw no key give zeros."""
+        if WRITE_LSE:
+            gl.store(lse_row + q_idx, state_logsumexp(m, d, BASE2_UNITS), mask=q_idx < seqlen_q)
+        o = normalize(acc, gl.convert_layout(d, gl.SliceLayout(1, acc.type.layout)), True)
+        o_tile.store(o.to(o_desc.dtype))
+        fence_async_shared()
+        _barrier()  # every warp's part of O is written before the copy starts
+        _tma_store(o_desc, [b, h, row_start, 0], o_smem)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _attention_fwd_wgmma_kernel(
+        q_desc, k_desc, v_desc, o_desc, lse_ptr,
+        n_heads, kv_group, seqlen_q, seqlen_k, qk_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
+        Q_IN_REGISTERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_desc.dtype
+        # Register layouts: the wgmma accumulators of S [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM].
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+
+        # One query tile per program, numbered as the other kernels number them.
+        bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, IS_CAUSAL)
+        b = bh // n_heads
+        h = bh % n_heads
+        h_kv = h // kv_group
+
+        full_end, key_end = key_ranges(m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
+                                       BLOCK_N, IS_CAUSAL, False)
+        n_kv_tiles = gl.cdiv(key_end, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(KV_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
+        for i in gl.static_range(KV_STAGES):
+            _issue_kv_load(k_desc, k_bars, k_smem, i, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+            _issue_kv_load(v_desc, v_bars, v_smem, i, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+
+        # Q, unscaled: kept in registers as the S products' first operand (Q_IN_REGISTERS: then only K is
+        # read from shared memory by each product), or read by each product from shared memory.
+        q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+        mbarrier.wait(q_bar, 0)
+        if Q_IN_REGISTERS:
+            q_op = _q_operand(q_tile, s_layout)
+        else:
+            q_op = q_tile
+
+        q_idx = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        # No load warp: the program refills its K/V slots itself (no free-slot barriers: k_bars/v_bars fill in).
+        m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_bars, v_bars,
+                                     b, h_kv, n_kv_tiles, full_end // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale,
+                                     BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL, num_warps, False)
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(KV_STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+        # Q's buffer is free: O goes out through it.
+        lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q
+        _write_output(acc, m, d, q_idx, q_tile, q_smem, o_desc, lse_row, b, h, m_start, seqlen_q, WRITE_LSE)
+
+    # ---------------------------------------------- warp-specialized: a load warp, two softmax warpgroups
+
+    @gluon.jit
+    def _ws_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
+                           b, h, h_kv, m_start, n_kv_tiles):
+        """The load warp: both Q tiles, then every K and V tile into the ring of slots, each once both
+        softmax warpgroups have released the slot (a fresh mbarrier counts as released: phase 1 is done)."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        KV_STAGES: gl.constexpr = k_smem.type.shape[0]
+        for wg in gl.static_range(2):
+            mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, h, m_start + wg * BLOCK_M, 0], q_bars.index(wg), q_smem.index(wg))
+        for tile in range(n_kv_tiles):
+            slot = tile % KV_STAGES
+            released = ((tile // KV_STAGES) & 1) ^ 1
+            mbarrier.wait(k_free.index(slot), released)
+            _issue_kv_load(k_desc, k_ready, k_smem, tile, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+            mbarrier.wait(v_free.index(slot), released)
+            _issue_kv_load(v_desc, v_ready, v_smem, tile, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+
+    @gluon.jit
+    def _ws_softmax_partition(
+        q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
+        b, h, h_kv, m_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale,
+        IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, WARPGROUP: gl.constexpr,
+    ):
+        """One softmax warpgroup: query rows ``m_start + WARPGROUP * BLOCK_M`` on, over the shared K/V tiles."""
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        KV_STAGES: gl.constexpr = k_smem.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+
+        row_start = m_start + WARPGROUP * BLOCK_M
+        full_end, _ = key_ranges(row_start, gl.minimum(row_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
+                                 BLOCK_N, IS_CAUSAL, False)
+        q_tile = q_smem.index(WARPGROUP).reshape([BLOCK_M, HEAD_DIM])
+        mbarrier.wait(q_bars.index(WARPGROUP), 0)
+        q_op = _q_operand(q_tile, s_layout)
+        q_idx = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        # Both warpgroups walk the K/V tiles of the whole program (masking covers the extra causal tile).
+        m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free,
+                                     v_free, b, h_kv, n_kv_tiles, full_end // BLOCK_N, q_idx, seqlen_q, seqlen_k,
+                                     qk_scale, BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL, 4, True)
+        # Q is in registers: O goes out through this warpgroup's Q buffer.
+        _write_output(acc, m, d, q_idx, q_tile, q_smem.index(WARPGROUP), o_desc, lse_row, b, h, row_start,
+                      seqlen_q, WRITE_LSE)
+
+    @gluon.jit
+    def _attention_fwd_ws_kernel(
+        q_desc, k_desc, v_desc, o_desc, lse_ptr,
+        n_heads, kv_group, seqlen_q, seqlen_k, qk_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+        SOFTMAX_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_desc.dtype
+        # A program holds 2 * BLOCK_M query rows, BLOCK_M per softmax warpgroup, numbered as the other kernels do.
+        bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, 2 * BLOCK_M), 2 * BLOCK_M, IS_CAUSAL)
+        b = bh // n_heads
+        h = bh % n_heads
+        h_kv = h // kv_group
+        _, key_end = key_ranges(m_start, gl.minimum(m_start + 2 * BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
+                                BLOCK_N, IS_CAUSAL, False)
+        n_kv_tiles = gl.cdiv(key_end, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        k_free = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        v_free = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        for wg in gl.static_range(2):
+            mbarrier.init(q_bars.index(wg), count=1)
+        for i in gl.static_range(KV_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_free.index(i), count=2)  # released by both softmax warpgroups
+            mbarrier.init(v_free.index(i), count=2)
+
+        lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q  # this batch and head's LSE
+        # (Each partition's arguments are written out in the call: a tuple held in a variable would turn
+        # the constexpr flags into run-time values.)
+        gl.warp_specialize(
+            [(_ws_softmax_partition,  # warpgroup 0: the default partition
+              (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
+               v_free, b, h, h_kv, m_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, IS_CAUSAL, WRITE_LSE, 0)),
+             (_ws_softmax_partition,  # warpgroup 1
+              (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
+               v_free, b, h, h_kv, m_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, IS_CAUSAL, WRITE_LSE, 1)),
+             (_ws_load_partition,
+              (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
+               b, h, h_kv, m_start, n_kv_tiles))],
+            [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
+
+
+def wgmma_available() -> bool:
+    """True when this Triton has Gluon's Hopper API (the GPU image's 3.6 and CI's 3.9 do)."""
+    return gluon is not None
+
+
+def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: bool, scale: float) -> bool:
+    """True when this kernel takes the call: Gluon present, a Hopper GPU, fp16/bf16, head dim 64 or 128,
+    no user mask, ``scale > 0`` (masked scores stay ``-inf`` under it), non-empty, TMA-aligned.
+    ``FLASHLITE_WGMMA=0`` turns it off (A/B runs)."""
+    return (
+        gluon is not None and not has_mask and scale > 0 and q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in tuning.WGMMA_CONFIGS
+        and q.shape[2] > 0 and k.shape[2] > 0
+        and device_info(q.device).capability == WGMMA_CAPABILITY
+        and os.environ.get("FLASHLITE_WGMMA", "1") != "0"
+        and tma_usable(q, k, v)
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _box_layout(box: tuple, dtype: torch.dtype):
+    """The shared-memory layout (swizzled for TMA and wgmma) of one [1, 1, rows, head_dim] box."""
+    return gl.NVMMASharedLayout.get_default_for(list(box), gl.float16 if dtype == torch.float16 else gl.bfloat16)
+
+
+def _gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
+    """A (B, H, L, D) TMA descriptor of ``t`` loading [1, 1, block_rows, head_dim] boxes (zeros past L).
+
+    Filled in directly: the dataclass's own checks (alignment, box shape) cost host time on every
+    call, four descriptors a call, and ``wgmma_eligible`` / the fixed configs already ensure them
+    (TUNING.md#host-cost).
+    """
+    box = (1, 1, block_rows, head_dim)
+    desc = object.__new__(GluonTensorDescriptor)
+    desc.__dict__.update(base=t, shape=list(t.shape), strides=descriptor_strides(t), block_shape=list(box),
+                         layout=_box_layout(box, t.dtype), padding="zero")
+    return desc
+
+
+def kernel_for(config: WgmmaConfig, head_dim: int, causal: bool, write_lse: bool) -> tuple:
+    """``(kernel, launch keywords)`` of a call: its constexprs, ``num_warps`` and, warp-specialized, ``maxnreg``."""
+    meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
+                IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps)
+    if config.warp_specialized:
+        return _attention_fwd_ws_kernel, dict(meta, SOFTMAX_REGISTERS=tuning.WS_SOFTMAX_REGISTERS,
+                                              LOAD_REGISTERS=tuning.WS_LOAD_REGISTERS, maxnreg=tuning.WS_LAUNCH_REGISTERS)
+    return _attention_fwd_wgmma_kernel, dict(meta, Q_IN_REGISTERS=config.q_in_registers)
+
+
+def attention_forward_hopper(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, write_lse: bool,
+    config: WgmmaConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the Hopper kernel on checked (B, H, L, D) fp16/bf16 tensors that ``wgmma_eligible`` accepted."""
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    config = config or wgmma_config(head_dim, causal, seqlen_k)
+    o = torch.empty_like(q)
+    lse = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
+    descs = [
+        _gluon_descriptor(t, rows, head_dim)
+        for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n), (o, config.block_m))
+    ]
+    grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
+    kernel, meta = kernel_for(config, head_dim, causal, write_lse)
+    launch(kernel, grid, (*descs, lse if lse is not None else o, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k,
+                          scale * LOG2E.value), **meta)
+    return o, lse

@@ -1,0 +1,144 @@
+"""Which kernel and tiles an attention call runs on, and the flags every kernel's K/V loop is built with.
+
+Pure functions of the call's shapes, dtypes and the tables of ``tuning``:
+``default_config`` (the ``triton.language`` forward), ``wgmma_config`` (the
+Hopper forward), ``default_backward_config``; ``kv_loop_flags`` and
+``KV_LOOP_FLAGS`` (the constexprs derived from the arguments), the logits' units
+(``logit_units``, ``qk_scale_for``), and how query tiles are numbered
+(``query_tile``, shared by every forward kernel and the backward's dQ kernel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.online_softmax import BASE2_UNITS, LOG2E
+from . import tuning
+from .tuning import AttentionConfig, BackwardConfig, WgmmaConfig
+
+
+# An additive mask is only ever added to logits in its own natural-log units (``UNITS = LOG2E``).
+NATURAL_BIAS = tl.constexpr(1.0)
+
+
+@triton.jit
+def query_tile(tile, n_query_tiles, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """``(bh, m_start)`` of query tile number ``tile``: numbered head-major, query tile fastest, so that
+    programs running together share their head's K/V in L2; under causal each head's last (heaviest)
+    tiles come first. Every forward kernel and the backward's dQ kernel number tiles so."""
+    bh = tile // n_query_tiles
+    m_tile = tile % n_query_tiles
+    if IS_CAUSAL:
+        m_tile = n_query_tiles - 1 - m_tile
+    return bh, m_tile * BLOCK_M
+
+
+def kv_loop_flags(mask_ptr, mask_is_bool: bool, stride_mask_q: int, head_dim: int, head_dim_pad: int) -> dict:
+    """The constexpr flags of every kernel built on ``attend_kv_tiles``, from its arguments."""
+    return dict(
+        HAS_MASK=mask_ptr is not None,
+        # A key-padding mask (B, 1, 1, Lk): one mask row per key tile instead of BLOCK_M copies of it.
+        MASK_PER_KEY=stride_mask_q == 0,
+        EVEN_D=head_dim == head_dim_pad,
+        UNITS=logit_units(mask_ptr is not None and not mask_is_bool),
+    )
+
+
+def logit_units(additive_mask: bool) -> float:
+    """``LOG2_PER_UNIT`` of a kernel's logits: natural-log units under an additive mask (a bias of any finite
+    size stays finite), else base 2 (``log2(e)`` folded into the scale)."""
+    return LOG2E.value if additive_mask else BASE2_UNITS.value
+
+
+def qk_scale_for(scale: float, additive_mask: bool) -> float:
+    """The factor a kernel multiplies its fp32 scores by: ``scale`` in the units of ``logit_units``."""
+    return scale if additive_mask else scale * LOG2E.value
+
+
+# The same flags as triton.heuristics, for the split-K/V and backward kernels. The forward's launcher
+# calls ``kv_loop_flags`` itself: triton.heuristics rebuilds a dict of all ~40 arguments per flag on
+# every call, the largest Python cost of a forward launch (TUNING.md#host-cost).
+KV_LOOP_FLAGS = {
+    name: (lambda args, name=name: kv_loop_flags(
+        args["mask_ptr"], args["MASK_IS_BOOL"], args["stride_mask_q"], args["head_dim"], args["HEAD_DIM_PADDED"])[name])
+    for name in ("HAS_MASK", "MASK_PER_KEY", "EVEN_D", "UNITS")
+}
+
+
+def head_dim_padded(head_dim: int) -> int:
+    """Width of the on-chip Q/K/V tiles: the next power of two, at least 16."""
+    return max(tuning.MIN_HEAD_DIM, triton.next_power_of_2(head_dim))
+
+
+def default_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device,
+    causal: bool = False, seqlen_k: int | None = None, has_mask: bool = False,
+) -> AttentionConfig:
+    """The fixed tile config of a call: the interpreter's, or the fp32 or fp16/bf16 table's.
+
+    Unmasked fp16/bf16 calls at D <= 64 take ``tuning.SHORT_WORK_CONFIGS`` while ``seqlen_k`` is
+    at most ``tuning.SHORT_SEQLEN_K`` (``tuning.SHORT_SEQLEN_K_CAUSAL`` under causal).
+    """
+    if device.type != "cuda":
+        return tuning.INTERPRETER_CONFIG
+    hd_pad = head_dim_padded(head_dim)
+    if dtype == torch.float32:
+        return tuning.FP32_CONFIGS[hd_pad]
+    short_limit = tuning.SHORT_SEQLEN_K_CAUSAL if causal else tuning.SHORT_SEQLEN_K
+    if hd_pad in tuning.SHORT_WORK_CONFIGS and not has_mask and seqlen_k is not None and seqlen_k <= short_limit:
+        return tuning.SHORT_WORK_CONFIGS[hd_pad]
+    return tuning.FORWARD_CONFIGS[hd_pad]
+
+
+def tma_safe(has_mask: bool, block_n: int, head_dim_pad: int) -> bool:
+    """False for the combination that Triton 3.6 miscompiles on sm_90: a user mask with K/V
+    tiles by TMA in square boxes (``BLOCK_N == HEAD_DIM_PADDED``).
+
+    Such launches gave errors of about 2 (tolerances ~0.03) whenever the loop ran more than one
+    K tile; pointer loads, non-square boxes and unmasked calls are right (``bench/probe_tma_mask.py``
+    finds them; TUNING.md#tma-safe). Such launches take pointer loads, and such configs leave the
+    autotune list.
+    """
+    return not (has_mask and block_n == head_dim_pad)
+
+
+def autotune_enabled() -> bool:
+    """True when ``FLASHLITE_AUTOTUNE=1``: on first use of a shape bucket, time up to six tile configs."""
+    return os.environ.get("FLASHLITE_AUTOTUNE", "0") not in ("", "0")
+
+
+# The mask layouts the autotuner tells apart (tune_mask_layout).
+MASK_LAYOUT_NONE, MASK_LAYOUT_PER_KEY, MASK_LAYOUT_FULL = 0, 1, 2
+
+
+def mask_layout(mask: torch.Tensor | None) -> int:
+    """``MASK_LAYOUT_*`` of a (B, H, Lq, Lk) broadcast mask: none, one row per key tile, or gathered per query."""
+    if mask is None:
+        return MASK_LAYOUT_NONE
+    return MASK_LAYOUT_PER_KEY if mask.stride(2) == 0 else MASK_LAYOUT_FULL
+
+
+def prune_tune_space(configs, named_args, **kwargs):
+    hd_pad = kwargs["HEAD_DIM_PADDED"]
+    keep = tuning.TUNE_CANDIDATES[max(64, hd_pad)]
+    has_mask = named_args.get("tune_mask_layout", MASK_LAYOUT_NONE) != MASK_LAYOUT_NONE
+    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in keep
+            and tma_safe(has_mask, c.kwargs["BLOCK_N"], hd_pad)]
+
+
+def wgmma_config(head_dim: int, causal: bool, seqlen_k: int) -> WgmmaConfig:
+    """The tiles of a call: ``tuning.WGMMA_CONFIGS`` by head dim, or ``tuning.WGMMA_SHORT_CAUSAL``'s under causal with few keys."""
+    max_keys, short = tuning.WGMMA_SHORT_CAUSAL[head_dim]
+    return short if causal and seqlen_k <= max_keys else tuning.WGMMA_CONFIGS[head_dim]
+
+
+def default_backward_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> BackwardConfig:
+    """The tile config of a backward call: the interpreter's, or the fp32 or fp16/bf16 table's."""
+    if device.type != "cuda":
+        return tuning.BACKWARD_INTERPRETER_CONFIG
+    table = tuning.BACKWARD_FP32_CONFIGS if dtype == torch.float32 else tuning.BACKWARD_CONFIGS
+    return table[head_dim_padded(head_dim)]

@@ -1,0 +1,64 @@
+"""Attention in plain PyTorch (fp32, the L×L scores materialised): the path of tensors the kernels do not run on.
+
+CPU tensors without ``TRITON_INTERPRET=1`` take these; they give the answers
+the kernels give (the tests run both on the same inputs): rows that see no key
+are 0 with gradient 0, a bias of any finite size behaves as in softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def attention_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, attn_mask: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same result in PyTorch fp32 ops (CPU without the interpreter); materialises the (Lq, Lk) scores."""
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    n_kv, seqlen_k = k.shape[1], k.shape[2]
+    group = n_heads // n_kv
+    qf = q.float().reshape(batch, n_kv, group, seqlen_q, head_dim)  # (B, H_kv, G, Lq, D): no K/V repeat
+    s = (qf @ k.float().unsqueeze(2).transpose(-1, -2) * scale).reshape(batch, n_heads, seqlen_q, seqlen_k)
+    if cache_seqlens is not None:  # keys [0, len_b) of each element; causal aligned bottom-right against len_b
+        used = cache_seqlens.to(device=q.device, dtype=torch.long).view(batch, 1, 1, 1)
+        key_idx = torch.arange(seqlen_k, device=q.device)
+        keep = key_idx < used  # (B, 1, 1, Lk)
+        if causal:
+            keep = keep & (key_idx <= torch.arange(seqlen_q, device=q.device)[:, None] + used - seqlen_q)
+        s = s.masked_fill(~keep, float("-inf"))
+    elif causal:
+        keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
+        s = s.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq); -inf for a row that sees no key
+    # The weights from softmax (which subtracts the row's maximum), not e^(s - lse): under a bias of -1e9 the
+    # LSE has lost log d to rounding, and e^(s - lse) would sum to the key count. A row that sees no key: 0,
+    # with gradient 0 (softmax of its -inf would give NaN, and NaN gradients through it).
+    empty = (lse == float("-inf")).unsqueeze(-1)
+    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    p = p.reshape(batch, n_kv, group, seqlen_q, seqlen_k)
+    o = (p @ v.float().unsqueeze(2)).reshape(batch, n_heads, seqlen_q, head_dim)
+    return o.to(q.dtype), lse
+
+
+def attention_backward_torch(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dlse: torch.Tensor | None,
+    causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool, mask_needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The same gradients by autograd through ``attention._attention_torch`` (fp32, scores materialised)."""
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    if mask is not None:
+        mask = mask.detach().bool() if mask_is_bool else mask.detach().float()  # broadcast_mask gives bool as uint8
+        if mask_needs_grad:
+            inputs.append(mask.requires_grad_())
+    with torch.enable_grad():
+        o, lse = attention_torch(*inputs[:3], causal, scale, mask)
+        outputs, grad_outputs = [o], [do]
+        if dlse is not None:
+            outputs.append(lse)
+            grad_outputs.append(dlse.float())
+        grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+    return grads[0], grads[1], grads[2], grads[3] if mask_needs_grad else None

@@ -1,0 +1,193 @@
+"""Attention's tuning tables: tile configs by head dim for the forward (both kernels) and the backward.
+
+Each table says what it sets and why, and carries one provenance line: the
+machine and date of the measurement (or "not timed"), the command that
+reproduces it, and its section in ``bench/results/h200/TUNING.md``
+(``TUNING.md#...`` below), which holds the figures and the alternatives
+measured. ``plan`` reads the tables through this module, so that a tuning run
+can set them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+# Head dims the kernel takes. The largest is set by registers: the fp32 output
+# accumulator of a 128-row tile, 128 x 256 values over 8 warps, is 128 of a
+# thread's 255 registers. The smallest is the K dimension of a tensor-core dot.
+# Not timed: limits of the hardware; TUNING.md#head-dims
+MIN_HEAD_DIM = 16
+
+
+# Not timed: limits of the hardware; TUNING.md#head-dims
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile sizes and launch options of one kernel launch."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False  # Q/K/V through host-side tensor descriptors (TMA on Hopper) when aligned
+    persistent: bool = False  # a resident grid looping over tiles, instead of one program per tile
+
+
+# fp16/bf16 configs of the triton.language kernel by padded head dim: BLOCK_M 64 on 4 warps, 3 stages,
+# through TMA, so that two programs of one warpgroup share a multiprocessor and one's softmax overlaps the
+# other's matmuls. Head dims 16 and 32 take D = 64's tiles (not timed); D = 256 BLOCK_N 32 (at 64 its
+# accumulator and scores spill; not timed). Warp specialisation stays off: Triton 3.6 does not partition
+# this loop on sm_90 (8 warps: identical code; 4 warps: the pass fails).
+# H100 2026-11-23, python bench/attention.py --tune (bench/results/h100/attention_tune.log); TUNING.md#forward-configs
+FORWARD_CONFIGS = {
+    16: AttentionConfig(64, 128, 4, 3, use_tma=True),
+    32: AttentionConfig(64, 128, 4, 3, use_tma=True),
+    64: AttentionConfig(64, 128, 4, 3, use_tma=True),
+    128: AttentionConfig(64, 64, 4, 3, use_tma=True),
+    256: AttentionConfig(128, 32, 8, 2, use_tma=True),
+}
+
+
+# D <= 64 without a mask, where each query tile has little work: 64 x 64 tiles, twice the programs, up to
+# SHORT_SEQLEN_K keys (SHORT_SEQLEN_K_CAUSAL under causal); past those, 64 x 128 tiles tie or win.
+# H100 2026-11-23, python bench/attention.py --tune --head-dims 64 --tune-length 1024 (2048); TUNING.md#short-work
+SHORT_WORK_CONFIGS = {hd: AttentionConfig(64, 64, 4, 3, use_tma=True) for hd in (16, 32, 64)}
+
+
+# H100 2026-11-23, python bench/attention.py --tune --head-dims 64 --tune-length 4096 (8192); TUNING.md#short-work
+SHORT_SEQLEN_K, SHORT_SEQLEN_K_CAUSAL = 1024, 4096
+
+
+# fp32 runs IEEE dots on the FMA units: small tiles, no pipelining; the largest
+# that compile for sm_90 without spilling.
+# Not timed: chosen by compiling for sm_90; TUNING.md#fp32-configs
+FP32_CONFIGS = {
+    16: AttentionConfig(32, 32, 4, 1),
+    32: AttentionConfig(32, 32, 4, 1),
+    64: AttentionConfig(32, 32, 4, 1),
+    128: AttentionConfig(32, 16, 4, 1),
+    256: AttentionConfig(32, 16, 8, 1),
+}
+
+
+# The interpreter runs one program at a time in numpy: small tiles, several per test.
+# Not timed: test speed on CPU; TUNING.md#fp32-configs
+INTERPRETER_CONFIG = AttentionConfig(32, 32, 4, 1)
+
+
+# Candidates for FLASHLITE_AUTOTUNE=1: (BLOCK_M, BLOCK_N, warps, stages), six per
+# padded head dim (compiling each takes seconds on first use): the Hopper recipe's
+# neighbours that fit in shared memory, and BLOCK_M 64 on 4 warps, small enough
+# for two programs a multiprocessor. Head dims under 64 use the 64 list.
+# Not timed as lists: candidates for the autotuner to time; TUNING.md#autotune
+TUNE_SPACE = [(bm, bn, w, s) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+# Not timed as lists: candidates for the autotuner to time; TUNING.md#autotune
+TUNE_CANDIDATES = {
+    64: {(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2)},
+    128: {(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2)},
+    256: {(128, 32, 8, 2), (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2)},
+}
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """Tile sizes of one launch: query rows per warpgroup, keys per K/V tile, warps, K/V buffers in shared memory.
+
+    ``warp_specialized``: a program is a load warp and two softmax warpgroups of ``block_m`` rows each
+    that share every K/V tile (``num_warps`` is then one warpgroup's, and Q is in registers).
+    Otherwise a program is ``num_warps`` warps that load their own K/V tiles.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    kv_stages: int
+    q_in_registers: bool = False  # Q as the register operand of the S products, else read from shared memory
+    warp_specialized: bool = False
+
+    @property
+    def rows_per_program(self) -> int:
+        """Query rows one program holds."""
+        return 2 * self.block_m if self.warp_specialized else self.block_m
+
+
+# The Hopper kernel's tiles by head dim. D = 128: one program a multiprocessor, warp-specialized: a load
+# warp and two softmax warpgroups that share 128-key K/V tiles (two buffers: 160 KB of shared memory), so
+# each K/V tile brought in serves 128 query rows; the softmax warpgroups get 240 registers each, the load
+# warp 24. D = 64: two programs of one warpgroup share a multiprocessor, each loading its own K/V tiles,
+# so one's softmax also overlaps the other's products.
+# H100 2026-11-23, python bench/attention.py --tune-wgmma (bench/results/h100/attention_wgmma_tune.log); TUNING.md#wgmma-configs
+WGMMA_CONFIGS = {
+    64: WgmmaConfig(64, 128, 4, 2),
+    128: WgmmaConfig(64, 128, 4, 2, q_in_registers=True, warp_specialized=True),
+}
+
+
+# Causal with few keys: each query tile has little work, so smaller programs, more of them
+# (by head dim: up to how many keys, and the tiles).
+# H100 2026-11-23, python bench/attention.py --tune-wgmma (bench/results/h100/attention_wgmma_tune.log); TUNING.md#wgmma-configs
+WGMMA_SHORT_CAUSAL = {
+    64: (2048, WgmmaConfig(64, 64, 4, 2)),
+    128: (512, WgmmaConfig(64, 64, 4, 2, q_in_registers=True)),
+}
+
+
+# Registers a thread of the warp-specialized kernel: its 12 warps share the 64K-register file
+# (the launch cap, 168, is 65536 / 384 rounded down to a multiple of 8); the load warp gives
+# most of its share to the softmax warpgroups.
+# Not timed: the register file's arithmetic; TUNING.md#wgmma-configs
+WS_LAUNCH_REGISTERS = 168
+
+
+# Not timed: the register file's arithmetic; TUNING.md#wgmma-configs
+WS_SOFTMAX_REGISTERS = 240
+
+
+# Not timed: the register file's arithmetic; TUNING.md#wgmma-configs
+WS_LOAD_REGISTERS = 24
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Tiles of the two main backward kernels (``block_m`` query rows, ``block_n`` keys in each)."""
+
+    dkdv: AttentionConfig  # K/V tile of block_n rows on chip, Q/dO tiles of block_m rows streamed
+    dq: AttentionConfig  # Q/dO tile of block_m rows on chip, K/V tiles of block_n rows streamed
+
+
+# Rows of one δ program: O and dO tiles of 64 x 256 fp16 are 64 KB, within every head dim's budget.
+# Not timed: the largest head dim's budget; TUNING.md#backward-configs
+DELTA_BLOCK_M = 64
+
+
+# The backward's tiles by padded head dim: the fastest of 8 dK/dV and 7 dQ tile shapes at D = 64 and 128.
+# Head dims 16 and 32 take D = 64's tiles (not timed); D = 256's are an untimed guess that compiles without
+# large spills (sm_90, Triton 3.9).
+# H100 2026-11-23, no committed script (bench/attention.py --backward times the result); TUNING.md#backward-configs
+BACKWARD_CONFIGS = {
+    16: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
+    32: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
+    64: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
+    128: BackwardConfig(AttentionConfig(32, 64, 4, 2), AttentionConfig(128, 64, 8, 3)),
+    256: BackwardConfig(AttentionConfig(32, 32, 8, 1), AttentionConfig(32, 32, 4, 1)),
+}
+
+
+# fp32: IEEE dots on the FMA units, small tiles (as the forward's fp32 table). Only run through the
+# interpreter: CUDA fp32 takes the PyTorch stand-in (`triton_backward_enabled`).
+# Not timed; TUNING.md#backward-configs
+BACKWARD_FP32_CONFIGS = {
+    hd: BackwardConfig(AttentionConfig(32, 32, 4, 1), AttentionConfig(32, 32, 4, 1)) if hd <= 64
+    else BackwardConfig(AttentionConfig(16, 32, 4, 1), AttentionConfig(32, 16, 4, 1))
+    for hd in (16, 32, 64, 128, 256)
+}
+
+
+# The interpreter runs one program at a time in numpy: small tiles (tests force smaller ones still).
+# Not timed: test speed on CPU; TUNING.md#fp32-configs
+BACKWARD_INTERPRETER_CONFIG = BackwardConfig(AttentionConfig(32, 32, 4, 1), AttentionConfig(32, 32, 4, 1))

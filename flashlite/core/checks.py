@@ -1,0 +1,56 @@
+"""Argument checks shared by the public functions: each raises an error that names the argument at fault."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# The kernels take a scale as a float32 argument, multiplied by up to log2(e): the largest that stays finite.
+MAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
+
+
+def check_float_dtype(name: str, t: torch.Tensor) -> None:
+    """Raise a TypeError naming argument ``name`` unless it is fp32, fp16 or bf16."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_scale(scale, default: float) -> float:
+    """``scale`` as a float (``default`` when None); a TypeError for a bool, tensor or anything not a real number,
+    a ValueError for NaN, an infinity, or a value the kernels' float32 arithmetic cannot hold."""
+    if scale is None:
+        return default
+    if type(scale) is not float and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if abs(scale) > MAX_SCALE:
+        raise ValueError(f"scale={scale:g} is too large: the kernels apply it in float32, where |scale| must stay "
+                         f"under {MAX_SCALE:.3g}")
+    return scale
+
+
+def check_flag(name: str, value) -> bool:
+    """``value`` as a bool; a TypeError naming ``name`` for anything but a bool (``"no"`` or None is not one)."""
+    if type(value) is bool or isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_dim(dim, ndim: int) -> int:
+    """``dim`` of a tensor with ``ndim`` dims (0-d counts as 1, as torch does), made non-negative; a TypeError
+    naming ``dim`` unless it is an int (not a bool, str, float, None or tuple), an IndexError when out of range."""
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__} {dim!r}")
+    dim = int(dim)
+    size = max(ndim, 1)
+    if not -size <= dim < size:
+        raise IndexError(f"dim={dim} is out of range for a tensor with {ndim} dimension(s)")
+    return dim % size
