@@ -14,6 +14,7 @@ recorded for that shape (``ISSUE_FIGURES``).
 
     bench/make_baseline.sh 7641866 .baseline
     PYTHONPATH=. python bench/ab_ops.py --baseline .baseline [--out DIR]   # -> DIR/ab_ops.{json,md}
+    ... --only "softmax 4096x256 float32" --rounds 9 --name ab_ops_recheck   # a few cases, more rounds
 """
 
 from __future__ import annotations
@@ -97,9 +98,13 @@ def main(argv=None) -> None:
     parser.add_argument("--baseline", required=True, help="folder holding flashlite_base (bench/make_baseline.sh)")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
+    parser.add_argument("--only", nargs="+", help="only cases whose 'op shape dtype' contains one of these")
+    parser.add_argument("--name", default="ab_ops", help="result file name (default ab_ops)")
     args = parser.parse_args(argv)
     rows = []
     for row, calls, to_figure in cases(trees(args.baseline)):
+        if args.only and not any(o in f"{row['op']} {row['shape']} {row['dtype']}" for o in args.only):
+            continue
         outs = {t: fn() for t, fn in calls.items()}  # compile both, and compare them
         row["max_diff"] = (outs["new"].float() - outs["base"].float()).abs().max().item()
         medians = alternate(calls, args.rounds)
@@ -112,7 +117,7 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
     meta = environment() | {"baseline": pathlib.Path(args.baseline, "REV").read_text().strip(), "rounds": args.rounds,
                             "units": "softmax, masked_softmax: GB/s; attention: TFLOP/s"}
-    write_results("ab_ops", results_dir(args.out), meta, rows,
+    write_results(args.name, results_dir(args.out), meta, rows,
                   ["op", "shape", "dtype", "issue", "base", "new", "ratio", "x_issue", "max_diff"],
                   "No-regression list of issue 31: the working tree (new) against the baseline, same process")
     worst = min(rows, key=lambda r: r["ratio"])

@@ -71,13 +71,26 @@ def masked_table(data: dict) -> str:
 
 
 def decode_table(data: dict) -> str:
-    rows = []
+    rows = [[r["B"], r["H_kv"], r["Lk"], r["auto_splits"], r["flashlite_us"], r["flashlite"], f"{r['frac_copy']:.0%}",
+             r["flash"], r["cudnn"], f"{r['x_best_sdpa']:.2f}" if r.get("x_best_sdpa") else "—"]
+            for r in data["rows"]]
+    return _table(["B", "H_kv", "Lk", "splits", "flashlite µs", "flashlite GB/s", "% of copy", "SDPA flash",
+                   "SDPA cuDNN", "× faster SDPA"], rows)
+
+
+def call_path_table(data: dict) -> str:
+    """One row per (B, H_kv, Lq): flashlite's time at the shortest and longest cache, the worst ratios to SDPA."""
+    groups: dict = {}
     for r in data["rows"]:
-        best = max((r[p] for p in ("flash", "cudnn") if r.get(p)), default=None)
-        rows.append([r["B"], r["H_kv"], r["Lk"], r["flashlite_us"], r["flashlite"], f"{r['frac_copy']:.0%}",
-                     r["flash"], r["cudnn"], f"{r['flashlite'] / best:.2f}" if best else "—"])
-    return _table(["B", "H_kv", "Lk", "flashlite µs", "flashlite GB/s", "% of copy", "SDPA flash", "SDPA cuDNN",
-                   "× faster SDPA"], rows)
+        groups.setdefault((r["B"], r["H_kv"], r["Lq"]), []).append(r)
+    rows = []
+    for (batch, kv_heads, seqlen_q), sel in groups.items():
+        sel.sort(key=lambda r: r["Lk"])
+        rows.append([batch, kv_heads, seqlen_q, f"{sel[0]['Lk']}–{sel[-1]['Lk']}",
+                     f"{sel[0]['flashlite_us']:.1f} / {sel[-1]['flashlite_us']:.1f}",
+                     f"{max(r['x_sdpa'] for r in sel):.2f}", f"{max(r['x_sdpa_loop'] for r in sel):.2f}"])
+    return _table(["B", "H_kv", "Lq", "Lk", "flashlite µs (shortest / longest Lk)", "worst × fastest SDPA",
+                   "worst × (loop of calls)"], rows)
 
 
 SECTIONS = [
@@ -86,7 +99,9 @@ SECTIONS = [
     ("attention_backward", "Attention backward (`bench/attention.py --backward`): TFLOP/s (2.5× the forward's FLOPs)",
      backward_table),
     ("masked_softmax", "Masked softmax (`bench/masked_softmax.py`): effective GB/s", masked_table),
-    ("decode", "Decoding (`bench/decode.py`): Lq = 1, bf16, H = 32, D = 128, K/V GB/s (CUDA graph)", decode_table),
+    ("decode", "Decoding (`bench/decode.py --quick`): Lq = 1, bf16, H = 32, D = 128, K/V GB/s, eager", decode_table),
+    ("call_path", "Decoding calls (`bench/call_path.py`): eager µs per call against the fastest SDPA backend, "
+     "bf16, H = 32, D = 128", call_path_table),
 ]
 
 
@@ -97,10 +112,11 @@ def report(folder: str, heading: str = "###", link_prefix: str = "") -> str:
         if data is None:
             continue
         meta = data["meta"]
-        ceiling = (f"copy {meta['copy_gbs']:.0f} GB/s" if "copy_gbs" in meta else
-                   f"copy {meta['copy_GBs']:.0f} GB/s" if "copy_GBs" in meta else
-                   f"bf16 matmul {meta['matmul_tflops_bf16']:.0f} TFLOP/s")
-        parts.append(f"{heading} {title}\n\n{meta['gpu']}, {meta['date']}, {ceiling} measured in the same run "
+        ceiling = (f", copy {meta['copy_gbs']:.0f} GB/s measured in the same run" if "copy_gbs" in meta else
+                   f", copy {meta['copy_GBs']:.0f} GB/s measured in the same run" if "copy_GBs" in meta else
+                   f", bf16 matmul {meta['matmul_tflops_bf16']:.0f} TFLOP/s measured in the same run"
+                   if "matmul_tflops_bf16" in meta else "")
+        parts.append(f"{heading} {title}\n\n{meta['gpu']}, {meta['date']}{ceiling} "
                      f"([`{name}.json`]({link_prefix}{name}.json)).\n\n{table(data)}\n")
     return "\n".join(parts)
 
@@ -117,8 +133,12 @@ def main(argv=None) -> None:
         with open(os.path.join(args.folder, "README.md"), "w") as f:
             f.write("# Results on this GPU\n\nGenerated from the JSON files beside this one by `python bench/report.py "
                     f"{os.path.relpath(args.folder, os.path.dirname(HERE))} --write`; each table's file says how it "
-                    "was measured (its meta) and `bench/headline.sh` made them. TUNING.md holds the measurements "
-                    "behind the tuning tables.\n\n" + report(args.folder, "##"))
+                    "was measured (its meta). `bench/headline.sh` made the sweeps, `python bench/call_path.py` the "
+                    "call costs. [`refinements.md`](refinements.md) (`python bench/refinements.py`) times the "
+                    "textbook kernels and each refinement of the fast ones; [`TUNING.md`](TUNING.md) holds the "
+                    "measurements behind the tuning tables; `ab_*.md` compare two trees in one process "
+                    "(`bench/ab_ops.py`, `bench/ab_attention.py`); [`pytest_gpu.log`](pytest_gpu.log) is the last "
+                    "`pytest -m gpu`.\n\n" + report(args.folder, "##"))
 
 
 if __name__ == "__main__":

@@ -314,7 +314,7 @@ def splits_for(forward_programs: int, split_programs: int, decoding: bool, seqle
         return 1
     if not decoding and forward_programs >= SPLIT_BELOW_PROGRAMS_PER_SM * n_sms:
         return 1
-    splits = math.ceil(SPLIT_TARGET_PROGRAMS_PER_SM * n_sms / split_programs)
+    splits = math.floor(SPLIT_TARGET_PROGRAMS_PER_SM * n_sms / split_programs)  # one wave: never past it
     if decoding:
         splits = max(splits, SPLIT_MIN_DECODE_SPLITS)
     return max(1, min(splits, triton.cdiv(seqlen_k, SPLIT_MIN_KEYS), SPLIT_MAX))

@@ -111,12 +111,12 @@ SHARED_TILES = {
 # Many rows taken in plain waves of held parts (more parts than the resident programs hold, and no wave of
 # heads fits L2: fp32 4096 x 65536, say; 16-bit rows of up to 65536 are read twice, FWD_REREAD_MAX_COLS)
 # get tiles of their own. fp32 parts hold 16384 columns after streaming a head as long, so half as many
-# parts of a row wait for each other (the plan drops the head for rows read in frames); the wave heads
-# load evict_last. bf16 parts hold 16384 columns over 4 warps, two a multiprocessor, the next part asked
+# parts of a row wait for each other (the plan drops the head for rows read in frames). bf16 parts hold 16384 columns over 4 warps, two a multiprocessor, the next part asked
 # into L2 (the 32768-column tile left a third of its columns empty on rows of 40000).
-# H100 2026-11-25, no committed script (recheck: bench/refinements.py --only "wave tiles"); TUNING.md#wave-tiles
+# H100 2026-11-25, no committed script; H200 2026-11-26 bench/refinements.py (wave tiles kept, the wave heads'
+# evict_last dropped: under 3%); TUNING.md#wave-tiles
 SHARED_WAVE_TILES = {
-    4: SharedRowTile(16384, 4, 2, PREFETCH_NONE.value, 4096, wave_head=16384, head_eviction="evict_last"),
+    4: SharedRowTile(16384, 4, 2, PREFETCH_NONE.value, 4096, wave_head=16384),
     2: SharedRowTile(16384, 4, 2, PREFETCH_L2.value, 8192, head_group=8),
 }
 
