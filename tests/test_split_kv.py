@@ -249,16 +249,17 @@ def test_interpreter_keeps_forward_kernel(monkeypatch):
 
 def test_automatic_rule():
     sms = 132  # an H200; the expected counts are the fastest ones bench/decode.py --tune measured there
-    # Decoding (Lq = 1), B = 1: about one program per multiprocessor.
-    assert sk.splits_for(32, 32, True, 65536, sms) == 5  # 32 K/V heads (best measured: 4, 8 within 2%)
-    assert sk.splits_for(32, 8, True, 65536, sms) == 17  # 8 K/V heads, 4 query heads packed (best: 16)
+    # Decoding (Lq = 1), B = 1: one wave of about one program per multiprocessor, never past it (17 splits of 8
+    # programs made a second wave of 4: 372 us against 254 at 16, bench/results/h200/decode_ceil_rule.md).
+    assert sk.splits_for(32, 32, True, 65536, sms) == 4  # 32 K/V heads (best measured: 4)
+    assert sk.splits_for(32, 8, True, 65536, sms) == 16  # 8 K/V heads, 4 query heads packed (best: 16)
     assert sk.splits_for(32, 8, True, 4096, sms) == 8  # ... each split at least SPLIT_MIN_KEYS keys (best: 8)
-    # Decoding with a full grid still takes the split kernel (it packs GQA groups), with 2 splits.
-    assert sk.splits_for(256, 64, True, 65536, sms) == 3
+    # Decoding with a full grid still takes the split kernel (it packs GQA groups), with at least 2 splits.
+    assert sk.splits_for(256, 64, True, 65536, sms) == 2
     assert sk.splits_for(256, 256, True, 65536, sms) == 2
     # Longer query blocks: the forward kernel once its grid fills the GPU, else split.
     assert sk.splits_for(256, 256, False, 65536, sms) == 1
-    assert sk.splits_for(16, 16, False, 65536, sms) == 9
+    assert sk.splits_for(16, 16, False, 65536, sms) == 8
     # Below SPLIT_MIN_SEQLEN_K keys: the forward kernel.
     assert sk.splits_for(32, 32, True, sk.SPLIT_MIN_SEQLEN_K - 1, sms) == 1
     # Each split keeps at least SPLIT_MIN_KEYS keys; at most SPLIT_MAX splits.

@@ -234,8 +234,8 @@ def flash_attention(
             programs and merged. None (default) chooses (``split_kv.auto_num_splits``,
             a rule measured on an H200): on CUDA, with Lk >= 4096, decoding shapes (at
             most 16 query rows per K/V head, GQA heads packed) take the split
-            kernel with about one program per multiprocessor (at least 2
-            splits); longer query blocks split only when the forward's grid would
+            kernel with up to one program per multiprocessor (one wave; at least
+            2 splits); longer query blocks split only when the forward's grid would
             leave multiprocessors idle. Training (inputs that require grad) never
             splits. 1 never splits; n > 1 forces n splits, clamped to the number of
             key tiles (and to 65535, CUDA's grid limit). The result means the same

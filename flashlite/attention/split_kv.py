@@ -226,8 +226,9 @@ SPLIT_BLOCK_M_SMALL, SPLIT_BLOCK_M_LARGE = 16, 64
 
 
 # The automatic rule (``splits_for``): decoding tiles (at most SPLIT_BLOCK_M_SMALL packed rows) from
-# SPLIT_MIN_SEQLEN_K keys on always split (the forward kernel packs no GQA group), about
-# SPLIT_TARGET_PROGRAMS_PER_SM programs a multiprocessor in all, at least SPLIT_MIN_DECODE_SPLITS; longer query
+# SPLIT_MIN_SEQLEN_K keys on always split (the forward kernel packs no GQA group), into as many splits as keep
+# the grid within SPLIT_TARGET_PROGRAMS_PER_SM programs a multiprocessor (one wave: a few programs past it make
+# a second wave that costs nearly a whole one), at least SPLIT_MIN_DECODE_SPLITS; longer query
 # blocks split only while the forward's grid would leave multiprocessors idle (SPLIT_BELOW_PROGRAMS_PER_SM);
 # each split keeps at least SPLIT_MIN_KEYS keys, and there are at most SPLIT_MAX.
 # H200 2026-11-26, `python bench/decode.py --tune`; bench/results/h200/TUNING.md#decode-splits.
