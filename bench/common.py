@@ -63,8 +63,7 @@ def fresh_copy(x: torch.Tensor) -> torch.Tensor:
 
     do_bench's flush is a memset, which evicts normal lines first: lines a provider
     loads with ``evict_last`` (torch.compile's kernels do) outlive it and serve the
-    next provider timed on the same addresses (bench/results/h100/
-    softmax_head_eviction_ab.log, parts 11-12). Keep each provider's copy alive until
+    next provider timed on the same addresses (bench/results/h200/TUNING.md#timing-method). Keep each provider's copy alive until
     all are timed, so that no two share addresses; lines left at the copy's addresses
     by tensors freed before are reset to normal priority here, so the flush evicts them.
     """

@@ -3,7 +3,7 @@
 For each provider P and its inputs: fresh (demoted) copies of the inputs (common.fresh_copy); time a
 plain read of them (sum, fp32) under do_bench; run P 20 times; time the read again. A ratio well above
 1 means P loads (some of) its inputs with evict_last and the lines survive the memset flush, serving
-whatever reads the same addresses next (softmax_head_eviction_ab.log, part 12): then a benchmark must
+whatever reads the same addresses next (bench/results/h200/TUNING.md#timing-method): then a benchmark must
 time each provider on inputs of its own, as bench/softmax.py does.
 
     PYTHONPATH=. python bench/l2_leftovers.py

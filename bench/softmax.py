@@ -94,7 +94,7 @@ def providers(compiled) -> dict:
         "textbook_online": textbook_online_softmax,
         # A copy of the same tensor, timed the same way: the ceiling at this size. do_bench's L2 flush is a
         # memset whose dirty lines the timed call writes back, which weighs most on small tensors (64 MB
-        # copies ran at 2683 GB/s after it, 3092 after a flush that only reads: softmax_flush_weight.log).
+        # copies ran at 2683 GB/s after it, 3092 after a flush that only reads; TUNING.md#timing-method).
         "copy_same_size": lambda x: x.clone(),
     }
 
@@ -104,7 +104,7 @@ def measure(shape, dtype, provs) -> dict:
     row = {"dtype": str(dtype).replace("torch.", ""), "M": shape[0], "N": shape[1], "elements": x.numel()}
     # Each provider is timed on a copy of its own (common.fresh_copy): lines torch.compile's kernels load with
     # evict_last outlive do_bench's flush, and served every provider timed after it on one shared tensor
-    # (bf16 4096 x 4096: flashlite 2434 -> 2770 GB/s once compile had run on it; softmax_head_eviction_ab.log).
+    # (bf16 4096 x 4096: flashlite 2434 -> 2770 GB/s once compile had run on it; TUNING.md#timing-method).
     copies = []
     for name, fn in provs.items():
         copies.append(fresh_copy(x))

@@ -1,8 +1,8 @@
-"""The Hopper forward kernel (flashlite.attention_wgmma): which calls it takes, and that it builds as designed.
+"""The Hopper forward kernel (flashlite.attention.forward_hopper): which calls it takes, and that it builds as designed.
 
 Gluon has no interpreter, so the kernel's results are checked on the GPU only
-(``bench/attention.py --check``: every default-variant case with D = 64/128,
-fp16/bf16 and no mask runs it). Here, on CPU:
+(``pytest -m gpu``: tests/test_gpu_attention.py and test_gpu_decode.py run every
+default-variant case with D = 64/128, fp16/bf16 and no mask on it). Here, on CPU:
 
 * the dispatch rules, with tensors that claim to be on a Hopper GPU;
 * the kernel compiled for sm_90 (no GPU needed): its K/V loop must keep one

@@ -4,9 +4,8 @@ The reuse is only right if two argument lists with the same signature are ones
 Triton compiles to the same kernel. The first test checks that against Triton's
 own specialization (its native function, the one its JIT calls); the others run
 ``launch``'s bookkeeping on a stand-in kernel (the interpreter compiles nothing,
-so the real reuse runs on the GPU only: bench/attention.py --check and
-bench/softmax.py --check go through it; kernels wrapped in ``triton.heuristics``
-take Triton's path).
+so the real reuse runs on the GPU only: every ``pytest -m gpu`` test goes
+through it; kernels wrapped in ``triton.heuristics`` take Triton's path).
 """
 
 import enum

@@ -418,7 +418,7 @@ def test_key_strides_past_2_31(part):
 
 def test_wide_fused_rows_keep_their_warps():
     # Plain softmax gives wide fused rows half the warps (64 elements a thread); masked rows keep 32 a
-    # thread (they lost 4-10% at 64: softmax_fused_warps_ab.log). Rows of up to 8192 keys agree.
+    # thread (they lost 4-10% at 64 on the H100: TUNING.md#masked-elems-per-thread). Rows of up to 8192 keys agree.
     masked_module = importlib.import_module("flashlite.masked_softmax")
     for seqlen_k, masked_warps in ((1024, 4), (4096, 4), (8192, 8), (16384, 16)):
         plain = plan_softmax(8, seqlen_k, CPU)
