@@ -88,15 +88,21 @@ def decode_inputs(batch: int, kv_heads: int, seqlen_q: int, seqlen_k: int):
     return q, k, v
 
 
-def measure(batch: int, kv_heads: int, seqlen_q: int, seqlen_k: int) -> dict:
-    """One row: every provider timed on the same inputs; flashlite's output checked against SDPA's."""
-    q, k, v = decode_inputs(batch, kv_heads, seqlen_q, seqlen_k)
+def calls(q, k, v) -> dict:
+    """name -> zero-argument call on the same inputs: flashlite, then each SDPA backend (None where it fails)."""
     providers = {"flashlite": lambda: flashlite.flash_attention(q, k, v)}
     for name, backend in sdpa_backends().items():
         try:
             providers[name] = sdpa_provider(backend, q, k, v)
         except (RuntimeError, TypeError):
             providers[name] = None
+    return providers
+
+
+def measure(batch: int, kv_heads: int, seqlen_q: int, seqlen_k: int) -> dict:
+    """One row: every provider timed on the same inputs; flashlite's output checked against SDPA's."""
+    q, k, v = decode_inputs(batch, kv_heads, seqlen_q, seqlen_k)
+    providers = calls(q, k, v)
     row = {"B": batch, "H_kv": kv_heads, "Lq": seqlen_q, "Lk": seqlen_k}
     reference = None
     for name, fn in providers.items():
@@ -119,20 +125,14 @@ def measure(batch: int, kv_heads: int, seqlen_q: int, seqlen_k: int) -> dict:
 
 def profile(out: str) -> dict:
     """Host time of one decoding call per provider and a cProfile of flashlite's, written to ``out``."""
-    q, k, v = decode_inputs(1, 8, 1, 4096)
-    calls = {"flashlite": lambda: flashlite.flash_attention(q, k, v)}
-    for name, backend in sdpa_backends().items():
-        try:
-            calls[name] = sdpa_provider(backend, q, k, v)
-        except (RuntimeError, TypeError):
-            pass
+    providers = calls(*decode_inputs(1, 8, 1, 4096))
     hosts = {}
-    for name, fn in calls.items():
+    for name, fn in providers.items():
         try:
-            hosts[name] = host_us(fn)
+            hosts[name] = host_us(fn) if fn is not None else None
         except (RuntimeError, TypeError, AttributeError):
             hosts[name] = None
-    fn = calls["flashlite"]
+    fn = providers["flashlite"]
     profiler = cProfile.Profile()
     torch.cuda._sleep(2_000_000_000)
     profiler.enable()

@@ -236,7 +236,7 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     else:
         mask, mask_is_bool = _attention_mask(attn_mask, q, k)
         if num_splits is None:
-                num_splits = auto_num_splits(q, k, mask)
+            num_splits = auto_num_splits(q, k, mask)
         if num_splits == 1 and cache_seqlens is None:
             o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool)
         else:

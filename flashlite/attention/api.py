@@ -21,7 +21,7 @@ from .backward import attention_backward
 from .forward import attention_forward_tl
 from .forward_hopper import attention_forward_hopper, wgmma_eligible
 from .reference import attention_torch
-from .split_kv import SplitLaunch, auto_num_splits, check_split_args, split_kv_forward
+from .split_kv import SplitLaunch, auto_num_splits, check_split_args
 from .tuning import AttentionConfig, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 
@@ -88,16 +88,6 @@ SPLIT_HAS_NO_BACKWARD = (
 )
 
 
-def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None,
-    mask_is_bool: bool, write_lse: bool, num_splits: int, cache_seqlens: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(o, lse)`` from the forward kernel, or from split-K/V (``num_splits`` > 1 or a cache with lengths)."""
-    if num_splits == 1 and cache_seqlens is None:
-        return attention_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse)
-    return split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse, num_splits, cache_seqlens)
-
-
 # Routes of repeated inference calls (``repeat_key``), kept up to this many signatures.
 ROUTES_KEPT = 256
 
@@ -133,16 +123,17 @@ def repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_
             causal, scale, return_lse, num_splits, lengths)
 
 
-def inference_route(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, write_lse: bool, num_splits: int,
-    has_cache_seqlens: bool,
+def forward_route(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, mask_is_bool: bool, causal: bool, scale: float,
+    write_lse: bool, num_splits: int, has_cache_seqlens: bool,
 ):
-    """``f(q, k, v, cache_seqlens) -> (o, lse)``: the kernels an unmasked inference call of this signature runs,
-    planned once (``SplitLaunch`` for split-K/V, ``attention_forward`` otherwise)."""
+    """``f(q, k, v, mask, cache_seqlens) -> (o, lse)``: the forward of a call of this signature, planned once:
+    split-K/V (``SplitLaunch``) for ``num_splits`` > 1 or a cache with lengths, else ``attention_forward``."""
     if num_splits == 1 and not has_cache_seqlens:
-        return lambda q, k, v, cache_seqlens: attention_forward(q, k, v, causal, scale, None, False, write_lse)
-    split = SplitLaunch(q, k, None, causal, scale, False, write_lse, num_splits, has_cache_seqlens)
-    return lambda q, k, v, cache_seqlens: split(q, k, v, None, cache_seqlens)
+        return lambda q, k, v, mask, cache_seqlens: attention_forward(q, k, v, causal, scale, mask, mask_is_bool,
+                                                                      write_lse)
+    split = SplitLaunch(q, k, mask, causal, scale, mask_is_bool, write_lse, num_splits, has_cache_seqlens)
+    return split
 
 
 def clear_routes() -> None:
@@ -179,7 +170,9 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, attn_mask, mask, mask_is_bool, write_lse, num_splits, cache_seqlens):
         ctx.split = num_splits != 1 or cache_seqlens is not None
         if ctx.split:
-            return _forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse, num_splits, cache_seqlens)
+            route = forward_route(q, k, mask, mask_is_bool, causal, scale, write_lse, num_splits,
+                                  cache_seqlens is not None)
+            return route(q, k, v, mask, cache_seqlens)
         o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool)
         ctx.save_for_backward(q, k, v, o, lse, row_stats, mask)
         ctx.causal, ctx.scale, ctx.mask_is_bool = causal, scale, mask_is_bool
@@ -272,7 +265,7 @@ def flash_attention(
     key = repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_seqlens)
     route = _ROUTES.get(key) if key is not None else None
     if route is not None:  # a repeated inference call: checked and planned when first seen
-        o, lse = route(q, k, v, cache_seqlens)
+        o, lse = route(q, k, v, None, cache_seqlens)
         return (o, lse) if return_lse else o
     mask, mask_is_bool = check_inputs(q, k, v, attn_mask)
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
@@ -300,13 +293,13 @@ def flash_attention(
         if needs_grad:
             o, lse = _FlashAttention.apply(q, k, v, causal, scale, attn_mask, mask, mask_is_bool, return_lse,
                                            num_splits, cache_seqlens)
-        elif mask is None:  # inference: no autograd node to build (its host cost shows on short calls)
-            route = inference_route(q, k, causal, scale, return_lse, num_splits, cache_seqlens is not None)
-            o, lse = route(q, k, v, cache_seqlens)
-            if key is not None and all(a is b for a, b in zip((q, k, v), inputs)):  # inputs used in place
+        else:  # inference: no autograd node to build (its host cost shows on short calls)
+            route = forward_route(q, k, mask, mask_is_bool, causal, scale, return_lse, num_splits,
+                                  cache_seqlens is not None)
+            o, lse = route(q, k, v, mask, cache_seqlens)
+            # Kept for repeats when the key says so (no mask, among others) and the inputs were used in place.
+            if key is not None and all(a is b for a, b in zip((q, k, v), inputs)):
                 if len(_ROUTES) >= ROUTES_KEPT:
                     _ROUTES.clear()
                 _ROUTES[key] = route
-        else:
-            o, lse = _forward(q, k, v, causal, scale, mask, mask_is_bool, return_lse, num_splits, cache_seqlens)
     return (o, lse) if return_lse else o
