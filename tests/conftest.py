@@ -46,6 +46,19 @@ def _fresh_seed(request):
     yield
 
 
+@pytest.fixture(params=["one_pass", "deterministic"])
+def backward_path(request, monkeypatch):
+    """Both paths of the attention backward: one pass (dQ by atomic adds; also on a GPU, where two passes are the
+    default) and two passes (taken under ``torch.use_deterministic_algorithms(True)``, bitwise repeatable)."""
+    from flashlite.attention import tuning
+
+    monkeypatch.setattr(tuning, "ONE_PASS_ON_GPU", request.param == "one_pass")
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(request.param == "deterministic")
+    yield request.param
+    torch.use_deterministic_algorithms(previous)
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu`` tests need CUDA; the others run their kernels through the interpreter, so on a GPU machine
     (where the kernels are built for the GPU) they run only when TRITON_INTERPRET=1 was set."""

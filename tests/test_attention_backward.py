@@ -69,12 +69,12 @@ def check_grads(q, k, v, do=None, **kw):
         (1, 65),  # decoding shape: one query over 5 key tiles
     ],
 )
-def test_lengths(lq, lk, causal):
+def test_lengths(lq, lk, causal, backward_path):
     check_grads(*qkv(1, 2, lq, lk, 32), causal=causal)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_uneven_tiles(monkeypatch, causal):
+def test_uneven_tiles(monkeypatch, causal, backward_path):
     monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BWD_TILES_UNEVEN)
     check_grads(*qkv(1, 2, 70, 45, 32), causal=causal)
     check_grads(*qkv(1, 2, 45, 70, 32), causal=causal)
@@ -82,7 +82,7 @@ def test_uneven_tiles(monkeypatch, causal):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_low_precision(dtype, causal):
+def test_low_precision(dtype, causal, backward_path):
     # P and dS are rounded to the input dtype for the dots, as PyTorch's own low-precision chain does.
     check_grads(*qkv(1, 2, 65, 100, 64, dtype=dtype), causal=causal)
 
@@ -109,7 +109,7 @@ def test_default_interpreter_tiles(monkeypatch):
 
 @pytest.mark.parametrize("h_kv", [2, 1])  # GQA (2 query heads per K/V head) and MQA (4)
 @pytest.mark.parametrize("causal", [False, True])
-def test_grouped_query(h_kv, causal):
+def test_grouped_query(h_kv, causal, backward_path):
     check_grads(*qkv(2, 4, 33, 50, 32, h_kv=h_kv), causal=causal)
 
 
@@ -122,14 +122,37 @@ def test_non_contiguous_inputs():
     assert not dq.is_contiguous() or dq.shape[1] == 1  # in q's own memory order
 
 
-def test_deterministic():
-    # No atomics: dK/dV sum their GQA group in one program, dQ has its own pass. Two runs, same bits.
+def test_deterministic(backward_path):
+    # Two passes: no atomics (dK/dV sum their GQA group in one program, dQ has its own pass): two runs, same
+    # bits. The interpreter runs one program at a time, so the one-pass path repeats here too; on the GPU it
+    # need not (tests/test_gpu_backward.py checks the deterministic path there).
     q, k, v = qkv(1, 4, 40, 50, 32, h_kv=1)
     do = torch.randn(1, 4, 40, 32)
     first = torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)
     second = torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mask_grad", [False, True])
+def test_which_path_runs(monkeypatch, backward_path, mask_grad):
+    # One pass launches δ and the dK/dV kernel with ATOMIC_DQ; two passes add the dQ kernel (which the additive
+    # mask's gradient always takes: it writes dS). Both give the same gradients (checked against float64 above).
+    launched = []
+
+    def spy(kernel, grid, args, **options):
+        launched.append((kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__, options.get("ATOMIC_DQ")))
+        return real(kernel, grid, args, **options)
+
+    real = fb.launch
+    monkeypatch.setattr(fb, "launch", spy)
+    q, k, v = qkv(1, 2, 20, 24, 16)
+    bias = randn(20, 24, requires_grad=mask_grad)
+    check_grads(q, k, v, attn_mask=bias)
+    names = [name for name, _ in launched]
+    two_pass = backward_path == "deterministic" or mask_grad
+    assert ("_attention_bwd_dq_kernel" in names) == two_pass
+    assert [a for name, a in launched if name == "_attention_bwd_dkdv_kernel"] == [not two_pass]
 
 
 # ----------------------------------------------------------------------------- masks
@@ -142,7 +165,7 @@ def test_key_padding_mask(causal):
     check_grads(q, k, v, attn_mask=mask, causal=causal)
 
 
-def test_full_bool_mask():
+def test_full_bool_mask(backward_path):
     q, k, v = qkv(1, 2, 33, 40, 32, dtype=torch.float16)
     check_grads(q, k, v, attn_mask=torch.rand(1, 2, 33, 40) > 0.3, causal=True)
 
@@ -183,7 +206,7 @@ def test_fully_masked_rows():
 # ----------------------------------------------------------------------------- LSE, errors
 
 
-def test_lse_gradient():
+def test_lse_gradient(backward_path):
     # A loss on the returned LSE: d lse_i / d s_ij = P_ij, folded into δ.
     q, k, v = qkv(1, 2, 40, 33, 32)
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True)

@@ -59,7 +59,8 @@ def _qkv(head_dim=128, dtype=torch.bfloat16, seqlen_q=100, seqlen_k=130, kv_head
 
 
 def test_eligible_calls(hopper):
-    for head_dim in (64, 128):
+    # Every head dim padded to a table entry: 40 and 64 (64), 80, 96 and 128 (128), 160, 192 and 256 (256).
+    for head_dim in (40, 64, 80, 96, 128, 160, 192, 256):
         for dtype in (torch.float16, torch.bfloat16):
             q, k, v = map(_on_hopper, _qkv(head_dim, dtype))
             assert fw.wgmma_eligible(q, k, v, has_mask=False, scale=0.1)
@@ -68,10 +69,12 @@ def test_eligible_calls(hopper):
     assert fw.wgmma_eligible(q, q, q, has_mask=False, scale=0.1)
 
 
-@pytest.mark.parametrize("case", ["cpu", "mask", "fp32", "head_dim_80", "empty_q", "empty_k", "misaligned",
-                                  "not_hopper", "switched_off", "zero_scale", "negative_scale"])
+@pytest.mark.parametrize("case", ["cpu", "mask", "fp32", "head_dim_32", "head_dim_59", "empty_q", "empty_k",
+                                  "misaligned", "not_hopper", "switched_off", "zero_scale", "negative_scale"])
 def test_calls_left_to_the_tl_kernel(hopper, monkeypatch, case):
-    head_dim = 80 if case == "head_dim_80" else 128
+    # Head dim 32: no table entry (the tl kernel's small tiles serve it); 59: rows of 118 bytes, which TMA
+    # cannot step.
+    head_dim = {"head_dim_32": 32, "head_dim_59": 59}.get(case, 128)
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
     q, k, v = _qkv(head_dim, dtype, seqlen_q=0 if case == "empty_q" else 100, seqlen_k=0 if case == "empty_k" else 130)
     if case == "misaligned":  # a row stride of 129 elements: not 16-byte aligned
@@ -112,6 +115,10 @@ def test_config_rules():
         assert plan.wgmma_config(head_dim, True, max_keys) == short
         assert plan.wgmma_config(head_dim, True, max_keys + 1) == tuning.WGMMA_CONFIGS[head_dim]
         assert not short.warp_specialized
+    # Padded head dims share their power of two's tiles; D = 256 has its own under causal.
+    assert plan.wgmma_config(96, True, 100) == plan.wgmma_config(128, True, 100) == tuning.WGMMA_SHORT_CAUSAL[128][1]
+    assert plan.wgmma_config(192, False, 4096) == tuning.WGMMA_CONFIGS[256]
+    assert plan.wgmma_config(192, True, 100) == plan.wgmma_config(256, True, 8192) == tuning.WGMMA_CAUSAL_CONFIGS[256]
     ws = tuning.WGMMA_CONFIGS[128]
     assert ws.warp_specialized and ws.num_warps == 4 and ws.rows_per_program == 2 * ws.block_m
     assert tuning.WGMMA_CONFIGS[64].rows_per_program == tuning.WGMMA_CONFIGS[64].block_m
@@ -177,7 +184,7 @@ def test_kernel_builds_with_products_in_flight():
     runs 12 warps (two softmax warpgroups and a load warp, padded to a warpgroup) and moves registers
     from the load warp to the softmax warpgroups.
     """
-    cases = [(64, False), (64, True), (128, False), (128, True)]
+    cases = [(64, False), (64, True), (128, False), (128, True), (256, False), (256, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json; from tests.test_attention_wgmma import _build_report; print(json.dumps(_build_report({cases})))"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -4,9 +4,9 @@ Every case compares flashlite with float64 on fresh random inputs under
 FlashAttention's rule (max error <= 2x PyTorch's own error in the input dtype,
 plus a floor); outputs are allocated from memory filled with NaN first, so an
 element the kernels forget to write fails. The matrix is FlashAttention's
-(seven of its seqlen pairs, head dims 32..256, powers of two and not, each in
-fp16 or bf16 and 64/128 in both), MHA/GQA/MQA, causal and not, forward and backward (the Hopper kernels take the head
-dims and calls they serve, the tl kernels the rest).
+(its ten seqlen pairs, head dims 32..256, powers of two and not, fp16 and bf16),
+MHA/GQA/MQA, causal and not, forward and both backward paths (the Hopper kernels
+take the head dims and calls they serve, the tl kernels the rest).
 """
 
 import math
@@ -17,23 +17,17 @@ import torch.nn.functional as F
 
 import flashlite
 
-from .utils import assert_attention_close, attention_grads_ref, attention_ref
+from .utils import assert_attention_close, attention_grads_ref, attention_ref, poison
 
 pytestmark = pytest.mark.gpu
 
-SEQLENS = [(113, 203), (128, 217), (108, 256), (512, 256), (1023, 1024), (1024, 1023), (2048, 2048)]
+SEQLENS = [(113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256), (1024, 1024), (1023, 1024),
+           (1024, 1023), (2048, 2048)]
 HEAD_DIMS = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
 HEADS = [(6, 6), (6, 2), (6, 1)]  # MHA, GQA, MQA
-# Each head dim in one dtype, alternating, and the Hopper kernels' 64 and 128 in both: building the kernels of
-# one (head dim, dtype) takes most of a case's 25-70 s on the H200, and `pytest -m gpu` stays within minutes.
-MATRIX = [(d, (torch.float16, torch.bfloat16)[i % 2]) for i, d in enumerate(HEAD_DIMS)] + [
-    (64, torch.float16), (128, torch.float16)]
-
-
-def poison() -> None:
-    """Fill what the caching allocator hands out next with NaN: an output element never written shows."""
-    junk = torch.full((1 << 28,), float("nan"), device="cuda")
-    del junk
+# Every head dim in both dtypes. Building the kernels of one (head dim, dtype, backward path) takes most of a
+# case's time: tests/run_gpu.py runs the cases in parallel processes.
+MATRIX = [(d, dtype) for d in HEAD_DIMS for dtype in (torch.float16, torch.bfloat16)]
 
 
 def make(b: int, h: int, length: int, d: int, dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
@@ -41,8 +35,9 @@ def make(b: int, h: int, length: int, d: int, dtype: torch.dtype, requires_grad:
 
 
 @pytest.mark.parametrize("head_dim, dtype", MATRIX)
-def test_flash_attention_matrix(head_dim, dtype):
-    """Output, LSE and dq/dk/dv over the seqlen pairs x MHA/GQA/MQA x causal of one head dim and dtype."""
+def test_flash_attention_matrix(head_dim, dtype, backward_path):
+    """Output, LSE and dq/dk/dv over the seqlen pairs x MHA/GQA/MQA x causal of one head dim and dtype, on
+    one backward path."""
     failures = []
     for lq, lk in SEQLENS:
         for h, h_kv in HEADS:
@@ -138,13 +133,17 @@ def test_row_broadcast_bias_gradient_against_memory_efficient():
     bias = torch.randn(2, 1, 1024, 1, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     do = torch.randn_like(q)
     (mine,) = torch.autograd.grad(flashlite.flash_attention(q, k, v, attn_mask=bias), bias, do)
-    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # its mask needs a unit last stride: materialised
-        mask = bias.expand(2, 8, 1024, 1024).contiguous()
-        (theirs,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), bias, do)
+    assert mine.abs().max() <= 1e-4
+    try:
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # its mask needs a unit last stride: materialised
+            mask = bias.expand(2, 8, 1024, 1024).contiguous()
+            (theirs,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), bias, do)
+    except RuntimeError as err:  # torch 2.11's backend refuses this call ("LSE is not correctly aligned")
+        print(f"row-broadcast bias gradient, max |.|: flashlite {mine.abs().max().item():.2e}; SDPA "
+              f"memory-efficient: {err}")
+        return
     print(f"row-broadcast bias gradient, max |.|: flashlite {mine.abs().max().item():.2e}, "
           f"SDPA memory-efficient {theirs.abs().max().item():.2e}")
-    assert mine.abs().max() <= max(1e-4, theirs.abs().max())
-    assert mine.abs().max() <= 1e-4
 
 
 def test_softmax_special_rows_on_the_gpu():

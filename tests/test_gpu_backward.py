@@ -24,10 +24,9 @@ import pytest
 import torch
 
 import flashlite
-from flashlite.attention import backward
+from flashlite.attention import backward, tuning
 
-from .test_gpu_softmax import poison
-from .utils import assert_attention_close, attention_ref
+from .utils import assert_attention_close, attention_ref, poison
 
 pytestmark = pytest.mark.gpu
 
@@ -134,3 +133,33 @@ def test_backward_through_lse():
             except AssertionError as err:
                 failures.append(f"causal={causal} mask={kind} {name}: {err}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deterministic_path_is_bitwise_repeatable(head_dim, monkeypatch):
+    # Under torch.use_deterministic_algorithms(True) the backward takes two passes (no atomic adds): runs give
+    # the same bits. The one-pass path (dQ by TMA reductions, in an order that varies; switched on here) meets
+    # the same tolerance (test_gpu_attention's matrix runs both); its dK and dV, summed in one program each,
+    # repeat too.
+    monkeypatch.setattr(tuning, "ONE_PASS_ON_GPU", True)
+    q = torch.randn(2, 8, 1500, head_dim, device="cuda", dtype=BF16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 1700, head_dim, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
+    do = torch.randn_like(q)
+    previous = torch.are_deterministic_algorithms_enabled()
+    runs = {}
+    try:
+        for deterministic in (True, False):
+            torch.use_deterministic_algorithms(deterministic)
+            runs[deterministic] = [torch.autograd.grad(flashlite.flash_attention(q, k, v, causal=True), (q, k, v), do)
+                                   for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    first, *others = runs[True]
+    for other in others:
+        for name, a, b in zip(("dq", "dk", "dv"), first, other):
+            assert torch.equal(a, b), f"deterministic {name} differs between runs"
+    fast_first, *fast_others = runs[False]
+    for other in fast_others:
+        assert torch.equal(fast_first[1], other[1]) and torch.equal(fast_first[2], other[2])
+    for a, b in zip(first, fast_first):  # the two paths: the same gradients up to the order of fp32 sums
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

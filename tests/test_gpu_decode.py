@@ -36,8 +36,7 @@ from flashlite.attention import api, forward_hopper, plan, tuning
 from flashlite.core.runtime import device_info
 from flashlite.core.tiles import tma_usable
 
-from .test_gpu_softmax import need_memory, poison
-from .utils import assert_attention_close, attention_ref
+from .utils import assert_attention_close, attention_ref, need_memory, poison
 
 pytestmark = pytest.mark.gpu
 
@@ -282,10 +281,14 @@ def require_hopper() -> None:
         pytest.skip("FLASHLITE_WGMMA=0 turns the Hopper kernels off")
 
 
-# Each tile config of the Hopper tables (by head dim: the default, and the one for causal calls with few keys) in
-# bf16, and the warp-specialized one in fp16 too.
-HOPPER_CASES = [(d, config, dtype) for d in sorted(tuning.WGMMA_CONFIGS)
-                for config in dict.fromkeys((tuning.WGMMA_CONFIGS[d], tuning.WGMMA_SHORT_CAUSAL[d][1]))
+# Each tile config of the Hopper tables (by padded head dim: the default, the one for causal calls with few keys,
+# the causal one) in bf16, and the warp-specialized one in fp16 too; each table's head dim, and one it pads
+# (D = 96 and 192: boxes zero-filled past D).
+HOPPER_TABLE_CONFIGS = {d: dict.fromkeys(c for c in (tuning.WGMMA_CONFIGS[d], tuning.WGMMA_SHORT_CAUSAL.get(d, (0, None))[1],
+                                                     tuning.WGMMA_CAUSAL_CONFIGS.get(d)) if c is not None)
+                        for d in sorted(tuning.WGMMA_CONFIGS)}
+HOPPER_CASES = [(head_dim, config, dtype) for d, configs in HOPPER_TABLE_CONFIGS.items() for config in configs
+                for head_dim in ((d, {128: 96, 256: 192}[d]) if d in (128, 256) else (d,))
                 for dtype in ((torch.bfloat16, torch.float16) if config.warp_specialized else (torch.bfloat16,))]
 
 
@@ -314,7 +317,7 @@ def test_hopper_kernel_configs(head_dim, config, dtype):
 
 
 def test_flash_attention_takes_the_hopper_kernel(monkeypatch):
-    # flash_attention's own route: D = 64 and 128, 16-bit, no mask, go to the Hopper kernels (test_gpu_attention's
+    # flash_attention's own route: D = 40 to 256, 16-bit, no mask, go to the Hopper kernels (test_gpu_attention's
     # matrix relies on it for those head dims; training calls take the same route).
     require_hopper()
     taken = []
@@ -325,8 +328,8 @@ def test_flash_attention_takes_the_hopper_kernel(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(api, "attention_forward_hopper", spy)
-    for head_dim in (64, 128):
+    for head_dim in (40, 64, 96, 128, 192, 256):
         for causal in (False, True):
             q, k, v = (torch.randn(2, 4, 512, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             flashlite.flash_attention(q, k, v, causal=causal)
-    assert len(taken) == 4
+    assert len(taken) == 12

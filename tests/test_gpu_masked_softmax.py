@@ -19,8 +19,8 @@ from flashlite.core.masking import broadcast_mask
 from flashlite.masked_softmax import batch_layout
 from flashlite.softmax import plan as softmax_plan
 
-from .test_gpu_softmax import TOL, need_memory, poison
-from .utils import masked_softmax_ref
+from .test_gpu_softmax import TOL
+from .utils import masked_softmax_ref, need_memory, poison
 
 pytestmark = pytest.mark.gpu
 

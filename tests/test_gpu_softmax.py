@@ -23,6 +23,8 @@ from flashlite.core import runtime
 from flashlite.core.partials import BOTH_PASSES, FINAL_PASS, PARTIAL_PASS
 from flashlite.softmax import api, backward, fused, online, plan as softmax_plan, shared_rows
 
+from .utils import need_memory, poison
+
 pytestmark = pytest.mark.gpu
 
 # Absolute error of an output of at most 1 against float64: fp32 accumulation, then one rounding to the dtype.
@@ -32,22 +34,6 @@ GRAD_TOL = {dtype: 4 * tol for dtype, tol in TOL.items()}
 # Log-sum-exps of rows scaled by 10 are about 60, where a bf16 ulp is 0.25: relative.
 LSE_TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 8e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # fp16 where its own conversions matter
-
-
-def poison(n_bytes: int = 1 << 30) -> None:
-    """Fill what the caching allocator hands out next with 0xFF bytes, NaN in every float dtype, so that an output
-    element never written shows. (A fp32 NaN's bytes read as bf16 or fp16 are half zeros.) Small blocks too:
-    allocations of up to 1 MB come from the allocator's small pool, in 2 MB segments."""
-    small = [torch.full((1 << 20,), 0xFF, dtype=torch.uint8, device="cuda") for _ in range(32)]
-    large = torch.full((n_bytes,), 0xFF, dtype=torch.uint8, device="cuda")
-    del small, large
-
-
-def need_memory(n_bytes: int) -> None:
-    """Skip the test unless the GPU has ``n_bytes`` and 8 GB to spare."""
-    total = torch.cuda.get_device_properties(0).total_memory
-    if total < n_bytes + (8 << 30):
-        pytest.skip(f"needs {(n_bytes + (8 << 30)) / 2**30:.0f} GiB of GPU memory, the GPU has {total / 2**30:.0f}")
 
 
 def assert_softmax_close(y: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from flashlite.core.runtime import DeviceInfo
@@ -144,3 +145,22 @@ def assert_attention_close(out, ref64, out_torch, dtype, magnitude: float = 1.0)
     bound = 2 * torch_err + attention_floor(ref64, dtype, out.device, magnitude)
     assert not math.isnan(err), "NaN in output"
     assert err <= bound, f"max error {err:.3e} > 2 x torch's {torch_err:.3e} + {bound - 2 * torch_err:.1e}"
+
+
+# ----------------------------------------------------------------------------- GPU tests
+
+
+def poison(n_bytes: int = 1 << 30) -> None:
+    """Fill what the caching allocator hands out next with 0xFF bytes, NaN in every float dtype, so that an output
+    element never written shows. (A fp32 NaN's bytes read as bf16 or fp16 are half zeros.) Small blocks too:
+    allocations of up to 1 MB come from the allocator's small pool, in 2 MB segments."""
+    small = [torch.full((1 << 20,), 0xFF, dtype=torch.uint8, device="cuda") for _ in range(32)]
+    large = torch.full((n_bytes,), 0xFF, dtype=torch.uint8, device="cuda")
+    del small, large
+
+
+def need_memory(n_bytes: int) -> None:
+    """Skip the test unless the GPU has ``n_bytes`` and 8 GB to spare."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    if total < n_bytes + (8 << 30):
+        pytest.skip(f"needs {(n_bytes + (8 << 30)) / 2**30:.0f} GiB of GPU memory, the GPU has {total / 2**30:.0f}")

@@ -24,6 +24,13 @@ Three kernels, FlashAttention-2 style:
    P and dS a second time (FlashAttention-2 trades these FLOPs for having no
    atomic adds), so every gradient is deterministic: two runs are bitwise equal.
 
+One pass instead (``attention_backward``'s first path): the dK/dV kernel also
+computes each query tile's ``dS K`` and adds it to an fp32 dQ workspace
+(``core.tiles.add_tile``: TMA reductions on Hopper, atomic adds elsewhere), and
+kernel 3 is not launched. Faster on paper (five products instead of seven);
+on the H200 no faster than two passes (bench/results/h200/TUNING.md#backward-one-pass),
+so CUDA takes two passes unless ``tuning.ONE_PASS_ON_GPU``.
+
 P is never stored: both kernels recompute it from the scores and LSE, the
 scores as the forward made them (fp32 dots of the unscaled Q and K, then
 ``qk_scale``: ``flashlite.attention``'s units). In base-2 units the LSE is the
@@ -66,8 +73,9 @@ Precision: fp32 accumulators; P and dS are rounded to the input dtype for the
 dots with dO, Q and K (as FlashAttention); fp32 inputs use IEEE fp32 dots.
 Offsets that grow with batch, heads and rows are 64-bit.
 
-Limits: no TMA or persistent-grid variants yet; the tile table is timed for
-D = 64 and 128 only. The split-K/V forward (``num_splits > 1``,
+Limits: Q/K/V by pointer loads (no TMA) and no persistent grid; the Triton
+compiler waits for each product before the next (no Hopper kernel for the
+backward yet). The split-K/V forward (``num_splits > 1``,
 ``cache_seqlens``) has no backward.
 """
 
@@ -80,11 +88,11 @@ import triton.language as tl
 from ..core.masking import apply_masks, causal_offset, key_ranges
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.runtime import launch
-from ..core.tiles import dot, load_tile, store_tile
+from ..core.tiles import add_tile, dot, load_tile, store_tile, tensor_descriptor, tma_usable
 from . import tuning
 from .plan import KV_LOOP_FLAGS, NATURAL_BIAS, default_backward_config, head_dim_padded, qk_scale_for, query_tile
 from .reference import attention_backward_torch
-from .tuning import BackwardConfig
+from .tuning import AttentionConfig, BackwardConfig
 
 
 @triton.jit
@@ -161,17 +169,22 @@ def _load_rows(ptr, q_idx, seqlen_q):
 @triton.jit
 def _dkdv_over_query_tiles(
     dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh_rows, n_stat_rows, delta_src, stride_qm, stride_dom,
-    query_start, query_end, seqlen_q, seqlen_k, head_dim, qk_scale,
+    dq_dst, stride_dqm, query_start, query_end, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
     mask_ptr, stride_mask_q, stride_mask_k,
     BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_BY_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
 ):
     """Add the query tiles ``[query_start, query_end)`` of one query head to the key tile's (dk, dv) accumulators.
 
     ``query_start`` must be a multiple of ``BLOCK_M``. Query rows are always
     bounds-checked (rows past ``seqlen_q`` load as zeros and add nothing).
     ``bh_rows`` is the flat row index of the head's query 0 in the row statistics.
+    With ``ATOMIC_DQ`` each query tile's share of dQ, ``dS K · scale``, is also
+    added to the head's fp32 rows at ``dq_dst`` (``add_tile``'s destination:
+    other key tiles' programs add to the same rows). Key rows past ``seqlen_k`` must then be
+    masked (``MASKED``): unmasked, their P is ``2^(-m)``, which can overflow.
     """
     for start in tl.range(query_start, query_end, BLOCK_M):
         start = tl.multiple_of(start, BLOCK_M)
@@ -186,7 +199,11 @@ def _dkdv_over_query_tiles(
             MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, True, DOT_PRECISION, UPCAST_DOTS,
         )
         dv = dot(p.to(do.dtype), do, dv, DOT_PRECISION, UPCAST_DOTS)
-        dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION, UPCAST_DOTS)
+        ds_in = ds.to(q.dtype)
+        dk = dot(ds_in, q, dk, DOT_PRECISION, UPCAST_DOTS)
+        if ATOMIC_DQ:
+            dq = dot(tl.trans(ds_in), k, None, DOT_PRECISION, UPCAST_DOTS) * scale
+            add_tile(dq_dst, dq, start, seqlen_q, stride_dqm, head_dim, BLOCK_M, HEAD_DIM_PADDED, DQ_BY_TMA)
     return dk, dv
 
 
@@ -262,21 +279,24 @@ def _attention_bwd_preprocess_kernel(
 @triton.heuristics(KV_LOOP_FLAGS)
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, mask_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, dq_desc, mask_ptr,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
+    stride_dqb, stride_dqh, stride_dqm,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
     n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, UNITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    EVEN_D: tl.constexpr, UNITS: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_BY_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
     # Tiles numbered per (batch, kv head), key tile fastest; under causal the first key tiles see the most
-    # queries, and they are the first to start.
+    # queries, and they are the first to start. With ATOMIC_DQ (the one-pass backward) dQ is added, in fp32,
+    # to dq_ptr's (B, H, Lq, D) workspace as well: through dq_desc, its TMA descriptor, with DQ_BY_TMA.
     n_key_tiles = tl.cdiv(seqlen_k, BLOCK_N)
     bh_kv = tl.program_id(0) // n_key_tiles
     n_start = (tl.program_id(0) % n_key_tiles) * BLOCK_N
@@ -304,7 +324,7 @@ def _attention_bwd_dkdv_kernel(
     else:
         query_begin = 0
         full_begin = 0
-    if HAS_MASK:
+    if HAS_MASK or (ATOMIC_DQ and n_start + BLOCK_N > seqlen_k):  # every tile masked (see _dkdv_over_query_tiles)
         full_begin = query_tiles_end
 
     for g in range(0, kv_group):  # every query head that reads this K/V head
@@ -313,23 +333,28 @@ def _attention_bwd_dkdv_kernel(
         q_src = q_ptr + b64 * stride_qb + h64 * stride_qh
         do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
         delta_src = delta_ptr + bh64 * seqlen_q
+        dq_dst = dq_ptr
+        if DQ_BY_TMA:
+            dq_dst = (dq_desc, b64.to(tl.int32), h64.to(tl.int32))
+        elif ATOMIC_DQ:
+            dq_dst = dq_ptr + b64 * stride_dqb + h64 * stride_dqh
         mask_bh = mask_ptr
         if HAS_MASK:
             mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
         dk, dv = _dkdv_over_query_tiles(
             dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
-            stride_qm, stride_dom, query_begin, full_begin, seqlen_q, seqlen_k, head_dim, qk_scale,
-            mask_bh, stride_mask_q, stride_mask_k,
+            stride_qm, stride_dom, dq_dst, stride_dqm, query_begin, full_begin, seqlen_q, seqlen_k, head_dim,
+            qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_M, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, DOT_PRECISION, UPCAST_DOTS,
+            EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS,
         )
         if not HAS_MASK:
             dk, dv = _dkdv_over_query_tiles(
                 dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
-                stride_qm, stride_dom, full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim, qk_scale,
-                mask_bh, stride_mask_q, stride_mask_k,
+                stride_qm, stride_dom, dq_dst, stride_dqm, full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim,
+                qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k,
                 BLOCK_M, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-                EVEN_D, DOT_PRECISION, UPCAST_DOTS,
+                EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS,
             )
 
     dk_dst = dk_ptr + b64 * stride_dkb + h_kv64 * stride_dkh
@@ -438,12 +463,47 @@ def _bhl_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _launch_dkdv(c: AttentionConfig, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, mask_strides, common, meta):
+    """The dK/dV kernel on ``c``'s tiles; with an fp32 ``dq_acc`` it also adds dQ there (the one-pass path), by
+    TMA reductions on a GPU where the workspace allows them, else by atomic adds of single elements."""
+    dq_desc = None
+    if dq_acc is not None and dq_acc.is_cuda and tma_usable(dq_acc):
+        dq_desc = tensor_descriptor(dq_acc, c.block_m, meta["HEAD_DIM_PADDED"])
+    launch(
+        _attention_bwd_dkdv_kernel, (triton.cdiv(k.shape[2], c.block_n) * k.shape[0] * k.shape[1],),
+        (q, k, v, do, stats, delta, dk, dv, dq_acc, dq_desc, mask,
+         *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do),
+         *_bhl_strides(dk), *_bhl_strides(dv), *(_bhl_strides(dq_acc) if dq_acc is not None else (0, 0, 0)),
+         *mask_strides, *common),
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+        ATOMIC_DQ=dq_acc is not None, DQ_BY_TMA=dq_desc is not None, **meta,
+    )
+
+
 def attention_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool,
     mask_needs_grad: bool = False, config: BackwardConfig | None = None, row_stats: torch.Tensor | None = None,
+    deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of ``flash_attention`` from the saved forward, on (B, H, L, D) tensors whose head dim has stride 1.
+
+    Two paths:
+
+    * one pass: one program per key tile computes dK and dV and adds each
+      query tile's ``dS K`` to an fp32 dQ workspace (TMA reductions on Hopper,
+      else atomic adds). The order of those adds varies from run to run, so dQ
+      may differ in its last bits between runs (dK and dV do not).
+    * two passes (deterministic): dK/dV as above, then one program per query
+      tile recomputes P and dS over the keys and sums dQ in a fixed order;
+      two runs give bitwise-equal gradients.
+
+    Two passes run when ``deterministic`` (default:
+    ``torch.are_deterministic_algorithms_enabled()``), for the gradient of an
+    additive mask (``mask_needs_grad``: they write dS), and on CUDA unless
+    ``tuning.ONE_PASS_ON_GPU``: on the H200 they are as fast as one pass or
+    faster (the Triton kernel does not overlap the fifth product with the
+    others); one pass otherwise (the interpreter).
 
     Args:
         do: (B, H, Lq, D) gradient of the output ``o`` (head dim stride 1).
@@ -455,6 +515,7 @@ def attention_backward(
             broadcast to (B, H, Lq, Lk)).
         mask_needs_grad: also return the gradient of an additive mask.
         config: forces the tiles (tests); by default ``default_backward_config``.
+        deterministic: the path (above); None follows PyTorch's flag.
         row_stats: under an additive mask, the forward's (2, B, H, Lq) ``(m, log d)``
             of each row (``forward_for_backward``); None takes ``(lse, 0)``, exact
             unless a bias near -1e9 or below hides a whole row.
@@ -486,7 +547,20 @@ def attention_backward(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see core.tiles.dot)
     )
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    one_pass = not (deterministic or mask_needs_grad) and (not q.is_cuda or tuning.ONE_PASS_ON_GPU)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    if one_pass:  # fp32 sums of every key tile's share; rounded to q's dtype once, at the end
+        dq_acc = torch.zeros_like(q, dtype=torch.float32)  # q's memory order, so dQ has it too
+        launch(
+            _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, tuning.DELTA_BLOCK_M) * bh,),
+            (o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim),
+            BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
+        )
+        _launch_dkdv(config.one_pass, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, mask_strides, common, meta)
+        return dq_acc.to(q.dtype), dk, dv, None
+    dq = torch.empty_like(q)
     c = config.dq
     dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
     dq_meta = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
@@ -506,14 +580,7 @@ def attention_backward(
             BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
         )
         ds = None
-    c = config.dkdv
-    launch(
-        _attention_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],),
-        (q, k, v, do, stats, delta, dk, dv, mask,
-         *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do),
-         *_bhl_strides(dk), *_bhl_strides(dv), *mask_strides, *common),
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta,
-    )
+    _launch_dkdv(config.dkdv, q, k, v, do, stats, delta, dk, dv, None, mask, mask_strides, common, meta)
     launch(_attention_bwd_dq_kernel, dq_grid,
            (q, k, v, do, stats, delta, None, dq, ds, mask, *dq_strides, *mask_strides, *common),
            DELTA_PASS=False, **dq_meta)

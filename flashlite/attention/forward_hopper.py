@@ -29,7 +29,7 @@ Two kernels run that loop (``_attend_kv_tiles``):
 * ``_attention_fwd_wgmma_kernel``: a program is one warpgroup (64 query rows)
   that loads its own K/V tiles into two buffers and refills a buffer as soon
   as its product is done; two programs share a multiprocessor, so one's
-  softmax also overlaps the other's products (D = 64; short causal calls).
+  softmax also overlaps the other's products (D = 64 and 256; short causal calls).
 * ``_attention_fwd_ws_kernel``, warp-specialized (``gl.warp_specialize``): a
   load warp streams K/V tiles into a ring of buffers, and two softmax
   warpgroups of 64 query rows each read every tile, releasing a buffer through
@@ -37,7 +37,8 @@ Two kernels run that loop (``_attend_kv_tiles``):
   rows, and the load warp hands most of its registers to the softmax warpgroups
   (``setmaxnreg``), which then hold 128-key tiles.
 
-Scope: fp16/bf16, head dims 64 and 128, no user mask, causal or not, GQA/MQA,
+Scope: fp16/bf16, head dims 33 to 256 (boxes as wide as the next power of two, zero-filled past D by TMA),
+no user mask, causal or not, GQA/MQA,
 any lengths, Q/K/V whose strides TMA accepts (16-byte aligned), on Hopper.
 ``flashlite.attention.api.attention_forward`` sends such calls here and the rest
 to the ``triton.language`` kernel (``forward``). Gluon has no interpreter, so these kernels
@@ -79,7 +80,7 @@ from ..core.online_softmax import BASE2_UNITS, LOG2E, normalize, online_update_s
 from ..core.runtime import device_info, launch
 from ..core.tiles import descriptor_strides, tma_usable
 from . import tuning
-from .plan import query_tile, wgmma_config
+from .plan import head_dim_padded, query_tile, wgmma_config
 from .tuning import WgmmaConfig
 
 # wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
@@ -375,12 +376,12 @@ def wgmma_available() -> bool:
 
 
 def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: bool, scale: float) -> bool:
-    """True when this kernel takes the call: Gluon present, a Hopper GPU, fp16/bf16, head dim 64 or 128,
-    no user mask, ``scale > 0`` (masked scores stay ``-inf`` under it), non-empty, TMA-aligned.
-    ``FLASHLITE_WGMMA=0`` turns it off (A/B runs)."""
+    """True when this kernel takes the call: Gluon present, a Hopper GPU, fp16/bf16, a head dim padded to one
+    of ``tuning.WGMMA_CONFIGS``' (33 to 256), no user mask, ``scale > 0`` (masked scores stay ``-inf`` under
+    it), non-empty, TMA-aligned. ``FLASHLITE_WGMMA=0`` turns it off (A/B runs)."""
     return (
         gluon is not None and not has_mask and scale > 0 and q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16) and q.shape[3] in tuning.WGMMA_CONFIGS
+        and q.dtype in (torch.float16, torch.bfloat16) and head_dim_padded(q.shape[3]) in tuning.WGMMA_CONFIGS
         and q.shape[2] > 0 and k.shape[2] > 0
         and device_info(q.device).capability == WGMMA_CAPABILITY
         and os.environ.get("FLASHLITE_WGMMA", "1") != "0"
@@ -395,7 +396,7 @@ def _box_layout(box: tuple, dtype: torch.dtype):
 
 
 def _gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
-    """A (B, H, L, D) TMA descriptor of ``t`` loading [1, 1, block_rows, head_dim] boxes (zeros past L).
+    """A (B, H, L, D) TMA descriptor of ``t`` loading [1, 1, block_rows, head_dim] boxes (zeros past L and D).
 
     Filled in directly: the dataclass's own checks (alignment, box shape) cost host time on every
     call, four descriptors a call, and ``wgmma_eligible`` / the fixed configs already ensure them
@@ -428,12 +429,15 @@ def attention_forward_hopper(
     config = config or wgmma_config(head_dim, causal, seqlen_k)
     o = torch.empty_like(q)
     lse = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
+    # Boxes as wide as the padded head dim: TMA fills the columns past D with zeros on loads and drops them on
+    # the output's store, so a head dim that is not a power of two costs the padded tile's products, nothing more.
+    hd_pad = head_dim_padded(head_dim)
     descs = [
-        _gluon_descriptor(t, rows, head_dim)
+        _gluon_descriptor(t, rows, hd_pad)
         for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n), (o, config.block_m))
     ]
     grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
-    kernel, meta = kernel_for(config, head_dim, causal, write_lse)
+    kernel, meta = kernel_for(config, hd_pad, causal, write_lse)
     launch(kernel, grid, (*descs, lse if lse is not None else o, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k,
                           scale * LOG2E.value), **meta)
     return o, lse

@@ -131,9 +131,16 @@ def prune_tune_space(configs, named_args, **kwargs):
 
 
 def wgmma_config(head_dim: int, causal: bool, seqlen_k: int) -> WgmmaConfig:
-    """The tiles of a call: ``tuning.WGMMA_CONFIGS`` by head dim, or ``tuning.WGMMA_SHORT_CAUSAL``'s under causal with few keys."""
-    max_keys, short = tuning.WGMMA_SHORT_CAUSAL[head_dim]
-    return short if causal and seqlen_k <= max_keys else tuning.WGMMA_CONFIGS[head_dim]
+    """The Hopper kernel's tiles for a call, by padded head dim: ``tuning.WGMMA_CONFIGS``; under causal
+    ``tuning.WGMMA_SHORT_CAUSAL``'s with few keys, else ``tuning.WGMMA_CAUSAL_CONFIGS``' where there is one."""
+    hd_pad = head_dim_padded(head_dim)
+    if causal:
+        max_keys, short = tuning.WGMMA_SHORT_CAUSAL.get(hd_pad, (0, None))
+        if seqlen_k <= max_keys:
+            return short
+        if hd_pad in tuning.WGMMA_CAUSAL_CONFIGS:
+            return tuning.WGMMA_CAUSAL_CONFIGS[hd_pad]
+    return tuning.WGMMA_CONFIGS[hd_pad]
 
 
 def default_backward_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> BackwardConfig:

@@ -38,16 +38,18 @@ class AttentionConfig:
 
 # fp16/bf16 configs of the triton.language kernel by padded head dim: BLOCK_M 64 on 4 warps, 3 stages,
 # through TMA, so that two programs of one warpgroup share a multiprocessor and one's softmax overlaps the
-# other's matmuls. Head dims 16 and 32 take D = 64's tiles (not timed); D = 256 BLOCK_N 32 (at 64 its
-# accumulator and scores spill; not timed). Warp specialisation stays off: Triton 3.6 does not partition
-# this loop on sm_90 (8 warps: identical code; 4 warps: the pass fails).
+# other's matmuls. Head dims 16 and 32 take D = 64's tiles (not timed). Warp specialisation stays off:
+# Triton 3.6 does not partition this loop on sm_90 (8 warps: identical code; 4 warps: the pass fails).
 # H100 2026-11-23, python bench/attention.py --tune (bench/results/h100/attention_tune.log); TUNING.md#forward-configs
+# D = 256 (and 192, padded): the fastest of 6 at L = 4096, causal and not (64 x 32 on 4 warps: 462 and 419 TFLOP/s
+# against 418 and 356 for the earlier 128 x 32 on 8).
+# H200 2026-11-26, python bench/backward_tune.py --kinds fwd_tl (bench/results/h200/backward_tune.md); TUNING.md#forward-configs
 FORWARD_CONFIGS = {
     16: AttentionConfig(64, 128, 4, 3, use_tma=True),
     32: AttentionConfig(64, 128, 4, 3, use_tma=True),
     64: AttentionConfig(64, 128, 4, 3, use_tma=True),
     128: AttentionConfig(64, 64, 4, 3, use_tma=True),
-    256: AttentionConfig(128, 32, 8, 2, use_tma=True),
+    256: AttentionConfig(64, 32, 4, 2, use_tma=True),
 }
 
 
@@ -125,6 +127,18 @@ class WgmmaConfig:
 WGMMA_CONFIGS = {
     64: WgmmaConfig(64, 128, 4, 2),
     128: WgmmaConfig(64, 128, 4, 2, q_in_registers=True, warp_specialized=True),
+    256: WgmmaConfig(64, 128, 4, 1),
+}
+
+
+# Keys are padded head dims: a head dim that is not a power of two (40, 80, 96, 160, 192, 224) runs the tiles
+# of the next one, its TMA boxes zero-filled past D. D = 96 on D = 128's tiles: 467 (causal 408) TFLOP/s, the
+# triton.language kernel 300-376. D = 256: one 128-key K/V buffer (two do not fit beside Q), 501 TFLOP/s; under
+# causal 64-key tiles in two buffers (WGMMA_CAUSAL_CONFIGS), 429 against 393. The warp-specialized kernel
+# at D = 256 (64 x 64 tiles: Q in shared memory, 128 registers of O a thread) was slower: 443 and 404.
+# H200 2026-11-26, python bench/backward_tune.py --kinds fwd_hopper (bench/results/h200/backward_tune.md); TUNING.md#wgmma-configs
+WGMMA_CAUSAL_CONFIGS = {
+    256: WgmmaConfig(64, 64, 4, 2),
 }
 
 
@@ -158,6 +172,11 @@ class BackwardConfig:
 
     dkdv: AttentionConfig  # K/V tile of block_n rows on chip, Q/dO tiles of block_m rows streamed
     dq: AttentionConfig  # Q/dO tile of block_m rows on chip, K/V tiles of block_n rows streamed
+    one_pass: AttentionConfig | None = None  # the dK/dV kernel when it also adds dQ (one pass); None: dkdv's
+
+    def __post_init__(self):
+        if self.one_pass is None:
+            object.__setattr__(self, "one_pass", self.dkdv)
 
 
 # Rows of one δ program: O and dO tiles of 64 x 256 fp16 are 64 KB, within every head dim's budget.
@@ -165,17 +184,27 @@ class BackwardConfig:
 DELTA_BLOCK_M = 64
 
 
-# The backward's tiles by padded head dim: the fastest of 8 dK/dV and 7 dQ tile shapes at D = 64 and 128.
-# Head dims 16 and 32 take D = 64's tiles (not timed); D = 256's are an untimed guess that compiles without
-# large spills (sm_90, Triton 3.9).
-# H100 2026-11-23, no committed script (bench/attention.py --backward times the result); TUNING.md#backward-configs
+# The backward's tiles by padded head dim: the fastest of 7-8 dK/dV and 4-6 dQ tile shapes (two passes) at
+# D = 64, 96, 128, 192 and 256, L = 4096, causal and not. Head dims 16 and 32 take D = 64's tiles (not timed).
+# D = 128's dQ stays 128 x 64 (3 stages): 128 x 128 was 3% faster unmasked but needs more shared memory than
+# the H200 has under an additive mask (the dS store).
+# H200 2026-11-26, python bench/backward_tune.py (bench/results/h200/backward_tune.md); TUNING.md#backward-configs
 BACKWARD_CONFIGS = {
-    16: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
-    32: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
-    64: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
-    128: BackwardConfig(AttentionConfig(32, 64, 4, 2), AttentionConfig(128, 64, 8, 3)),
-    256: BackwardConfig(AttentionConfig(32, 32, 8, 1), AttentionConfig(32, 32, 4, 1)),
+    16: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3), AttentionConfig(64, 64, 4, 3)),
+    32: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3), AttentionConfig(64, 64, 4, 3)),
+    64: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3), AttentionConfig(64, 64, 4, 3)),
+    128: BackwardConfig(AttentionConfig(32, 64, 4, 2), AttentionConfig(128, 64, 8, 3), AttentionConfig(64, 128, 8, 2)),
+    256: BackwardConfig(AttentionConfig(64, 64, 8, 2), AttentionConfig(128, 64, 8, 1), AttentionConfig(64, 64, 8, 1)),
 }
+
+
+# Whether a CUDA backward outside deterministic mode takes one pass (dQ by TMA reductions) instead of two.
+# Two passes are as fast or faster at every head dim, and deterministic: at L = 4096, bf16, one pass against
+# two, TFLOP/s: D = 64 330 / 331 (causal 305 / 302), D = 128 334 / 352 (313 / 325), D = 256 144 / 237
+# (117 / 208). (One pass by single-element atomic adds was slower still: 281, 302, 118.) The interpreter
+# takes one pass whenever it may (tests run both).
+# H200 2026-11-26, python bench/backward_tune.py --kinds one_pass two_pass_dq (bench/results/h200/backward_tune_one_pass.md); TUNING.md#backward-one-pass
+ONE_PASS_ON_GPU = False
 
 
 # fp32: IEEE dots on the FMA units, small tiles (as the forward's fp32 table). Only run through the

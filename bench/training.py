@@ -1,0 +1,131 @@
+"""Training steps end to end: flashlite against SDPA in the same process, on the same model and data.
+
+    python bench/training.py [--steps 6] [--out DIR]
+
+Two models, each trained for ``--steps`` timed steps (after two untimed ones) with attention by flashlite and by
+SDPA (PyTorch's default backend choice), from the same initial weights and batches:
+
+* ``tiny_gpt``: examples/train_tiny_gpt.py's model (``flashlite.nn.MultiheadAttention``; the SDPA run swaps
+  its ``flash_attention`` for ``F.scaled_dot_product_attention``), d_model 1024, 8 heads (D = 128), 8 layers,
+  batch 8 x 2048, bf16 autocast, AdamW.
+* ``llama_d128`` / ``llama_d256``: a transformers Llama built from a config (random weights, bf16 parameters),
+  4 layers, hidden 2048, 16 heads of 128 (4 K/V heads) or 8 of 256 (2 K/V heads), batch 2 x 4096,
+  ``attn_implementation`` "fl_attention" against "sdpa"; loss = next-token cross-entropy, AdamW.
+
+Tokens/s = batch x length x steps / wall time (synchronized). Writes ``training.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "bench"))
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+import flashlite.nn  # noqa: E402
+from common import environment, markdown_table, results_dir, write_results  # noqa: E402
+
+
+def sdpa_like_flashlite(q, k, v, *, causal=False, attn_mask=None, **_):
+    """``flash_attention``'s (B, H, L, D) call served by SDPA (GQA through ``enable_gqa``)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def tokens_per_s(step, batch: int, length: int, steps: int) -> float:
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return batch * length * steps / (time.perf_counter() - start)
+
+
+def tiny_gpt(attention: str, steps: int) -> float:
+    from train_tiny_gpt import TinyGPT
+
+    batch, length, vocab = 8, 2048, 96
+    torch.manual_seed(0)
+    model = TinyGPT(vocab, length, 1024, 8, 8).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, vocab, (batch, length + 1), device="cuda")
+    original = flashlite.nn.flash_attention
+    if attention == "sdpa":
+        flashlite.nn.flash_attention = sdpa_like_flashlite
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    try:
+        return tokens_per_s(step, batch, length, steps)
+    finally:
+        flashlite.nn.flash_attention = original
+
+
+def llama(attention: str, head_dim: int, steps: int) -> float:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import flashlite.integrations.transformers as fl_hf
+
+    fl_hf.register()
+    heads = 2048 // head_dim
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                         num_attention_heads=heads, num_key_value_heads=heads // 4, head_dim=head_dim,
+                         max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=fl_hf.NAME if attention == "flashlite" else "sdpa").to("cuda", torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch, length = 2, 4096
+    ids = torch.randint(0, 32000, (batch, length), device="cuda")
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return tokens_per_s(step, batch, length, steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    runs = {"tiny_gpt": lambda a: tiny_gpt(a, args.steps),
+            "llama_d128": lambda a: llama(a, 128, args.steps),
+            "llama_d256": lambda a: llama(a, 256, args.steps)}
+    rows = []
+    for name, run in runs.items():
+        row = {"model": name}
+        for attention in ("flashlite", "sdpa"):
+            row[f"{attention}_tokens_per_s"] = run(attention)
+            torch.cuda.empty_cache()
+        row["x_sdpa"] = row["flashlite_tokens_per_s"] / row["sdpa_tokens_per_s"]
+        rows.append(row)
+        print(f"{name}: flashlite {row['flashlite_tokens_per_s']:,.0f} tokens/s, sdpa {row['sdpa_tokens_per_s']:,.0f} "
+              f"({row['x_sdpa']:.2f}x)", flush=True)
+    cols = ["model", "flashlite_tokens_per_s", "sdpa_tokens_per_s", "x_sdpa"]
+    write_results("training", results_dir(args.out), environment() | {"steps": args.steps}, rows, cols,
+                  "Training steps, tokens/s (bf16)")
+    print(markdown_table(rows, cols))
+
+
+if __name__ == "__main__":
+    main()
