@@ -58,9 +58,15 @@ def attention_table(data: dict) -> str:
 
 
 def backward_table(data: dict) -> str:
-    rows = [[r["D"], "yes" if r["causal"] else "no", r["L"], r["flashlite_bwd"], r["flash_bwd"], r["cudnn_bwd"],
-             f"{r['x_flash_bwd']:.2f}", f"{r['x_cudnn_bwd']:.2f}"] for r in data["rows"]]
-    return _table(["D", "causal", "L", "flashlite TFLOP/s", "SDPA flash", "SDPA cuDNN", "× flash", "× cuDNN"], rows)
+    rows = [[r["D"], "yes" if r["causal"] else "no", r["L"], r["flashlite_bwd"], f"{r['frac_matmul_bwd']:.0%}",
+             r["flash_bwd"], r["cudnn_bwd"], f"{r['x_flash_bwd']:.2f}", f"{r['x_cudnn_bwd']:.2f}"] for r in data["rows"]]
+    return _table(["D", "causal", "L", "flashlite TFLOP/s", "% of matmul", "SDPA flash", "SDPA cuDNN", "× flash",
+                   "× cuDNN"], rows)
+
+
+def training_table(data: dict) -> str:
+    rows = [[r["model"], r["flashlite_tokens_per_s"], r["sdpa_tokens_per_s"], f"{r['x_sdpa']:.2f}"] for r in data["rows"]]
+    return _table(["model", "flashlite tokens/s", "SDPA tokens/s", "× SDPA"], rows)
 
 
 def masked_table(data: dict) -> str:
@@ -98,6 +104,11 @@ SECTIONS = [
     ("attention", "Attention forward (`bench/attention.py`): TFLOP/s, bf16, H = 16, B·L = 16K", attention_table),
     ("attention_backward", "Attention backward (`bench/attention.py --backward`): TFLOP/s (2.5× the forward's FLOPs)",
      backward_table),
+    ("attention_head_dims", "Attention forward at other head dims (`bench/attention.py --head-dims 96 192 256 "
+     "--lengths 4096`): TFLOP/s", attention_table),
+    ("attention_backward_head_dims", "Attention backward at other head dims (`bench/attention.py --backward "
+     "--head-dims 96 192 256 --lengths 4096`): TFLOP/s", backward_table),
+    ("training", "Training steps (`bench/training.py`): tokens/s, bf16, same model, data and weights", training_table),
     ("masked_softmax", "Masked softmax (`bench/masked_softmax.py`): effective GB/s", masked_table),
     ("decode", "Decoding (`bench/decode.py --quick`): Lq = 1, bf16, H = 32, D = 128, K/V GB/s, eager", decode_table),
     ("call_path", "Decoding calls (`bench/call_path.py`): eager µs per call against the fastest SDPA backend, "
