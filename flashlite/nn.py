@@ -52,6 +52,9 @@ class MultiheadAttention(nn.Module):
             ``flash_attention``: query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``
             (the usual lower triangle when Lq == Lk).
         bias: biases in both projections.
+        sinks: learnable attention sinks (``self.sinks``, (H,), zeros at first): one
+            extra logit per head in every row's softmax, with a zero value vector
+            (``flash_attention``'s ``sinks``, as gpt-oss).
         dropout: only 0.0: flashlite's attention has no dropout on the
             attention weights. Any other value raises ValueError.
         device, dtype: of the parameters, as for ``torch.nn.Linear``.
@@ -59,13 +62,13 @@ class MultiheadAttention(nn.Module):
 
     def __init__(
         self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, causal: bool = False,
-        bias: bool = True, dropout: float = 0.0, device: torch.device | str | None = None,
+        bias: bool = True, sinks: bool = False, dropout: float = 0.0, device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if num_kv_heads is None:
             num_kv_heads = num_heads
-        causal, bias = check_flag("causal", causal), check_flag("bias", bias)
+        causal, bias, sinks = check_flag("causal", causal), check_flag("bias", bias), check_flag("sinks", sinks)
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -92,11 +95,12 @@ class MultiheadAttention(nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
 
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"causal={self.causal}"
+            f"causal={self.causal}, sinks={self.sinks is not None}"
         )
 
     def forward(
@@ -139,7 +143,7 @@ class MultiheadAttention(nn.Module):
         q = rearrange(q, "b l (h d) -> b h l d", h=self.num_heads)  # (B, H, Lq, D)
         k = rearrange(k, "b l (h d) -> b h l d", h=self.num_kv_heads)  # (B, H_kv, Lk, D)
         v = rearrange(v, "b l (h d) -> b h l d", h=self.num_kv_heads)  # (B, H_kv, Lk, D)
-        o = flash_attention(q, k, v, causal=self.causal, attn_mask=mask)  # (B, H, Lq, D)
+        o = flash_attention(q, k, v, causal=self.causal, attn_mask=mask, sinks=self.sinks)  # (B, H, Lq, D)
         o = rearrange(o, "b h l d -> b l (h d)")  # (B, Lq, E); a view when o is in (B, L, H, D) order
         return self.out_proj(o)
 

@@ -169,3 +169,22 @@ def test_forward_errors():
     with pytest.raises(ValueError, match="attn_mask of shape"):
         layer(x, attn_mask=torch.ones(5, 4, dtype=torch.bool))
     assert torch.isfinite(layer(x, attn_mask=torch.ones(2, 2, 5, 5, dtype=torch.bool))).all()
+
+
+def test_learnable_sinks():
+    # sinks=True: a (H,) parameter, zeros at first, in every row's softmax (flash_attention's sinks); it learns.
+    layer = MultiheadAttention(32, 2, causal=True, sinks=True)
+    assert layer.sinks.shape == (2,) and (layer.sinks == 0).all() and "sinks=True" in repr(layer)
+    with torch.no_grad():
+        layer.sinks.copy_(torch.tensor([1.5, -0.5]))
+    x = torch.randn(2, 9, 32)
+    out = layer(x)
+    q, k, v = layer.qkv(x).split([32, 32, 32], dim=-1)
+    q, k, v = (t.view(2, 9, 2, 16).transpose(1, 2) for t in (q, k, v))
+    from flashlite import flash_attention
+
+    expected = layer.out_proj(flash_attention(q, k, v, causal=True, sinks=layer.sinks).transpose(1, 2).reshape(2, 9, 32))
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    assert layer.sinks.grad is not None and (layer.sinks.grad != 0).all()
+    assert MultiheadAttention(32, 2).sinks is None

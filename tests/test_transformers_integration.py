@@ -151,3 +151,50 @@ def test_unsupported_arguments():
         fl_hf.attention_forward(module, q, q, q, None, softcap=30.0)
     out, weights = fl_hf.attention_forward(module, q, q, q, None)
     assert out.shape == (1, 3, 2, 16) and weights is None
+
+
+def test_sinks_from_s_aux():
+    # gpt-oss passes its per-head sinks as s_aux: they reach flash_attention's sinks.
+    from .utils import attention_ref
+
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    sinks = torch.randn(4)
+    module = torch.nn.Module()
+    out, _ = fl_hf.attention_forward(module, q, k, v, None, s_aux=sinks)
+    ref = attention_ref(q, k, v, causal=True, sinks=sinks)
+    torch.testing.assert_close(out.double(), ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def tiny_gpt_oss(*implementations: str) -> list[torch.nn.Module]:
+    """One random tiny gpt-oss (sinks in every layer; sliding-window and full layers; 2 experts) per implementation,
+    fp32, the same weights (sinks random, not zeros)."""
+    fl_hf.register()
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+        max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
+    )
+    models = [transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl).eval()
+              for impl in implementations]
+    with torch.no_grad():
+        for layer in models[0].model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    return models
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt_oss_sinks_match_eager(padded):
+    # gpt-oss: s_aux (sinks) reaches the kernel; its sliding window comes as the mask transformers builds.
+    flash, eager = tiny_gpt_oss(fl_hf.NAME, "eager")
+    ids, mask = batch()
+    kw = dict(attention_mask=mask) if padded else {}
+    with torch.no_grad():
+        logits, logits_eager = flash(ids, **kw).logits, eager(ids, **kw).logits
+    real = mask.bool() if padded else torch.ones_like(mask, dtype=torch.bool)
+    torch.testing.assert_close(logits[real], logits_eager[real], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # greedy decoding with a KV cache: the same tokens
+        out = flash.generate(ids[:1], max_new_tokens=6, do_sample=False)
+        out_eager = eager.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, out_eager)

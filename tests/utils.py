@@ -75,10 +75,12 @@ def masked_softmax_ref(x, mask=None, scale=None, causal=False) -> torch.Tensor:
     return torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(hidden, 0.0)
 
 
-def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch.float64, return_lse=False):
+def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch.float64, return_lse=False,
+                  sinks=None):
     """Attention computed as softmax(q k^T * scale + mask) v in ``dtype``: float64 for the reference, or the input
     dtype for PyTorch's own error, FlashAttention's ``upcast=False``: scores, weights and products each rounded
-    to it (softmax's own sums in fp32, as torch does). GQA by repeating K/V heads; empty rows give 0."""
+    to it (softmax's own sums in fp32, as torch does). GQA by repeating K/V heads; empty rows give 0. ``sinks``
+    (H,): one more column per row, ``sinks[h]``, in the softmax, dropped before ``P V`` (gpt-oss's eager)."""
     h, h_kv = q.shape[1], k.shape[1]
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if h != h_kv:
@@ -97,6 +99,11 @@ def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch
             s = s + attn_mask.to(s.dtype)
     keep = torch.broadcast_to(keep, s.shape)
     s = s.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :-1]
+        return (p @ v, lse) if return_lse else p @ v
     lse = torch.logsumexp(s, dim=-1)
     empty = (s == float("-inf")).all(dim=-1, keepdim=True)  # no key: output 0, gradient 0 (not NaN)
     p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
@@ -111,7 +118,12 @@ def attention_grads_ref(q, k, v, do, dtype=torch.float64, **kw):
     if mask is not None and mask.requires_grad:
         mask = mask.detach().to(dtype).requires_grad_()
         inputs.append(mask)
-    out = attention_ref(*inputs[:3], attn_mask=mask, dtype=dtype, **kw)
+    sinks = kw.pop("sinks", None)
+    if sinks is not None:
+        sinks = sinks.detach().to(dtype).requires_grad_(sinks.requires_grad)
+        if sinks.requires_grad:
+            inputs.append(sinks)
+    out = attention_ref(*inputs[:3], attn_mask=mask, dtype=dtype, sinks=sinks, **kw)
     return torch.autograd.grad(out, inputs, do.to(out.dtype))
 
 

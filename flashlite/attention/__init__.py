@@ -12,6 +12,7 @@ Modules, each importing only those listed after it:
   forward's final states;
 * ``forward``: the ``triton.language`` kernel and its K/V loop ``attend_kv_tiles``;
 * ``forward_hopper``: the same loop in Gluon for Hopper, a product in flight under the softmax;
+* ``sinks``: attention sinks, one more state merged into each row's ``(o, lse)``;
 * ``plan``: which kernel and tiles a call runs on; ``tuning``: the tables;
 * ``reference``: the PyTorch path (fp32, scores materialised) for tensors the kernels do not run on.
 """

@@ -21,6 +21,7 @@ from .backward import attention_backward
 from .forward import attention_forward_tl
 from .forward_hopper import attention_forward_hopper, wgmma_eligible
 from .reference import attention_torch
+from .sinks import check_sinks, merge_sinks
 from .split_kv import SplitLaunch, auto_num_splits, check_split_args
 from .tuning import AttentionConfig, MAX_HEAD_DIM, MIN_HEAD_DIM
 
@@ -196,7 +197,7 @@ class _FlashAttention(torch.autograd.Function):
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     causal: bool = False, scale: float | None = None, attn_mask: torch.Tensor | None = None, return_lse: bool = False,
-    num_splits: int | None = None, cache_seqlens: torch.Tensor | None = None,
+    num_splits: int | None = None, cache_seqlens: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention ``softmax(q kᵀ · scale + mask) v``, tile by tile, without materialising the scores.
 
@@ -237,6 +238,10 @@ def flash_attention(
             attends keys ``[0, cache_seqlens[b])`` of k and v only (a KV cache filled
             up to there, read in place without a copy). Values must lie in [0, Lk]
             (checked on CPU; on CUDA they are clamped, to avoid a host sync).
+        sinks: None, or (H,) floating point (may require grad): attention sinks, one
+            extra logit per head whose value vector is zeros. Each row's softmax runs
+            over its visible scores and ``sinks[h]``; the returned LSE includes the sink;
+            a row that sees no key gives zeros (``flashlite.attention.sinks``).
 
     Returns:
         ``o`` (B, H, Lq, D) in q's dtype (in q's memory order when q is dense), or
@@ -262,6 +267,12 @@ def flash_attention(
     ``TRITON_INTERPRET=1``, else a PyTorch fp32 path (plain autograd) that
     materialises the scores.
     """
+    if sinks is not None:  # the sinks' state merged into the rows' (o, lse)
+        check_sinks(sinks, q)
+        o, lse = flash_attention(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask, return_lse=True,
+                                 num_splits=num_splits, cache_seqlens=cache_seqlens)
+        o, lse = merge_sinks(o, lse, sinks)
+        return (o, lse) if check_flag("return_lse", return_lse) else o
     key = repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_seqlens)
     route = _ROUTES.get(key) if key is not None else None
     if route is not None:  # a repeated inference call: checked and planned when first seen
