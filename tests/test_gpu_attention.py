@@ -163,3 +163,29 @@ def test_softmax_special_rows_on_the_gpu():
         ref.sum().backward()
         torch.testing.assert_close(x.grad, x_ref.grad, equal_nan=True, atol=1e-6, rtol=1e-4)
         torch.testing.assert_close(flashlite.softmax(x.detach(), -1), torch.softmax(x.detach(), -1), equal_nan=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sinks_on_the_gpu(head_dim):
+    # Attention sinks after the Hopper kernel (and the split-K/V path for a decoding shape): output, LSE and the
+    # gradients of q, k, v and the sinks under FlashAttention's rule.
+    dtype = torch.bfloat16
+    q = make(2, 8, 700, head_dim, dtype, True)
+    k, v = make(2, 2, 900, head_dim, dtype, True), make(2, 2, 900, head_dim, dtype, True)
+    sinks = torch.randn(8, device="cuda", requires_grad=True)
+    for causal in (False, True):
+        poison()
+        out, lse = flashlite.flash_attention(q, k, v, causal=causal, sinks=sinks, return_lse=True)
+        ref, ref_lse = attention_ref(q, k, v, causal=causal, sinks=sinks.detach(), return_lse=True)
+        assert_attention_close(out, ref, attention_ref(q, k, v, causal=causal, sinks=sinks.detach(), dtype=dtype), dtype)
+        assert ((lse.double() - ref_lse).abs() <= 1e-4 * ref_lse.abs().clamp_min(1)).all()
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v, sinks), do)
+        for g, r, t in zip(grads, attention_grads_ref(q, k, v, do, causal=causal, sinks=sinks),
+                           attention_grads_ref(q, k, v, do, causal=causal, sinks=sinks, dtype=dtype)):
+            assert_attention_close(g, r, t, dtype)
+    q1 = make(2, 8, 1, head_dim, dtype)
+    out = flashlite.flash_attention(q1, k.detach(), v.detach(), sinks=sinks.detach(), num_splits=4)
+    args = (q1, k.detach(), v.detach())
+    assert_attention_close(out, attention_ref(*args, sinks=sinks.detach()),
+                           attention_ref(*args, sinks=sinks.detach(), dtype=dtype), dtype)
