@@ -65,10 +65,15 @@ def backward_table(data: dict) -> str:
 
 
 def variants_table(data: dict) -> str:
-    rows = [[r["variant"], r["D"], r["L"], r["plain_fwd"], r["sinks_fwd"], f"{r['x_plain_fwd']:.2f}", r["plain_fwdbwd"],
-             r["sinks_fwdbwd"], f"{r['x_plain_fwdbwd']:.2f}"] for r in data["rows"]]
-    return _table(["variant", "D", "L", "plain fwd", "variant fwd", "× plain", "plain fwd+bwd", "variant fwd+bwd",
-                   "× plain"], rows)
+    rows = [[r["variant"], r["D"], r["L"], r["plain_fwd"], r["fwd"], _ratio(r["x_plain_fwd"]), _ratio(r.get("x_flex_fwd")),
+             r["plain_fwdbwd"], r["fwdbwd"], _ratio(r["x_plain_fwdbwd"]), _ratio(r.get("x_flex_fwdbwd"))]
+            for r in data["rows"]]
+    return _table(["variant", "D", "L", "plain fwd", "variant fwd", "× plain", "× Flex", "plain fwd+bwd",
+                   "variant fwd+bwd", "× plain", "× Flex"], rows)
+
+
+def _ratio(value) -> str:
+    return f"{value:.2f}" if value else "—"
 
 
 def training_table(data: dict) -> str:
@@ -115,8 +120,8 @@ SECTIONS = [
      "--lengths 4096`): TFLOP/s", attention_table),
     ("attention_backward_head_dims", "Attention backward at other head dims (`bench/attention.py --backward "
      "--head-dims 96 192 256 --lengths 4096`): TFLOP/s", backward_table),
-    ("variants", "Attention variants (`bench/variants.py`): TFLOP/s against the plain call, bf16, causal, H = 32, "
-     "H_kv = 8", variants_table),
+    ("variants", "Attention variants (`bench/variants.py`): TFLOP/s against the plain call and FlexAttention, bf16, "
+     "causal, H = 32, H_kv = 8", variants_table),
     ("training", "Training steps (`bench/training.py`): tokens/s, bf16, same model, data and weights", training_table),
     ("masked_softmax", "Masked softmax (`bench/masked_softmax.py`): effective GB/s", masked_table),
     ("decode", "Decoding (`bench/decode.py --quick`): Lq = 1, bf16, H = 32, D = 128, K/V GB/s, eager", decode_table),

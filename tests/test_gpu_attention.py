@@ -189,3 +189,27 @@ def test_sinks_on_the_gpu(head_dim):
     args = (q1, k.detach(), v.detach())
     assert_attention_close(out, attention_ref(*args, sinks=sinks.detach()),
                            attention_ref(*args, sinks=sinks.detach(), dtype=dtype), dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_softcap_on_the_gpu(head_dim):
+    # Logit softcapping on the GPU: the tl forward, both backward paths' kernels (the default two passes here),
+    # and the split-K/V path, under FlashAttention's rule; scores of several units against a cap of 5.
+    dtype = torch.bfloat16
+    q = (make(2, 8, 700, head_dim, dtype) * 2).requires_grad_()
+    k, v = (make(2, 2, 900, head_dim, dtype) * 2).requires_grad_(), make(2, 2, 900, head_dim, dtype, True)
+    for causal in (False, True):
+        kw = dict(causal=causal, softcap=5.0)
+        poison()
+        out = flashlite.flash_attention(q, k, v, **kw)
+        assert_attention_close(out, attention_ref(q, k, v, **kw), attention_ref(q, k, v, dtype=dtype, **kw), dtype)
+        do = torch.randn_like(out)
+        poison()
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        for g, r, t in zip(grads, attention_grads_ref(q, k, v, do, **kw),
+                           attention_grads_ref(q, k, v, do, dtype=dtype, **kw)):
+            assert_attention_close(g, r, t, dtype)
+    q1 = make(2, 8, 1, head_dim, dtype) * 2
+    args = (q1, k.detach(), v.detach())
+    out = flashlite.flash_attention(*args, softcap=5.0, num_splits=4)
+    assert_attention_close(out, attention_ref(*args, softcap=5.0), attention_ref(*args, softcap=5.0, dtype=dtype), dtype)

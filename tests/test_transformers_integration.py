@@ -147,8 +147,8 @@ def test_unsupported_arguments():
     module = torch.nn.Module()
     with pytest.raises(ValueError, match="dropout"):
         fl_hf.attention_forward(module, q, q, q, None, dropout=0.1)
-    with pytest.raises(ValueError, match="softcap"):
-        fl_hf.attention_forward(module, q, q, q, None, softcap=30.0)
+    with pytest.raises(ValueError, match="position_bias"):
+        fl_hf.attention_forward(module, q, q, q, None, position_bias=torch.zeros(1))
     out, weights = fl_hf.attention_forward(module, q, q, q, None)
     assert out.shape == (1, 3, 2, 16) and weights is None
 
@@ -198,3 +198,27 @@ def test_gpt_oss_sinks_match_eager(padded):
         out = flash.generate(ids[:1], max_new_tokens=6, do_sample=False)
         out_eager = eager.generate(ids[:1], max_new_tokens=6, do_sample=False)
     assert torch.equal(out, out_eager)
+
+
+def test_gemma2_softcap_matches_eager():
+    # Gemma-2: logit softcapping (softcap reaches the kernel), head dim 32 with query_pre_attn_scalar, alternating
+    # sliding-window and full layers (the window comes as the mask transformers builds), plain and padded.
+    fl_hf.register()
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=4, attn_logit_softcapping=2.0,
+        final_logit_softcapping=None, max_position_embeddings=64,
+    )
+    flash, eager = (transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl).eval()
+                    for impl in (fl_hf.NAME, "eager"))
+    with torch.no_grad():  # scores of several units, where tanh bends (random weights give ~0.1: the cap idles)
+        for layer in flash.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    eager.load_state_dict(flash.state_dict())
+    ids, mask = batch()
+    for kw in ({}, dict(attention_mask=mask)):
+        with torch.no_grad():
+            logits, logits_eager = flash(ids, **kw).logits, eager(ids, **kw).logits
+        real = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
+        torch.testing.assert_close(logits[real], logits_eager[real], atol=1e-4, rtol=1e-4)

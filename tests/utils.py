@@ -76,11 +76,12 @@ def masked_softmax_ref(x, mask=None, scale=None, causal=False) -> torch.Tensor:
 
 
 def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch.float64, return_lse=False,
-                  sinks=None):
+                  sinks=None, softcap=None):
     """Attention computed as softmax(q k^T * scale + mask) v in ``dtype``: float64 for the reference, or the input
     dtype for PyTorch's own error, FlashAttention's ``upcast=False``: scores, weights and products each rounded
     to it (softmax's own sums in fp32, as torch does). GQA by repeating K/V heads; empty rows give 0. ``sinks``
-    (H,): one more column per row, ``sinks[h]``, in the softmax, dropped before ``P V`` (gpt-oss's eager)."""
+    (H,): one more column per row, ``sinks[h]``, in the softmax, dropped before ``P V`` (gpt-oss's eager).
+    ``softcap``: scores ``softcap · tanh(s / softcap)`` before the masks (Gemma-2's eager)."""
     h, h_kv = q.shape[1], k.shape[1]
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if h != h_kv:
@@ -88,6 +89,8 @@ def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch
         v = v.repeat_interleave(h // h_kv, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:  # Gemma-2's logit softcapping, before the masks
+        s = softcap * torch.tanh(s / softcap)
     lq, lk = s.shape[-2:]
     keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device)  # on the inputs' device: also a GPU reference
     if causal:

@@ -85,7 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.masking import apply_masks, causal_offset, key_ranges
+from ..core.masking import apply_masks, causal_offset, key_ranges, soft_cap
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.runtime import launch
 from ..core.tiles import add_tile, dot, load_tile, store_tile, tensor_descriptor, tma_usable
@@ -123,9 +123,11 @@ def _probs_and_score_grads(
     mask_ptr, stride_mask_q, stride_mask_k,
     MASKED: tl.constexpr, UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr, KEYS_ON_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr,
 ):
-    """``P`` and ``dS`` (fp32) of one (query tile, key tile) pair.
+    """``(P, dS, dS_scores)`` (fp32) of one (query tile, key tile) pair: dS is the gradient of the logits (a bias
+    gets it), ``dS_scores`` that of the scaled scores, which the products with Q and K take (the same but under
+    a softcap).
 
     ``[BLOCK_M, BLOCK_N]`` (queries on rows, as the dQ kernel's dot ``dS K``
     wants them), or with ``KEYS_ON_ROWS`` ``[BLOCK_N, BLOCK_M]`` (as the dK/dV
@@ -136,6 +138,8 @@ def _probs_and_score_grads(
     final states (``_load_row_stats``). With ``MASKED``, positions that do not
     count (bounds, causal, the user's mask) get ``P = 0``; without it every pair
     must count, and the scale folds into the exponential, as in the forward.
+    With ``HAS_SOFTCAP`` (masked tiles only) the logits are ``c · tanh(s / c)``
+    (``soft_cap``), so ``dS_scores = dS · (1 - tanh²)``.
     """
     if KEYS_ON_ROWS:
         s = dot(k, tl.trans(q), None, DOT_PRECISION, UPCAST_DOTS)
@@ -146,8 +150,12 @@ def _probs_and_score_grads(
         dp = dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST_DOTS)
         query_m, query_logd2, query_delta = row_m[:, None], row_logd2[:, None], delta[:, None]
     if MASKED:
+        s = s * qk_scale
+        if HAS_SOFTCAP:
+            s = soft_cap(s, softcap)
+            tanh = s / softcap
         s = apply_masks(
-            s * qk_scale, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
+            s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
             IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY, KEYS_ON_ROWS,
         )
         if UNITS == BASE2_UNITS:
@@ -157,7 +165,10 @@ def _probs_and_score_grads(
     else:
         p = tl.exp2(s * qk_scale - query_m)
     ds = p * (dp - query_delta)
-    return p, ds
+    ds_scores = ds
+    if HAS_SOFTCAP:
+        ds_scores = ds * (1.0 - tanh * tanh)
+    return p, ds, ds_scores
 
 
 @triton.jit
@@ -174,7 +185,7 @@ def _dkdv_over_query_tiles(
     BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_BY_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr,
 ):
     """Add the query tiles ``[query_start, query_end)`` of one query head to the key tile's (dk, dv) accumulators.
 
@@ -193,10 +204,11 @@ def _dkdv_over_query_tiles(
         do = load_tile(do_src, start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
         row_m, row_logd2 = _load_row_stats(stats_ptr, bh_rows + q_idx, q_idx < seqlen_q, n_stat_rows, UNITS)
         delta = _load_rows(delta_src, q_idx, seqlen_q)
-        p, ds = _probs_and_score_grads(
+        p, _, ds = _probs_and_score_grads(
             q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
             mask_ptr, stride_mask_q, stride_mask_k,
             MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, True, DOT_PRECISION, UPCAST_DOTS,
+            softcap, HAS_SOFTCAP,
         )
         dv = dot(p.to(do.dtype), do, dv, DOT_PRECISION, UPCAST_DOTS)
         ds_in = ds.to(q.dtype)
@@ -215,7 +227,7 @@ def _dq_over_key_tiles(
     BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, STORE_DS: tl.constexpr, ROW_SUMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr,
 ):
     """Add keys ``[key_start, key_end)`` to the query tile's dq accumulator (unscaled: ``Σ dS K``).
 
@@ -231,10 +243,11 @@ def _dq_over_key_tiles(
         k_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_N)
         k = load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
         v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
-        p, ds = _probs_and_score_grads(
+        p, ds, ds_scores = _probs_and_score_grads(
             q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
             mask_ptr, stride_mask_q, stride_mask_k,
             MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, False, DOT_PRECISION, UPCAST_DOTS,
+            softcap, HAS_SOFTCAP,
         )
         if ROW_SUMS:
             dq += tl.sum(ds, axis=1)
@@ -242,7 +255,7 @@ def _dq_over_key_tiles(
             if STORE_DS:
                 ok = (q_idx < seqlen_q)[:, None] & (k_idx < seqlen_k)[None, :]
                 tl.store(ds_dst + q_idx[:, None] * stride_dsm + k_idx[None, :], ds, mask=ok)
-            dq = dot(ds.to(k.dtype), k, dq, DOT_PRECISION, UPCAST_DOTS)
+            dq = dot(ds_scores.to(k.dtype), k, dq, DOT_PRECISION, UPCAST_DOTS)
     return dq
 
 
@@ -288,11 +301,11 @@ def _attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqm,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
-    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
+    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, UNITS: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_BY_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # Tiles numbered per (batch, kv head), key tile fastest; under causal the first key tiles see the most
     # queries, and they are the first to start. With ATOMIC_DQ (the one-pass backward) dQ is added, in fp32,
@@ -324,7 +337,7 @@ def _attention_bwd_dkdv_kernel(
     else:
         query_begin = 0
         full_begin = 0
-    if HAS_MASK or (ATOMIC_DQ and n_start + BLOCK_N > seqlen_k):  # every tile masked (see _dkdv_over_query_tiles)
+    if HAS_MASK or HAS_SOFTCAP or (ATOMIC_DQ and n_start + BLOCK_N > seqlen_k):  # every tile masked
         full_begin = query_tiles_end
 
     for g in range(0, kv_group):  # every query head that reads this K/V head
@@ -346,15 +359,15 @@ def _attention_bwd_dkdv_kernel(
             stride_qm, stride_dom, dq_dst, stride_dqm, query_begin, full_begin, seqlen_q, seqlen_k, head_dim,
             qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_M, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS,
+            EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
         )
-        if not HAS_MASK:
+        if not (HAS_MASK or HAS_SOFTCAP):
             dk, dv = _dkdv_over_query_tiles(
                 dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
                 stride_qm, stride_dom, dq_dst, stride_dqm, full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim,
                 qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k,
                 BLOCK_M, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-                EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS,
+                EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
             )
 
     dk_dst = dk_ptr + b64 * stride_dkb + h_kv64 * stride_dkh
@@ -374,11 +387,11 @@ def _attention_bwd_dq_kernel(
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
-    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
+    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, UNITS: tl.constexpr, STORE_DS: tl.constexpr, HAS_DLSE: tl.constexpr,
-    DELTA_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    DELTA_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # Numbered as the forward (``query_tile``). With DELTA_PASS the same walk over the keys writes
     # δ = Σ_j P_ij dP_ij - dLSE per row (from this P, not from the forward's rounded O) instead of dQ.
@@ -415,19 +428,19 @@ def _attention_bwd_dq_kernel(
 
     # Key ranges as the forward's: [0, full_end) full tiles, [full_end, key_end) masked ones.
     full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
-                                   BLOCK_N, IS_CAUSAL, HAS_MASK)
-    if not HAS_MASK:
+                                   BLOCK_N, IS_CAUSAL, HAS_MASK or HAS_SOFTCAP)
+    if not (HAS_MASK or HAS_SOFTCAP):
         dq = _dq_over_key_tiles(
             dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
             seqlen_k, 0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, False, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS,
+            EVEN_D, False, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
         )
     dq = _dq_over_key_tiles(
         dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
         seqlen_k, full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
         BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-        EVEN_D, STORE_DS and not DELTA_PASS, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS,
+        EVEN_D, STORE_DS and not DELTA_PASS, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
     )
     # Two branches, no early return: Triton 3.6 still builds the code after a `return` inside a constexpr `if`,
     # where the delta pass's [BLOCK_M] dq does not fit the [BLOCK_M, HEAD_DIM_PADDED] store (a compile error).
@@ -484,7 +497,7 @@ def attention_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool,
     mask_needs_grad: bool = False, config: BackwardConfig | None = None, row_stats: torch.Tensor | None = None,
-    deterministic: bool | None = None,
+    deterministic: bool | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of ``flash_attention`` from the saved forward, on (B, H, L, D) tensors whose head dim has stride 1.
 
@@ -516,6 +529,7 @@ def attention_backward(
         mask_needs_grad: also return the gradient of an additive mask.
         config: forces the tiles (tests); by default ``default_backward_config``.
         deterministic: the path (above); None follows PyTorch's flag.
+        softcap: the forward's logit softcap, or None.
         row_stats: under an additive mask, the forward's (2, B, H, Lq) ``(m, log d)``
             of each row (``forward_for_backward``); None takes ``(lse, 0)``, exact
             unless a bias near -1e9 or below hides a whole row.
@@ -525,7 +539,8 @@ def attention_backward(
         group), ``dmask`` (B, H, Lq, Lk) fp32 or None.
     """
     if not triton_backward_enabled(q):
-        return attention_backward_torch(do, q, k, v, dlse, causal, scale, mask, mask_is_bool, mask_needs_grad)
+        return attention_backward_torch(do, q, k, v, dlse, causal, scale, mask, mask_is_bool, mask_needs_grad,
+                                        softcap)
     batch, n_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     hd_pad = head_dim_padded(head_dim)
@@ -541,9 +556,10 @@ def attention_backward(
         row_stats = torch.stack([lse.float(), torch.zeros_like(lse, dtype=torch.float32)])
     stats = (row_stats if additive else lse).contiguous()
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
-    common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale)
+    common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
+              qk_scale_for(softcap or 1.0, additive))
     meta = dict(
-        HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
+        HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, HAS_SOFTCAP=softcap is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see core.tiles.dot)
     )

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.masking import apply_masks, key_ranges
+from ..core.masking import apply_masks, key_ranges, soft_cap
 from ..core.online_softmax import (
     LN2, empty_state, normalize, online_update, online_update_scaled, rescale_accumulator, state_logsumexp,
 )
@@ -92,6 +92,7 @@ def attend_kv_tiles(
     BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    softcap=1.0, HAS_SOFTCAP: tl.constexpr = False,
 ):
     """Fold keys ``[key_start, key_end)`` into the running ``(acc, m, d)`` of the query tile ``q``.
 
@@ -102,7 +103,9 @@ def attend_kv_tiles(
     multiple of ``BLOCK_N``. With ``MASKED`` every tile is scaled, then goes
     through ``apply_masks`` (bounds, causal, the user's mask) and its K/V rows are
     bounds-checked; without it every key of the range must count for every row
-    (base-2 units only), and the scale is folded into the exponential.
+    (base-2 units only), and the scale is folded into the exponential. With
+    ``HAS_SOFTCAP`` (masked tiles only) the scaled scores go through
+    ``soft_cap(s, softcap)`` first, ``softcap`` in the logits' units.
     ``k_src``/``v_src`` are the (batch, kv head)'s base pointers, or with
     ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``).
     Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
@@ -113,8 +116,11 @@ def attend_kv_tiles(
         s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
         if MASKED:
             k_idx = start + tl.arange(0, BLOCK_N)
+            s = s * qk_scale
+            if HAS_SOFTCAP:
+                s = soft_cap(s, softcap)
             s = apply_masks(
-                s * qk_scale, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
+                s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
                 IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY,
             )
             m, d, p, alpha = online_update(m, d, s, UNITS)
@@ -135,14 +141,14 @@ def attention_fwd_kernel(
     stride_ob, stride_oh, stride_om,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
     n_heads, kv_group, n_bh,
-    seqlen_q, seqlen_k, head_dim, qk_scale,
+    seqlen_q, seqlen_k, head_dim, qk_scale, softcap,
     # Read by the autotuner's key only: a power-of-two bucket of seqlen_k, and the mask's
     # layout (MASK_LAYOUT_*), which the heuristics above derive too late for a key.
     tune_bucket, tune_mask_layout,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, UNITS: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_STATS: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # Tiles are numbered as ``query_tile`` says. Any grid size is correct: one
     # program per tile, or a persistent grid where each program takes several.
@@ -175,9 +181,10 @@ def attention_fwd_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
         # [0, full_end): tiles every row of this query tile sees whole; [full_end, key_end): masked tiles.
+        # With a user mask or a softcap every tile is masked (full_end = 0).
         full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
-                                       BLOCK_N, IS_CAUSAL, HAS_MASK)
-        if not HAS_MASK:  # with a user mask every tile is masked (full_end = 0)
+                                       BLOCK_N, IS_CAUSAL, HAS_MASK or HAS_SOFTCAP)
+        if not (HAS_MASK or HAS_SOFTCAP):
             acc, m, d = attend_kv_tiles(
                 acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
                 0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
@@ -188,7 +195,7 @@ def attention_fwd_kernel(
             acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
             full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS,
+            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
         )
 
         rows = tl.cast(bh, tl.int64) * seqlen_q + q_idx
@@ -233,7 +240,7 @@ def autotuned_kernel():
 def attention_forward_tl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool, config: AttentionConfig | None = None,
-    *, row_stats: torch.Tensor | None = None,
+    *, row_stats: torch.Tensor | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch this module's kernel on checked (B, H, L, D) tensors whose head dim has stride 1.
 
@@ -242,8 +249,9 @@ def attention_forward_tl(
     it, the fixed table (``plan.default_config``), or triton.autotune under
     ``FLASHLITE_AUTOTUNE=1``. For the backward of an additive mask ``row_stats``,
     a (2, B, H, Lq) fp32 tensor, is filled with each row's ``(m, log d)``
-    (``_store_row_stats``). Returns ``(o, lse)``: o like q, lse (B, H, Lq) fp32
-    natural-log, or None.
+    (``_store_row_stats``). ``softcap``: the scaled scores become
+    ``softcap · tanh(s / softcap)`` before the mask. Returns ``(o, lse)``: o like q,
+    lse (B, H, Lq) fp32 natural-log, or None.
     """
     batch, n_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
@@ -270,7 +278,8 @@ def attention_forward_tl(
         o.stride(0), o.stride(1), o.stride(2),
         *mask_strides,
         n_heads, n_heads // k.shape[1], bh,
-        seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive), triton.next_power_of_2(seqlen_k),
+        seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive), qk_scale_for(softcap or 1.0, additive),
+        triton.next_power_of_2(seqlen_k),
         mask_layout(mask),
     )
     meta = dict(
@@ -278,7 +287,7 @@ def attention_forward_tl(
         WRITE_STATS=row_stats is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see dot)
-        USE_TMA=k_desc is not None,
+        USE_TMA=k_desc is not None, HAS_SOFTCAP=softcap is not None,
         **kv_loop_flags(mask, mask_is_bool, mask_strides[2], head_dim, hd_pad),
     )
     if tuned:

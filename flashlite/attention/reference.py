@@ -12,7 +12,7 @@ import torch
 
 def attention_torch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, attn_mask: torch.Tensor | None,
-    cache_seqlens: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same result in PyTorch fp32 ops (CPU without the interpreter); materialises the (Lq, Lk) scores."""
     batch, n_heads, seqlen_q, head_dim = q.shape
@@ -20,6 +20,8 @@ def attention_torch(
     group = n_heads // n_kv
     qf = q.float().reshape(batch, n_kv, group, seqlen_q, head_dim)  # (B, H_kv, G, Lq, D): no K/V repeat
     s = (qf @ k.float().unsqueeze(2).transpose(-1, -2) * scale).reshape(batch, n_heads, seqlen_q, seqlen_k)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if cache_seqlens is not None:  # keys [0, len_b) of each element; causal aligned bottom-right against len_b
         used = cache_seqlens.to(device=q.device, dtype=torch.long).view(batch, 1, 1, 1)
         key_idx = torch.arange(seqlen_k, device=q.device)
@@ -46,6 +48,7 @@ def attention_torch(
 def attention_backward_torch(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dlse: torch.Tensor | None,
     causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool, mask_needs_grad: bool,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The same gradients by autograd through ``attention._attention_torch`` (fp32, scores materialised)."""
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -54,7 +57,7 @@ def attention_backward_torch(
         if mask_needs_grad:
             inputs.append(mask.requires_grad_())
     with torch.enable_grad():
-        o, lse = attention_torch(*inputs[:3], causal, scale, mask)
+        o, lse = attention_torch(*inputs[:3], causal, scale, mask, softcap=softcap)
         outputs, grad_outputs = [o], [do]
         if dlse is not None:
             outputs.append(lse)

@@ -102,11 +102,11 @@ def _split_kv_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_cache_seqlens,
     n_heads, kv_group, heads_per_program, n_groups, n_splits, n_out_rows,
-    seqlen_q, seqlen_k, head_dim, qk_scale,
+    seqlen_q, seqlen_k, head_dim, qk_scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, UNITS: tl.constexpr, HAS_CACHE_SEQLENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     # Axis 0: (batch, head group, row tile), row tile fastest; axis 1: the split.
     n_rows = heads_per_program * seqlen_q
@@ -136,7 +136,7 @@ def _split_kv_kernel(
 
     # The tile's keys: [0, full_end) seen whole by every row (none under a user mask), up to key_end seen by some.
     full_end, key_end = key_ranges(tl.min(q_idx, axis=0), tl.max(tl.where(valid, q_idx, 0), axis=0),
-                                   seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK)
+                                   seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK or HAS_SOFTCAP)
     # This split's share (module docstring): [key_start, key_stop), its full tiles up to key_mid.
     tiles_per_split = tl.cdiv(tl.cdiv(key_end, BLOCK_N), n_splits)
     key_start = split * tiles_per_split * BLOCK_N
@@ -145,7 +145,7 @@ def _split_kv_kernel(
 
     m, d = empty_state(BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
-    if not HAS_MASK:  # (with it, full_end = 0 makes key_mid = key_start: every tile masked)
+    if not (HAS_MASK or HAS_SOFTCAP):  # (with either, full_end = 0 makes key_mid = key_start: every tile masked)
         acc, m, d = attend_kv_tiles(
             acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
             key_start, key_mid, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
@@ -156,7 +156,7 @@ def _split_kv_kernel(
         acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
         key_mid, key_stop, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
         BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-        EVEN_D, False, DOT_PRECISION, UPCAST_DOTS,
+        EVEN_D, False, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
     )
 
     # Partials are (n_splits, B, H, Lq) rows; acc rows are HEAD_DIM_PADDED wide (no column mask needed).
@@ -368,7 +368,7 @@ class SplitLaunch:
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float,
         mask_is_bool: bool, write_lse: bool, num_splits: int, has_cache_seqlens: bool,
-        config: AttentionConfig | None = None,
+        config: AttentionConfig | None = None, softcap: float | None = None,
     ):
         batch, n_heads, seqlen_q, head_dim = q.shape
         seqlen_k = k.shape[2]
@@ -386,11 +386,12 @@ class SplitLaunch:
         self.split_grid = (programs, self.num_splits)
         self.split_sizes = (  # the split kernel's arguments after the pointers and strides
             n_heads, n_heads // k.shape[1], pack, n_heads // pack, self.num_splits, n_out_rows,
-            seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive),
+            seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive), qk_scale_for(softcap or 1.0, additive),
         )
         self.split_meta = dict(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM_PADDED=hd_pad,
             IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, HAS_CACHE_SEQLENS=has_cache_seqlens,
+            HAS_SOFTCAP=softcap is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see forward.dot)
             **kv_loop_flags(mask, mask_is_bool, mask_stride_q, head_dim, hd_pad),
@@ -436,6 +437,7 @@ def split_kv_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool,
     num_splits: int, cache_seqlens: torch.Tensor | None = None, config: AttentionConfig | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-K/V attention on checked (B, H, L, D) tensors whose head dim has stride 1 (as ``attention_forward``).
 
@@ -444,5 +446,6 @@ def split_kv_forward(
     the tiles (default ``split_config``). Returns ``(o, lse)`` like ``attention_forward``.
     One ``SplitLaunch``, planned and run once.
     """
-    plan = SplitLaunch(q, k, mask, causal, scale, mask_is_bool, write_lse, num_splits, cache_seqlens is not None, config)
+    plan = SplitLaunch(q, k, mask, causal, scale, mask_is_bool, write_lse, num_splits, cache_seqlens is not None, config,
+                       softcap)
     return plan(q, k, v, mask, cache_seqlens)

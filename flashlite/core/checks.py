@@ -37,6 +37,17 @@ def check_scale(scale, default: float) -> float:
     return scale
 
 
+def check_softcap(softcap) -> float | None:
+    """``softcap`` as a float: None, or a finite number > 0 (not a bool)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be None or a float > 0, got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be finite and > 0, got {softcap!r}")
+    return float(softcap)
+
+
 def check_flag(name: str, value) -> bool:
     """``value`` as a bool; a TypeError naming ``name`` for anything but a bool (``"no"`` or None is not one)."""
     if type(value) is bool or isinstance(value, np.bool_):

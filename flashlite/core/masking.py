@@ -5,6 +5,7 @@ of logits ``s`` ``[BLOCK_M, BLOCK_N]`` whose rows are queries ``q_idx`` and
 columns keys ``k_idx``:
 
 * bounds: keys at or past ``seqlen_k`` never count;
+* logit softcapping (``soft_cap``), applied to the scaled scores before the rest;
 * causal, aligned bottom-right (FlashAttention >= 2.1,
   ``torch.nn.attention.bias.causal_lower_right``): query ``i`` sees key ``j``
   iff ``j <= i + (seqlen_k - seqlen_q)``. With ``seqlen_q = seqlen_k`` it is the
@@ -104,6 +105,21 @@ def apply_masks(
         else:
             s = s + tl.load(mask_ptrs, mask=load_ok, other=0.0).to(tl.float32) * BIAS_TO_UNITS
     return tl.where(keep, s, float("-inf"))
+
+
+# 2·log2(e): tanh(x) = 1 - 2 / (2^(x · 2·log2(e)) + 1).
+TWO_LOG2E = tl.constexpr(2.8853900817779268)
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """Logits ``s`` squashed into ``(-cap, cap)``: ``cap · tanh(s / cap)`` (Gemma-2's logit softcapping).
+
+    ``s`` and ``cap`` in the same units (the ratio is what tanh sees, so natural-log or base-2 logits both
+    work). tanh through one ``exp2``: ``1 - 2 / (2^(2 log2(e) x) + 1)``, exact in the limits (+-1 when the
+    power overflows or vanishes). Applied before the masks, which then set hidden logits to ``-inf``.
+    """
+    return cap - 2.0 * cap / (tl.exp2(s * (TWO_LOG2E / cap)) + 1.0)
 
 
 # ----------------------------------------------------------------------------- host side

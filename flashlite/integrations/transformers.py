@@ -63,10 +63,11 @@ def attention_forward(
             (cut to Lk): bool True = keep, or float additive.
         scaling: the score scale; default ``1 / sqrt(D)``.
         dropout: must be 0.0 (flashlite has no attention dropout).
-        **kwargs: ``s_aux`` (gpt-oss's attention sinks, (H,)) goes to
-            ``flash_attention``'s ``sinks``; ``softcap`` and ``position_bias`` are
-            not supported and raise when set; the rest (``sliding_window``, whose
-            window the mask already holds, cache details) are ignored.
+        **kwargs: ``s_aux`` (gpt-oss's attention sinks, (H,)) and ``softcap``
+            (Gemma-2's logit softcapping) go to ``flash_attention``'s ``sinks`` and
+            ``softcap``; ``position_bias`` is not supported and raises when set;
+            the rest (``sliding_window``, whose window the mask already holds,
+            cache details) are ignored.
 
     Returns:
         ``(attn_output, None)``: attn_output (B, Lq, H, D) contiguous, in query's dtype;
@@ -74,7 +75,7 @@ def attention_forward(
     """
     if dropout:
         raise ValueError(f"dropout={dropout} is not supported by flashlite's attention (set attention_dropout=0.0)")
-    for name in ("softcap", "position_bias"):
+    for name in ("position_bias",):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} is not supported by attn_implementation={NAME!r}; use 'eager' or 'sdpa'")
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
@@ -94,7 +95,7 @@ def attention_forward(
             # flashlite aligns causal bottom-right, so drop the unused slots, as transformers' SDPA path does.
             key, value = key[:, :, :seqlen_q], value[:, :, :seqlen_q]
     out = flash_attention(query, key, value, causal=causal, scale=scaling, attn_mask=attention_mask,
-                          sinks=kwargs.get("s_aux"))  # (B, H, Lq, D)
+                          softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))  # (B, H, Lq, D)
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D)
 
 
