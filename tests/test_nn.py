@@ -188,3 +188,19 @@ def test_learnable_sinks():
     out.sum().backward()
     assert layer.sinks.grad is not None and (layer.sinks.grad != 0).all()
     assert MultiheadAttention(32, 2).sinks is None
+
+
+def test_softcap_option():
+    layer = MultiheadAttention(32, 2, causal=True, softcap=2.0)
+    with torch.no_grad():
+        layer.qkv.weight.mul_(10.0)  # scores of several units: the cap bends them
+    x = torch.randn(1, 7, 32)
+    q, k, v = (t.view(1, 7, 2, 16).transpose(1, 2) for t in layer.qkv(x).split([32, 32, 32], dim=-1))
+    from flashlite import flash_attention
+
+    expected = layer.out_proj(flash_attention(q, k, v, causal=True, softcap=2.0).transpose(1, 2).reshape(1, 7, 32))
+    torch.testing.assert_close(layer(x), expected)
+    uncapped = layer.out_proj(flash_attention(q, k, v, causal=True).transpose(1, 2).reshape(1, 7, 32))
+    assert (layer(x) - uncapped).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="softcap"):
+        MultiheadAttention(32, 2, softcap=0.0)
