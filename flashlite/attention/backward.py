@@ -138,7 +138,7 @@ def _probs_and_score_grads(
     final states (``_load_row_stats``). With ``MASKED``, positions that do not
     count (bounds, causal, the user's mask) get ``P = 0``; without it every pair
     must count, and the scale folds into the exponential, as in the forward.
-    With ``HAS_SOFTCAP`` (masked tiles only) the logits are ``c · tanh(s / c)``
+    With ``HAS_SOFTCAP`` the logits are ``c · tanh(s / c)``
     (``soft_cap``), so ``dS_scores = dS · (1 - tanh²)``.
     """
     if KEYS_ON_ROWS:
@@ -149,15 +149,16 @@ def _probs_and_score_grads(
         s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
         dp = dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST_DOTS)
         query_m, query_logd2, query_delta = row_m[:, None], row_logd2[:, None], delta[:, None]
-    if MASKED:
+    if MASKED or HAS_SOFTCAP:
         s = s * qk_scale
         if HAS_SOFTCAP:
             s = soft_cap(s, softcap)
             tanh = s / softcap
-        s = apply_masks(
-            s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
-            IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY, KEYS_ON_ROWS,
-        )
+        if MASKED:
+            s = apply_masks(
+                s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
+                IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY, KEYS_ON_ROWS,
+            )
         if UNITS == BASE2_UNITS:
             p = tl.exp2(s - query_m)
         else:  # the difference to m first, then log2(e): a bias of any finite size keeps its precision
@@ -337,7 +338,7 @@ def _attention_bwd_dkdv_kernel(
     else:
         query_begin = 0
         full_begin = 0
-    if HAS_MASK or HAS_SOFTCAP or (ATOMIC_DQ and n_start + BLOCK_N > seqlen_k):  # every tile masked
+    if HAS_MASK or (ATOMIC_DQ and n_start + BLOCK_N > seqlen_k):  # every tile masked (see _dkdv_over_query_tiles)
         full_begin = query_tiles_end
 
     for g in range(0, kv_group):  # every query head that reads this K/V head
@@ -361,7 +362,7 @@ def _attention_bwd_dkdv_kernel(
             BLOCK_M, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
             EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
         )
-        if not (HAS_MASK or HAS_SOFTCAP):
+        if not HAS_MASK:
             dk, dv = _dkdv_over_query_tiles(
                 dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
                 stride_qm, stride_dom, dq_dst, stride_dqm, full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim,
@@ -428,8 +429,8 @@ def _attention_bwd_dq_kernel(
 
     # Key ranges as the forward's: [0, full_end) full tiles, [full_end, key_end) masked ones.
     full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
-                                   BLOCK_N, IS_CAUSAL, HAS_MASK or HAS_SOFTCAP)
-    if not (HAS_MASK or HAS_SOFTCAP):
+                                   BLOCK_N, IS_CAUSAL, HAS_MASK)
+    if not HAS_MASK:
         dq = _dq_over_key_tiles(
             dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
             seqlen_k, 0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,

@@ -104,8 +104,8 @@ def attend_kv_tiles(
     through ``apply_masks`` (bounds, causal, the user's mask) and its K/V rows are
     bounds-checked; without it every key of the range must count for every row
     (base-2 units only), and the scale is folded into the exponential. With
-    ``HAS_SOFTCAP`` (masked tiles only) the scaled scores go through
-    ``soft_cap(s, softcap)`` first, ``softcap`` in the logits' units.
+    ``HAS_SOFTCAP`` the scaled scores go through ``soft_cap(s, softcap)``
+    first, ``softcap`` in the logits' units.
     ``k_src``/``v_src`` are the (batch, kv head)'s base pointers, or with
     ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``).
     Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
@@ -124,6 +124,8 @@ def attend_kv_tiles(
                 IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY,
             )
             m, d, p, alpha = online_update(m, d, s, UNITS)
+        elif HAS_SOFTCAP:  # base-2 logits (no additive mask on unmasked tiles)
+            m, d, p, alpha = online_update(m, d, soft_cap(s * qk_scale, softcap), UNITS)
         else:
             m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
         v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, USE_TMA)
@@ -181,15 +183,14 @@ def attention_fwd_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
         # [0, full_end): tiles every row of this query tile sees whole; [full_end, key_end): masked tiles.
-        # With a user mask or a softcap every tile is masked (full_end = 0).
         full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
-                                       BLOCK_N, IS_CAUSAL, HAS_MASK or HAS_SOFTCAP)
-        if not (HAS_MASK or HAS_SOFTCAP):
+                                       BLOCK_N, IS_CAUSAL, HAS_MASK)
+        if not HAS_MASK:  # with a user mask every tile is masked (full_end = 0)
             acc, m, d = attend_kv_tiles(
                 acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
                 0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
                 BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-                EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS,
+                EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
             )
         acc, m, d = attend_kv_tiles(
             acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,

@@ -136,7 +136,7 @@ def _split_kv_kernel(
 
     # The tile's keys: [0, full_end) seen whole by every row (none under a user mask), up to key_end seen by some.
     full_end, key_end = key_ranges(tl.min(q_idx, axis=0), tl.max(tl.where(valid, q_idx, 0), axis=0),
-                                   seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK or HAS_SOFTCAP)
+                                   seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK)
     # This split's share (module docstring): [key_start, key_stop), its full tiles up to key_mid.
     tiles_per_split = tl.cdiv(tl.cdiv(key_end, BLOCK_N), n_splits)
     key_start = split * tiles_per_split * BLOCK_N
@@ -145,12 +145,12 @@ def _split_kv_kernel(
 
     m, d = empty_state(BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
-    if not (HAS_MASK or HAS_SOFTCAP):  # (with either, full_end = 0 makes key_mid = key_start: every tile masked)
+    if not HAS_MASK:  # (with it, full_end = 0 makes key_mid = key_start: every tile masked)
         acc, m, d = attend_kv_tiles(
             acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
             key_start, key_mid, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, False, DOT_PRECISION, UPCAST_DOTS,
+            EVEN_D, False, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
         )
     acc, m, d = attend_kv_tiles(
         acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
