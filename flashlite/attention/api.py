@@ -265,8 +265,8 @@ def flash_attention(
     fp16/bf16 compute in fp32 with P rounded to the input dtype, like
     FlashAttention; fp32 uses IEEE fp32 dots (slow, accurate to ~1e-6).
 
-    Differentiable (``flashlite.attention.backward``, FlashAttention-2 style,
-    deterministic): gradients of q, k, v (dk/dv summed over each GQA group), of
+    Differentiable (``flashlite.attention.backward``, FlashAttention-2 style; on a
+    GPU two passes, bitwise repeatable, see ``attention_backward``): gradients of q, k, v (dk/dv summed over each GQA group), of
     a float ``attn_mask`` that requires grad (summed over its broadcast dims;
     this materialises one (B, H, Lq, Lk) fp32 buffer), and through the returned
     ``lse``. A boolean mask has no gradient. The split-K/V path (``num_splits``
