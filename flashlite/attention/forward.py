@@ -133,6 +133,35 @@ def attend_kv_tiles(
     return acc, m, d
 
 
+@triton.jit
+def attend_key_range(
+    acc, m, d, q, q_idx, qk_scale,
+    k_src, v_src, stride_kn, stride_vn,
+    key_start, key_mid, key_stop, seqlen_q, seqlen_k, head_dim,
+    mask_ptr, stride_mask_q, stride_mask_k,
+    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, UNITS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
+    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    softcap, HAS_SOFTCAP: tl.constexpr,
+):
+    """``attend_kv_tiles`` over keys ``[key_start, key_stop)``: ``[key_start, key_mid)`` seen whole by every row
+    (no mask arithmetic; under a user mask ``key_mid`` must be ``key_start``, and that part is not built), then
+    ``[key_mid, key_stop)`` masked. The forward and split-K/V kernels' walk over their keys."""
+    if not HAS_MASK:
+        acc, m, d = attend_kv_tiles(
+            acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn,
+            key_start, key_mid, seqlen_q, seqlen_k, head_dim, mask_ptr, stride_mask_q, stride_mask_k,
+            BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+        )
+    return attend_kv_tiles(
+        acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn,
+        key_mid, key_stop, seqlen_q, seqlen_k, head_dim, mask_ptr, stride_mask_q, stride_mask_k,
+        BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+        EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+    )
+
+
 @triton.jit(do_not_specialize=["tune_bucket", "tune_mask_layout"])
 def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, mask_ptr,
@@ -182,20 +211,14 @@ def attention_fwd_kernel(
         m, d = empty_state(BLOCK_M)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
-        # [0, full_end): tiles every row of this query tile sees whole; [full_end, key_end): masked tiles.
+        # [0, full_end): tiles every row of this query tile sees whole (none under a user mask: full_end = 0);
+        # [full_end, key_end): masked tiles.
         full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
                                        BLOCK_N, IS_CAUSAL, HAS_MASK)
-        if not HAS_MASK:  # with a user mask every tile is masked (full_end = 0)
-            acc, m, d = attend_kv_tiles(
-                acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
-                0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-                BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-                EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
-            )
-        acc, m, d = attend_kv_tiles(
+        acc, m, d = attend_key_range(
             acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
-            full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-            BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            0, full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
+            BLOCK_N, HEAD_DIM_PADDED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
             EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
         )
 

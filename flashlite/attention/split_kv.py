@@ -65,7 +65,7 @@ from ..core.online_softmax import (
     empty_state, merge_accumulators, merge_partial_accumulators, normalize, state_logsumexp,
 )
 from ..core.runtime import compiled_launcher, device_info, launch
-from .forward import attend_kv_tiles, positive_scale
+from .forward import attend_key_range, positive_scale
 from .plan import default_config, head_dim_padded, kv_loop_flags, logit_units, qk_scale_for
 from .tuning import AttentionConfig
 
@@ -145,17 +145,11 @@ def _split_kv_kernel(
 
     m, d = empty_state(BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
-    if not HAS_MASK:  # (with it, full_end = 0 makes key_mid = key_start: every tile masked)
-        acc, m, d = attend_kv_tiles(
-            acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
-            key_start, key_mid, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-            BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, False, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
-        )
-    acc, m, d = attend_kv_tiles(
+    # (Under a user mask full_end = 0 makes key_mid = key_start: every tile masked.)
+    acc, m, d = attend_key_range(
         acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
-        key_mid, key_stop, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-        BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+        key_start, key_mid, key_stop, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
+        BLOCK_N, HEAD_DIM_PADDED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
         EVEN_D, False, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
     )
 
