@@ -568,13 +568,14 @@ def attention_backward(
         deterministic = torch.are_deterministic_algorithms_enabled()
     one_pass = not (deterministic or mask_needs_grad) and (not q.is_cuda or tuning.ONE_PASS_ON_GPU)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    if one_pass:  # fp32 sums of every key tile's share; rounded to q's dtype once, at the end
-        dq_acc = torch.zeros_like(q, dtype=torch.float32)  # q's memory order, so dQ has it too
+    if not mask_needs_grad:  # δ = rowsum(dO ⊙ O) - dLSE (with a mask's gradient: the dQ kernel's pass, below)
         launch(
             _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, tuning.DELTA_BLOCK_M) * bh,),
             (o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim),
             BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
         )
+    if one_pass:  # fp32 sums of every key tile's share; rounded to q's dtype once, at the end
+        dq_acc = torch.zeros_like(q, dtype=torch.float32)  # q's memory order, so dQ has it too
         _launch_dkdv(config.one_pass, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, mask_strides, common, meta)
         return dq_acc.to(q.dtype), dk, dv, None
     dq = torch.empty_like(q)
@@ -591,11 +592,6 @@ def attention_backward(
                DELTA_PASS=True, **dq_meta)
         ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
     else:
-        launch(
-            _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, tuning.DELTA_BLOCK_M) * bh,),
-            (o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim),
-            BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
-        )
         ds = None
     _launch_dkdv(config.dkdv, q, k, v, do, stats, delta, dk, dv, None, mask, mask_strides, common, meta)
     launch(_attention_bwd_dq_kernel, dq_grid,
