@@ -31,9 +31,9 @@ def main() -> int:
     parser.add_argument("--log", default=None, help="also write the summary here")
     parser.add_argument("--shard-logs", default=None, help="keep each shard's full output in this folder")
     parser.add_argument("paths", nargs="*", default=["tests"])
-    args = parser.parse_args()
+    args, options = parser.parse_known_args()  # options (-k, -x, ...) go to every pytest run
 
-    ids = collect(args.paths)
+    ids = collect([*args.paths, *options])
     if not ids:
         print("no gpu tests collected")
         return 1
@@ -42,7 +42,8 @@ def main() -> int:
     os.makedirs(folder, exist_ok=True)
     logs = [open(os.path.join(folder, f"shard{i}.log"), "w+") for i in range(len(shards))]
     start = time.time()
-    procs = [subprocess.Popen([*PYTEST, *shard], stdout=log, stderr=subprocess.STDOUT) for shard, log in zip(shards, logs)]
+    procs = [subprocess.Popen([*PYTEST, *options, *shard], stdout=log, stderr=subprocess.STDOUT)
+             for shard, log in zip(shards, logs)]
     for proc in procs:
         try:
             proc.wait(timeout=max(1.0, args.timeout - (time.time() - start)))
