@@ -72,6 +72,14 @@ def variants_table(data: dict) -> str:
                    "variant fwd+bwd", "× plain", "× Flex"], rows)
 
 
+def window_table(data: dict) -> str:
+    rows = [[r["L"], r["B"], r["full_causal_fwd"], r["fwd"], _ratio(r["x_full_fwd"]), _ratio(r.get("x_flex_fwd")),
+             r["full_causal_fwdbwd"], r["fwdbwd"], _ratio(r["x_full_fwdbwd"]), _ratio(r.get("x_flex_fwdbwd")),
+             f"{r['extra_mib']:.0f} / {r['output_lse_mib']:.0f}"] for r in data["rows"]]
+    return _table(["L", "B", "full causal fwd", "window fwd", "× full", "× Flex", "full causal fwd+bwd",
+                   "window fwd+bwd", "× full", "× Flex", "peak extra / o+lse MiB"], rows)
+
+
 def _ratio(value) -> str:
     return f"{value:.2f}" if value else "—"
 
@@ -122,6 +130,8 @@ SECTIONS = [
      "--head-dims 96 192 256 --lengths 4096`): TFLOP/s", backward_table),
     ("variants", "Attention variants (`bench/variants.py`): TFLOP/s against the plain call and FlexAttention, bf16, "
      "causal, H = 32, H_kv = 8", variants_table),
+    ("variants_window", "Sliding window (`bench/variants.py --window`): causal, 4096 keys, D = 128, TFLOP/s on the "
+     "visible pairs, bf16, H = 32, H_kv = 8, B·L = 128K", window_table),
     ("training", "Training steps (`bench/training.py`): tokens/s, bf16, same model, data and weights", training_table),
     ("masked_softmax", "Masked softmax (`bench/masked_softmax.py`): effective GB/s", masked_table),
     ("decode", "Decoding (`bench/decode.py --quick`): Lq = 1, bf16, H = 32, D = 128, K/V GB/s, eager", decode_table),

@@ -1,6 +1,7 @@
 """Attention variants against plain attention and FlexAttention on the same inputs (issue 33's targets).
 
     python bench/variants.py [--lengths 4096 16384] [--head-dims 64 128] [--no-flex] [--out DIR]
+    python bench/variants.py --window [--window-lengths 8192 32768 131072] [--out DIR]
 
 bf16, H = 32 with 8 K/V heads, B·L = 32K tokens, causal; forward and forward+backward TFLOP/s as
 bench/attention.py counts them (visible pairs). Variants:
@@ -9,7 +10,13 @@ bench/attention.py counts them (visible pairs). Variants:
 * ``softcap``: ``50 · tanh(s / 50)`` (Gemma-2's value) in the kernels' masked tiles; targets >= 0.85x plain and
   >= 1.0x FlexAttention (``torch.compile(flex_attention)`` with the same ``score_mod`` and a causal block mask).
 
-Writes ``variants.{json,md}``.
+* ``window`` (``--window``): a causal sliding window of 4096 keys (Mistral's), D = 128, B·L = 128K tokens,
+  L from 8K to 128K; TFLOP/s counted on the visible pairs only. Targets: >= 0.9x flashlite's full causal
+  TFLOP/s at the same L and >= 1.0x FlexAttention (the same window as a block mask); SDPA's
+  memory-efficient backend with the window materialised as a boolean (L, L) mask where it fits (L <= 16K).
+  Also the peak memory of a windowed forward beyond its inputs, against its output and LSE.
+
+Writes ``variants.{json,md}`` (``variants_window.{json,md}`` with ``--window``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from common import environment, markdown_table, results_dir, tflops, time_ms, wr
 
 HEADS, KV_HEADS, TOKENS = 32, 8, 32768
 SOFTCAP = 50.0
+WINDOW, WINDOW_HEAD_DIM, WINDOW_TOKENS, SDPA_MASK_MAX_L = 4096, 128, 131072, 16384
 
 
 def flex_softcap(length: int):
@@ -43,6 +51,23 @@ def flex_softcap(length: int):
         return SOFTCAP * torch.tanh(score / SOFTCAP)
 
     return lambda q, k, v: compiled(q, k, v, score_mod=softcap, block_mask=block_mask, enable_gqa=True)
+
+
+def flex_window(length: int, window: int):
+    """FlexAttention with a causal sliding-window block mask (tiles outside it skipped), compiled; or None."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    compiled = torch.compile(flex_attention)
+    block_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= window), None, None, length, length)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def visible_pairs(length: int, window: int) -> int:
+    """(query, key) pairs a causal window of ``window`` keys before the diagonal leaves: query i sees min(i, W) + 1."""
+    full = min(length, window + 1)
+    return full * (full + 1) // 2 + (length - full) * (window + 1)
 
 
 def measure(fn, inputs, do, flops: float) -> tuple[float | None, float | None]:
@@ -61,13 +86,71 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
+def window_main(args) -> None:
+    """The sliding-window rows: flashlite windowed vs its full causal, FlexAttention and SDPA (masked)."""
+    import torch.nn.functional as F
+
+    rows = []
+    head_dim = WINDOW_HEAD_DIM
+    for length in args.window_lengths:
+        batch = max(1, WINDOW_TOKENS // length)
+        q = torch.randn(batch, HEADS, length, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(batch, KV_HEADS, length, head_dim, device="cuda", dtype=torch.bfloat16,
+                            requires_grad=True) for _ in range(2))
+        do = torch.randn_like(q)
+        full_flops = 4.0 * batch * HEADS * length * length * head_dim / 2
+        flops = 4.0 * batch * HEADS * visible_pairs(length, WINDOW) * head_dim
+        full = measure(lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True), (q, k, v), do, full_flops)
+        mine = measure(lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True, window_size=(WINDOW, 0)),
+                       (q, k, v), do, flops)
+        flex = None if args.no_flex else flex_window(length, WINDOW)
+        theirs = measure(flex, (q, k, v), do, flops) if flex is not None else (None, None)
+        sdpa = (None, None)
+        if length <= SDPA_MASK_MAX_L:
+            i = torch.arange(length, device="cuda")
+            keep = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] <= WINDOW)
+            sdpa = measure(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True),
+                           (q, k, v), do, flops)
+        with torch.no_grad():  # peak memory of one windowed forward beyond its inputs
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            out, lse = flashlite.flash_attention(q, k, v, causal=True, window_size=(WINDOW, 0), return_lse=True)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - before
+            output_bytes = out.numel() * out.element_size() + lse.numel() * lse.element_size()
+            del out, lse
+        row = dict(variant="window", D=head_dim, L=length, B=batch, window=WINDOW, full_causal_fwd=full[0],
+                   fwd=mine[0], x_full_fwd=ratio(mine[0], full[0]), flex_fwd=theirs[0],
+                   x_flex_fwd=ratio(mine[0], theirs[0]), sdpa_mask_fwd=sdpa[0], full_causal_fwdbwd=full[1],
+                   fwdbwd=mine[1], x_full_fwdbwd=ratio(mine[1], full[1]), flex_fwdbwd=theirs[1],
+                   x_flex_fwdbwd=ratio(mine[1], theirs[1]), sdpa_mask_fwdbwd=sdpa[1],
+                   extra_mib=extra / 2**20, output_lse_mib=output_bytes / 2**20)
+        rows.append(row)
+        print(row, flush=True)
+        torch._dynamo.reset()  # one compiled FlexAttention per length; free its caches before the next
+    cols = ["variant", "D", "L", "B", "window", "full_causal_fwd", "fwd", "x_full_fwd", "flex_fwd", "x_flex_fwd",
+            "sdpa_mask_fwd", "full_causal_fwdbwd", "fwdbwd", "x_full_fwdbwd", "flex_fwdbwd", "x_flex_fwdbwd",
+            "sdpa_mask_fwdbwd", "extra_mib", "output_lse_mib"]
+    write_results("variants_window", results_dir(args.out), environment() | {
+        "heads": HEADS, "kv_heads": KV_HEADS, "causal": True, "dtype": "bfloat16", "window": WINDOW,
+        "tokens": WINDOW_TOKENS, "flops": "visible pairs only"}, rows, cols,
+        "Causal sliding window (4096) against full causal, FlexAttention and SDPA, TFLOP/s on visible pairs")
+    print(markdown_table(rows, cols))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a minute)")
+    parser.add_argument("--window", action="store_true", help="the sliding-window rows instead (variants_window)")
+    parser.add_argument("--window-lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.window:
+        window_main(args)
+        return
     rows = []
     for head_dim in args.head_dims:
         for length in args.lengths:

@@ -26,7 +26,7 @@ from torch import nn
 
 from .attention.api import flash_attention
 from .attention.tuning import MAX_HEAD_DIM, MIN_HEAD_DIM
-from .core.checks import check_flag, check_softcap
+from .core.checks import check_flag, check_softcap, check_window_size
 
 __all__ = ["MultiheadAttention"]
 
@@ -54,6 +54,9 @@ class MultiheadAttention(nn.Module):
         bias: biases in both projections.
         softcap: None, or a float > 0: logit softcapping, ``softcap · tanh(s / softcap)``
             of the scaled scores (``flash_attention``'s ``softcap``, as Gemma-2).
+        window_size: None, or ``(left, right)`` ints >= -1: a sliding window
+            (``flash_attention``'s ``window_size``; with ``causal``, ``(W, 0)`` is
+            Mistral's window of W keys before each query).
         sinks: learnable attention sinks (``self.sinks``, (H,), zeros at first): one
             extra logit per head in every row's softmax, with a zero value vector
             (``flash_attention``'s ``sinks``, as gpt-oss).
@@ -64,7 +67,8 @@ class MultiheadAttention(nn.Module):
 
     def __init__(
         self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, causal: bool = False,
-        bias: bool = True, softcap: float | None = None, sinks: bool = False, dropout: float = 0.0,
+        bias: bool = True, softcap: float | None = None, window_size: tuple[int, int] | None = None,
+        sinks: bool = False, dropout: float = 0.0,
         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
@@ -99,11 +103,13 @@ class MultiheadAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
         self.softcap = check_softcap(softcap)
+        self.window_size = check_window_size(window_size)
 
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"causal={self.causal}, softcap={self.softcap}, sinks={self.sinks is not None}"
+            f"causal={self.causal}, softcap={self.softcap}, window_size={self.window_size}, "
+            f"sinks={self.sinks is not None}"
         )
 
     def forward(
@@ -147,7 +153,7 @@ class MultiheadAttention(nn.Module):
         k = rearrange(k, "b l (h d) -> b h l d", h=self.num_kv_heads)  # (B, H_kv, Lk, D)
         v = rearrange(v, "b l (h d) -> b h l d", h=self.num_kv_heads)  # (B, H_kv, Lk, D)
         o = flash_attention(q, k, v, causal=self.causal, attn_mask=mask, softcap=self.softcap,
-                            sinks=self.sinks)  # (B, H, Lq, D)
+                            window_size=self.window_size, sinks=self.sinks)  # (B, H, Lq, D)
         o = rearrange(o, "b h l d -> b l (h d)")  # (B, Lq, E); a view when o is in (B, L, H, D) order
         return self.out_proj(o)
 

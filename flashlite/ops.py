@@ -7,7 +7,7 @@ each of which the graph keeps as one opaque node:
 
 * ``flashlite::softmax(x, dim, algorithm, dtype)`` and ``flashlite::logsumexp(x, dim)``;
 * ``flashlite::masked_softmax(x, mask, scale, causal, dim, algorithm)``;
-* ``flashlite::flash_attention(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens, softcap)
+* ``flashlite::flash_attention(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens, softcap, window)
   -> (o, lse, row_stats)`` (row_stats: what the backward of an additive mask needs,
   ``attention.forward_for_backward``; empty otherwise);
 
@@ -222,27 +222,28 @@ def _keeps_row_stats(attn_mask: torch.Tensor | None, num_splits: int | None, cac
 @torch.library.custom_op(
     "flashlite::flash_attention", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? attn_mask, int? num_splits, "
-           "Tensor? cache_seqlens, float? softcap=None) -> (Tensor, Tensor, Tensor)",
+           "Tensor? cache_seqlens, float? softcap=None, int[]? window=None) -> (Tensor, Tensor, Tensor)",
 )
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                      attn_mask: torch.Tensor | None, num_splits: int | None,
-                     cache_seqlens: torch.Tensor | None,
-                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     cache_seqlens: torch.Tensor | None, softcap: float | None = None,
+                     window: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window = None if window is None else tuple(window)  # attention.plan.visibility's (left, right)
     q, k, v = (unit_stride_head_dim(t) for t in (q, k, v))
     batch, n_heads, seqlen_q, _ = q.shape
     row_stats = None
     if not runs_kernels(q) or batch * n_heads * seqlen_q == 0 or k.shape[2] == 0:
-        o, lse = attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens, softcap)
+        o, lse = attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens, softcap, window)
         o, lse = torch.empty_like(q).copy_(o), lse.contiguous()
     else:
         mask, mask_is_bool = _attention_mask(attn_mask, q, k)
         if num_splits is None:
             num_splits = auto_num_splits(q, k, mask)
         if num_splits == 1 and cache_seqlens is None:
-            o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool, softcap)
+            o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool, softcap, window)
         else:
             o, lse = split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, True, num_splits, cache_seqlens,
-                                      softcap=softcap)
+                                      softcap=softcap, window=window)
     # The fake's contract, whatever path ran: (2, B, H, Lq) under an additive mask, else empty.
     if not _keeps_row_stats(attn_mask, num_splits, cache_seqlens):
         row_stats = q.new_empty((0,), dtype=torch.float32)
@@ -252,7 +253,7 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 
 @_flash_attention.register_fake
-def _(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens, softcap=None):
+def _(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens, softcap=None, window=None):
     o = torch.empty_like(unit_stride_head_dim(q))  # q's memory order, as attention_forward allocates it
     keeps = _keeps_row_stats(attn_mask, num_splits, cache_seqlens)
     row_stats = q.new_empty((2, *q.shape[:3]) if keeps else (0,), dtype=torch.float32)
@@ -262,32 +263,36 @@ def _(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens, softcap=None
 @torch.library.custom_op(
     "flashlite::flash_attention_backward", mutates_args=(),
     schema="(Tensor do, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor row_stats, "
-           "bool causal, float scale, Tensor? attn_mask, bool mask_needs_grad, float? softcap=None) "
-           "-> (Tensor, Tensor, Tensor, Tensor)",
+           "bool causal, float scale, Tensor? attn_mask, bool mask_needs_grad, float? softcap=None, "
+           "int[]? window=None) -> (Tensor, Tensor, Tensor, Tensor)",
 )
 def _flash_attention_bwd(
     do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o: torch.Tensor, lse: torch.Tensor, row_stats: torch.Tensor, causal: bool, scale: float,
     attn_mask: torch.Tensor | None, mask_needs_grad: bool, softcap: float | None = None,
+    window: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dmask)``; dmask is the fp32 gradient of ``attn_mask`` in its shape, or empty when not asked.
     ``row_stats`` is empty or the forward's ``(m, log d)``."""
+    window = None if window is None else tuple(window)
     do, q, k, v, o = (unit_stride_head_dim(t) for t in (do, q, k, v, o))
     batch, n_heads, seqlen_q, _ = q.shape
     if not runs_kernels(q) or batch * n_heads * seqlen_q == 0 or k.shape[2] == 0:
-        return _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad, softcap)
+        return _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad, softcap, window)
     mask, mask_is_bool = _attention_mask(attn_mask, q, k)
     dq, dk, dv, ds = attention_backward(do, q, k, v, o, lse, dlse, causal, scale, mask, mask_is_bool,
                                         mask_needs_grad=mask_needs_grad,
-                                        row_stats=row_stats if row_stats.numel() else None, softcap=softcap)
+                                        row_stats=row_stats if row_stats.numel() else None, softcap=softcap,
+                                        window=window)
     return dq, dk, dv, _mask_grad(ds, attn_mask, q.device)
 
 
-def _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad, softcap):
+def _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad, softcap, window):
     """The gradients of the PyTorch path by ``torch.func.vjp`` (plain autograd does not record below the
     dispatcher's autograd layer, where op implementations run)."""
     def attend(q, k, v, bias):
-        return attention_torch(q, k, v, causal, scale, bias if mask_needs_grad else attn_mask, softcap=softcap)
+        return attention_torch(q, k, v, causal, scale, bias if mask_needs_grad else attn_mask, softcap=softcap,
+                               window=window)
 
     bias = attn_mask if mask_needs_grad else q.new_empty((0,))
     (o, lse), vjp = torch.func.vjp(attend, q, k, v, bias)
@@ -305,13 +310,13 @@ def _mask_grad(dmask: torch.Tensor | None, attn_mask: torch.Tensor | None, devic
 
 
 @_flash_attention_bwd.register_fake
-def _(do, dlse, q, k, v, o, lse, row_stats, causal, scale, attn_mask, mask_needs_grad, softcap=None):
+def _(do, dlse, q, k, v, o, lse, row_stats, causal, scale, attn_mask, mask_needs_grad, softcap=None, window=None):
     dq, dk, dv = (torch.empty_like(unit_stride_head_dim(t)) for t in (q, k, v))
     return dq, dk, dv, q.new_empty(attn_mask.shape if mask_needs_grad else (0,), dtype=torch.float32)
 
 
 def _flash_attention_setup(ctx, inputs, output) -> None:
-    q, k, v, ctx.causal, ctx.scale, attn_mask, num_splits, cache_seqlens, ctx.softcap = inputs
+    q, k, v, ctx.causal, ctx.scale, attn_mask, num_splits, cache_seqlens, ctx.softcap, ctx.window = inputs
     ctx.split = num_splits not in (None, 1) or cache_seqlens is not None
     ctx.save_for_backward(q, k, v, *output, attn_mask)
 
@@ -322,9 +327,10 @@ def _flash_attention_grad(ctx, do, dlse, _drow_stats):
     q, k, v, o, lse, row_stats, attn_mask = ctx.saved_tensors
     mask_needs_grad = ctx.needs_input_grad[5]
     dq, dk, dv, ds = torch.ops.flashlite.flash_attention_backward(
-        do, dlse, q, k, v, o, lse, row_stats, ctx.causal, ctx.scale, attn_mask, mask_needs_grad, ctx.softcap)
+        do, dlse, q, k, v, o, lse, row_stats, ctx.causal, ctx.scale, attn_mask, mask_needs_grad, ctx.softcap,
+        ctx.window)
     dmask = ds.to(attn_mask.dtype) if mask_needs_grad else None
-    return dq, dk, dv, None, None, dmask, None, None, None
+    return dq, dk, dv, None, None, dmask, None, None, None, None
 
 
 _flash_attention.register_autograd(_flash_attention_grad, setup_context=_flash_attention_setup)

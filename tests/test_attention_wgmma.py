@@ -95,10 +95,14 @@ def test_attention_forward_dispatch(monkeypatch):
     """Eligible calls without forced tiles go to the Hopper kernel with their own arguments; forced tiles never do."""
     calls = []
     monkeypatch.setattr(api, "wgmma_eligible", lambda q, k, v, has_mask, scale: not has_mask)
-    monkeypatch.setattr(api, "attention_forward_hopper", lambda *args: calls.append(args) or ("o", "lse"))
+    monkeypatch.setattr(api, "attention_forward_hopper",
+                        lambda *args, **kw: calls.append((*args, kw["window"], kw["softcap"])) or ("o", "lse"))
     q, k, v = _qkv(64, torch.float32, 17, 33, kv_heads=4)
     assert api.attention_forward(q, k, v, True, 0.5, None, False, True) == ("o", "lse")
-    assert calls == [(q, k, v, True, 0.5, True)]
+    assert calls == [(q, k, v, True, 0.5, True, None, None)]
+    api.attention_forward(q, k, v, False, 0.5, None, False, True, window=(8, 0), softcap=3.0)  # these go there too
+    assert calls[-1] == (q, k, v, False, 0.5, True, (8, 0), 3.0)
+    calls.pop()
     out, _ = api.attention_forward(q, k, v, True, 0.5, None, False, False, tuning.INTERPRETER_CONFIG)
     assert len(calls) == 1 and out.shape == q.shape  # forced tiles: the tl kernel
     mask = torch.ones(2, 4, 17, 33, dtype=torch.uint8)
@@ -137,7 +141,8 @@ def test_descriptor_matches_a_checked_one():
         assert mine is theirs if field.name == "base" else mine == theirs, field.name
 
 
-def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool, write_lse: bool):
+def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool, write_lse: bool,
+                        has_window: bool = False, has_softcap: bool = False):
     """The kernel ``config`` selects, built for sm_90 from CPU (the types a launch on Hopper would give)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -147,7 +152,7 @@ def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool,
     descs = {name: fw._gluon_descriptor(t, rows, head_dim)
              for name, rows in (("q_desc", config.block_m), ("k_desc", config.block_n), ("v_desc", config.block_n),
                                 ("o_desc", config.block_m))}
-    kernel, meta = fw.kernel_for(config, head_dim, causal, write_lse)  # what a launch passes
+    kernel, meta = fw.kernel_for(config, head_dim, causal, write_lse, has_window, has_softcap)  # a launch's
     options = {name: meta[name] for name in ("num_warps", "maxnreg") if name in meta}
     constants = {name: value for name, value in meta.items() if name != "maxnreg"}
     signature = {}
@@ -157,19 +162,21 @@ def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool,
         elif name in constants:
             signature[name] = "constexpr"
         else:
-            signature[name] = {"lse_ptr": "*fp32", "qk_scale": "fp32"}.get(name, "i32")
+            signature[name] = {"lse_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32"}.get(name, "i32")
     return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options=options)
 
 
 def _build_report(cases: list) -> dict:
-    """For each (head_dim, causal): whether the PTX has wgmma and TMA, its wgmma wait depths, warps and register moves."""
+    """For each (head_dim, causal, window): whether the PTX has wgmma and TMA, its wgmma wait depths, warps and
+    register moves."""
     report = {}
-    for head_dim, causal in cases:
+    for head_dim, causal, window in cases:
         config = plan.wgmma_config(head_dim, causal, 1024)
-        compiled = _compile_for_hopper(config, head_dim, causal, write_lse=causal)
+        compiled = _compile_for_hopper(config, head_dim, causal, write_lse=causal, has_window=window,
+                                       has_softcap=window)  # the window cases also softcap
         ptx = compiled.asm["ptx"]
-        report[f"{head_dim}-{causal}"] = dict(
+        report[f"{head_dim}-{causal}" + ("-window-softcap" if window else "")] = dict(
             warp_specialized=config.warp_specialized, warps=compiled.metadata.num_warps,
             wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
             waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
@@ -184,7 +191,8 @@ def test_kernel_builds_with_products_in_flight():
     runs 12 warps (two softmax warpgroups and a load warp, padded to a warpgroup) and moves registers
     from the load warp to the softmax warpgroups.
     """
-    cases = [(64, False), (64, True), (128, False), (128, True), (256, False), (256, True)]
+    cases = [(64, False, False), (64, True, False), (128, False, False), (128, True, False), (256, False, False),
+             (256, True, False), (128, False, True), (64, False, True)]  # HAS_WINDOW and HAS_SOFTCAP
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json; from tests.test_attention_wgmma import _build_report; print(json.dumps(_build_report({cases})))"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import flashlite
 
-from .utils import assert_attention_close, attention_grads_ref, attention_ref, poison
+from .utils import assert_attention_close, attention_grads_ref, attention_ref, need_memory, poison
 
 pytestmark = pytest.mark.gpu
 
@@ -213,3 +213,67 @@ def test_softcap_on_the_gpu(head_dim):
     args = (q1, k.detach(), v.detach())
     out = flashlite.flash_attention(*args, softcap=5.0, num_splits=4)
     assert_attention_close(out, attention_ref(*args, softcap=5.0), attention_ref(*args, softcap=5.0, dtype=dtype), dtype)
+
+
+WINDOWS = [(True, (256, 0)), (True, (100, 0)), (False, (300, 77)), (False, (-1, 40)), (True, (16, 0))]
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_window_on_the_gpu(head_dim, dtype, backward_path):
+    # Sliding windows on the Hopper forward (its window-skipping K/V loop), the tl forward (under a softcap),
+    # both backward paths and the split-K/V path; windows narrower than a tile, one-sided, Lq != Lk both ways.
+    failures = []
+    for lq, lk in [(1000, 1000), (513, 1100), (1100, 513)]:
+        q = make(2, 6, lq, head_dim, dtype, True)
+        k, v = make(2, 2, lk, head_dim, dtype, True), make(2, 2, lk, head_dim, dtype, True)
+        for causal, window in WINDOWS:
+            for softcap in (None, 20.0):
+                kw = dict(causal=causal, window_size=window, softcap=softcap)
+                try:
+                    poison()
+                    out = flashlite.flash_attention(q, k, v, **kw)
+                    assert_attention_close(out, attention_ref(q, k, v, **kw), attention_ref(q, k, v, dtype=dtype, **kw),
+                                           dtype)
+                    do = torch.randn_like(out)
+                    poison()
+                    grads = torch.autograd.grad(out, (q, k, v), do)
+                    for g, r, t in zip(grads, attention_grads_ref(q, k, v, do, **kw),
+                                       attention_grads_ref(q, k, v, do, dtype=dtype, **kw)):
+                        assert_attention_close(g, r, t, dtype)
+                except AssertionError as err:
+                    failures.append(f"Lq={lq} Lk={lk} {kw}: {err}")
+    # Decoding: ragged cache lengths, split-K/V.
+    q1 = make(3, 8, 1, head_dim, dtype)
+    k1, v1 = make(3, 2, 5000, head_dim, dtype), make(3, 2, 5000, head_dim, dtype)
+    lens = torch.tensor([5000, 1234, 7], device="cuda", dtype=torch.int32)
+    out = flashlite.flash_attention(q1, k1, v1, causal=True, window_size=(1000, 0), cache_seqlens=lens)
+    for b, n in enumerate(lens.tolist()):
+        args = (q1[b:b + 1], k1[b:b + 1, :, :n], v1[b:b + 1, :, :n])
+        kw = dict(causal=True, window_size=(1000, 0))
+        try:
+            assert_attention_close(out[b:b + 1], attention_ref(*args, **kw), attention_ref(*args, dtype=dtype, **kw),
+                                   dtype)
+        except AssertionError as err:
+            failures.append(f"decoding b={b}: {err}")
+    assert not failures, "\n".join(failures)
+
+
+def test_window_at_128k_allocates_only_its_output():
+    # A causal sliding-window call at L = 128K: peak memory beyond the inputs is the output and the LSE.
+    need_memory(8 << 30)
+    q, k, v = (make(1, 8, 131072, 128, torch.bfloat16) for _ in range(3))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, lse = flashlite.flash_attention(q, k, v, causal=True, window_size=(4096, 0), return_lse=True)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= out.numel() * out.element_size() + lse.numel() * 4 + (1 << 20), extra
+    # Spot-check the last rows against float64.
+    rows = slice(131072 - 64, 131072)
+    keys = slice(131072 - 64 - 4096, 131072)
+    args = (q[:, :, rows], k[:, :, keys], v[:, :, keys])
+    kw = dict(causal=True, window_size=(4096, 0))
+    assert_attention_close(out[:, :, rows], attention_ref(*args, **kw), attention_ref(*args, dtype=q.dtype, **kw),
+                           q.dtype)

@@ -204,3 +204,20 @@ def test_softcap_option():
     assert (layer(x) - uncapped).abs().max() > 1e-3
     with pytest.raises(ValueError, match="softcap"):
         MultiheadAttention(32, 2, softcap=0.0)
+
+
+def test_window_size_option():
+    layer = MultiheadAttention(32, 2, causal=True, window_size=(3, 0))
+    x = torch.randn(1, 9, 32)
+    with torch.no_grad():
+        out = layer(x)
+        q, k, v = (t.view(1, 9, 2, 16).transpose(1, 2) for t in layer.qkv(x).split([32, 32, 32], dim=-1))
+        windowed = flashlite.flash_attention(q, k, v, causal=True, window_size=(3, 0))
+        expected = layer.out_proj(windowed.transpose(1, 2).reshape(1, 9, 32))
+        unwindowed = MultiheadAttention(32, 2, causal=True)
+        unwindowed.load_state_dict(layer.state_dict())
+        assert (unwindowed(x) - out).abs().max() > 1e-3
+    torch.testing.assert_close(out, expected)
+    assert "window_size=(3, 0)" in repr(layer)
+    with pytest.raises(ValueError, match="window_size"):
+        MultiheadAttention(32, 2, window_size=(-3, 0))

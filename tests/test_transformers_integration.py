@@ -186,7 +186,7 @@ def tiny_gpt_oss(*implementations: str) -> list[torch.nn.Module]:
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_gpt_oss_sinks_match_eager(padded):
-    # gpt-oss: s_aux (sinks) reaches the kernel; its sliding window comes as the mask transformers builds.
+    # gpt-oss: s_aux (sinks) reaches the kernel; its sliding window as window_size (unpadded) or in the mask.
     flash, eager = tiny_gpt_oss(fl_hf.NAME, "eager")
     ids, mask = batch()
     kw = dict(attention_mask=mask) if padded else {}
@@ -202,7 +202,7 @@ def test_gpt_oss_sinks_match_eager(padded):
 
 def test_gemma2_softcap_matches_eager():
     # Gemma-2: logit softcapping (softcap reaches the kernel), head dim 32 with query_pre_attn_scalar, alternating
-    # sliding-window and full layers (the window comes as the mask transformers builds), plain and padded.
+    # sliding-window and full layers (the window as window_size, or in the mask when padded), plain and padded.
     fl_hf.register()
     config = transformers.Gemma2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -222,3 +222,62 @@ def test_gemma2_softcap_matches_eager():
             logits, logits_eager = flash(ids, **kw).logits, eager(ids, **kw).logits
         real = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
         torch.testing.assert_close(logits[real], logits_eager[real], atol=1e-4, rtol=1e-4)
+
+
+def test_mistral_sliding_window_matches_eager(monkeypatch):
+    # Mistral: every layer a causal sliding window (4 keys: the query and 3 before it) over 12 tokens. Unpadded,
+    # no mask is built: the hook gets None and sliding_window, and passes window_size=(3, 0); padded, the window
+    # is in transformers' boolean mask. Logits against eager, and greedy decoding with a KV cache.
+    fl_hf.register()
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=64,
+    )
+    flash, eager, full = (transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+                          .eval() for impl in (fl_hf.NAME, "eager", "eager"))
+    eager.load_state_dict(flash.state_dict())
+    full.load_state_dict(flash.state_dict())
+    full.config.sliding_window = None  # the same model without its window: the window must change the logits
+    seen = []
+    forward = fl_hf.attention_forward
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        seen.append((attention_mask, kwargs.get("sliding_window")))
+        return forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(fl_hf, "attention_forward", spy)
+    fl_hf.register()
+    ids, mask = batch()
+    for kw in ({}, dict(attention_mask=mask)):
+        seen.clear()
+        with torch.no_grad():
+            logits, logits_eager = flash(ids, **kw).logits, eager(ids, **kw).logits
+        real = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
+        torch.testing.assert_close(logits[real], logits_eager[real], atol=1e-4, rtol=1e-4)
+        assert all(window == 4 for _, window in seen)
+        if not kw:
+            assert all(m is None for m, _ in seen)  # causal + window: no (L, L) mask built
+            with torch.no_grad():
+                assert (full(ids).logits - logits).abs().max() > 1e-3
+    with torch.no_grad():  # greedy decoding with a KV cache past the window: the same tokens
+        out = flash.generate(ids[:1], max_new_tokens=6, do_sample=False)
+        out_eager = eager.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, out_eager)
+    monkeypatch.setattr(fl_hf, "attention_forward", forward)
+    fl_hf.register()
+
+
+def test_window_probe_tells_sliding_from_chunked():
+    from transformers import masking_utils as mu
+
+    sliding = mu.and_masks(mu.sliding_window_overlay(4), mu.causal_mask_function)
+    assert fl_hf.is_sliding_window(sliding, 4)
+    assert not fl_hf.is_sliding_window(sliding, 5)
+    assert not fl_hf.is_sliding_window(mu.causal_mask_function, 4)
+    chunked = getattr(mu, "chunked_causal_mask_function", None)
+    if chunked is not None:
+        try:
+            function = chunked(4, torch.zeros(1, dtype=torch.long))
+        except TypeError:
+            function = chunked(4)
+        assert not fl_hf.is_sliding_window(function, 4)

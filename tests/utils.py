@@ -76,12 +76,13 @@ def masked_softmax_ref(x, mask=None, scale=None, causal=False) -> torch.Tensor:
 
 
 def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch.float64, return_lse=False,
-                  sinks=None, softcap=None):
+                  sinks=None, softcap=None, window_size=None):
     """Attention computed as softmax(q k^T * scale + mask) v in ``dtype``: float64 for the reference, or the input
     dtype for PyTorch's own error, FlashAttention's ``upcast=False``: scores, weights and products each rounded
     to it (softmax's own sums in fp32, as torch does). GQA by repeating K/V heads; empty rows give 0. ``sinks``
     (H,): one more column per row, ``sinks[h]``, in the softmax, dropped before ``P V`` (gpt-oss's eager).
-    ``softcap``: scores ``softcap · tanh(s / softcap)`` before the masks (Gemma-2's eager)."""
+    ``softcap``: scores ``softcap · tanh(s / softcap)`` before the masks (Gemma-2's eager). ``window_size``
+    ``(left, right)``, -1 unbounded: query i sees key j iff ``i + lk - lq - left <= j <= i + lk - lq + right``."""
     h, h_kv = q.shape[1], k.shape[1]
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if h != h_kv:
@@ -95,6 +96,12 @@ def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch
     keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device)  # on the inputs' device: also a GPU reference
     if causal:
         keep = keep.tril(diagonal=lk - lq)
+    if window_size is not None:
+        left, right = window_size
+        if left >= 0:
+            keep = keep & ~torch.ones_like(keep).tril(diagonal=lk - lq - left - 1)
+        if right >= 0:
+            keep = keep & torch.ones_like(keep).tril(diagonal=lk - lq + right)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             keep = keep & attn_mask

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..core.checks import check_flag, check_float_dtype, check_scale, check_softcap
+from ..core.checks import check_flag, check_float_dtype, check_scale, check_softcap, check_window_size
 from ..core.masking import broadcast_mask
 from ..core.runtime import is_compiling, runs_kernels
 from .backward import attention_backward
@@ -23,13 +23,14 @@ from .forward_hopper import attention_forward_hopper, wgmma_eligible
 from .reference import attention_torch
 from .sinks import check_sinks, merge_sinks
 from .split_kv import SplitLaunch, auto_num_splits, check_split_args
+from .plan import visibility
 from .tuning import AttentionConfig, MAX_HEAD_DIM, MIN_HEAD_DIM
 
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool, config: AttentionConfig | None = None,
-    *, row_stats: torch.Tensor | None = None, softcap: float | None = None,
+    *, row_stats: torch.Tensor | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward of checked (B, H, L, D) tensors whose head dim has stride 1, on the kernel that serves it.
 
@@ -38,13 +39,14 @@ def attention_forward(
     small ones to cover the multi-tile paths). Without it, calls the Hopper kernel
     takes (``wgmma_eligible``) go there; the rest run ``forward``. For the backward
     of an additive mask ``row_stats``, a (2, B, H, Lq) fp32 tensor, is filled with
-    each row's ``(m, log d)``. A ``softcap`` runs the ``triton.language`` kernel.
+    each row's ``(m, log d)``. ``softcap``: Gemma-2's logit softcapping. ``window``: a sliding
+    window as ``plan.visibility`` gives it (causal folded in), or None.
     Returns ``(o, lse)``: o like q, lse (B, H, Lq) fp32 natural-log, or None.
     """
-    if config is None and row_stats is None and softcap is None and wgmma_eligible(q, k, v, mask is not None, scale):
-        return attention_forward_hopper(q, k, v, causal, scale, write_lse)
+    if config is None and row_stats is None and wgmma_eligible(q, k, v, mask is not None, scale):
+        return attention_forward_hopper(q, k, v, causal, scale, write_lse, window=window, softcap=softcap)
     return attention_forward_tl(q, k, v, causal, scale, mask, mask_is_bool, write_lse, config, row_stats=row_stats,
-                                softcap=softcap)
+                                softcap=softcap, window=window)
 
 
 def check_inputs(
@@ -97,7 +99,8 @@ ROUTES_KEPT = 256
 _ROUTES: dict = {}
 
 
-def repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_seqlens, softcap=None) -> tuple | None:
+def repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_seqlens, softcap=None,
+               window_size=None) -> tuple | None:
     """The signature under which ``_ROUTES`` keeps the route of an inference call, or None (not kept).
 
     Kept: eager calls on plain tensors that flashlite's kernels run, no mask, no
@@ -111,6 +114,8 @@ def repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_
             or type(v) is not torch.Tensor or type(causal) is not bool or type(return_lse) is not bool
             or (scale is not None and type(scale) is not float) or (num_splits is not None and type(num_splits) is not int)
             or (softcap is not None and type(softcap) is not float)
+            or (window_size is not None and (type(window_size) is not tuple or len(window_size) != 2
+                                             or any(type(side) is not int for side in window_size)))
             or is_compiling() or not runs_kernels(q)):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -123,20 +128,21 @@ def repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_
                    cache_seqlens.data_ptr() % 16)
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
-            causal, scale, return_lse, num_splits, lengths, softcap)
+            causal, scale, return_lse, num_splits, lengths, softcap, window_size)
 
 
 def forward_route(
     q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, mask_is_bool: bool, causal: bool, scale: float,
     write_lse: bool, num_splits: int, has_cache_seqlens: bool, softcap: float | None = None,
+    window: tuple[int, int] | None = None,
 ):
     """``f(q, k, v, mask, cache_seqlens) -> (o, lse)``: the forward of a call of this signature, planned once:
     split-K/V (``SplitLaunch``) for ``num_splits`` > 1 or a cache with lengths, else ``attention_forward``."""
     if num_splits == 1 and not has_cache_seqlens:
         return lambda q, k, v, mask, cache_seqlens: attention_forward(q, k, v, causal, scale, mask, mask_is_bool,
-                                                                      write_lse, softcap=softcap)
+                                                                      write_lse, softcap=softcap, window=window)
     split = SplitLaunch(q, k, mask, causal, scale, mask_is_bool, write_lse, num_splits, has_cache_seqlens,
-                        softcap=softcap)
+                        softcap=softcap, window=window)
     return split
 
 
@@ -147,7 +153,7 @@ def clear_routes() -> None:
 
 def forward_for_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None,
-    mask_is_bool: bool, softcap: float | None = None,
+    mask_is_bool: bool, softcap: float | None = None, window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(o, lse, row_stats)``: the forward a backward will follow.
 
@@ -157,10 +163,11 @@ def forward_for_backward(
     in the LSE's fp32, and P recomputed from it would sum to the key count.
     """
     if mask is None or mask_is_bool:
-        o, lse = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, True, softcap=softcap)
+        o, lse = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, True, softcap=softcap, window=window)
         return o, lse, None
     row_stats = torch.empty((2, *q.shape[:3]), dtype=torch.float32, device=q.device)
-    o, _ = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, False, row_stats=row_stats, softcap=softcap)
+    o, _ = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, False, row_stats=row_stats, softcap=softcap,
+                             window=window)
     return o, row_stats[0] + row_stats[1], row_stats
 
 
@@ -172,15 +179,15 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, attn_mask, mask, mask_is_bool, write_lse, num_splits, cache_seqlens,
-                softcap):
+                softcap, window):
         ctx.split = num_splits != 1 or cache_seqlens is not None
         if ctx.split:
             route = forward_route(q, k, mask, mask_is_bool, causal, scale, write_lse, num_splits,
-                                  cache_seqlens is not None, softcap)
+                                  cache_seqlens is not None, softcap, window)
             return route(q, k, v, mask, cache_seqlens)
-        o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool, softcap)
+        o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool, softcap, window)
         ctx.save_for_backward(q, k, v, o, lse, row_stats, mask)
-        ctx.causal, ctx.scale, ctx.mask_is_bool, ctx.softcap = causal, scale, mask_is_bool, softcap
+        ctx.causal, ctx.scale, ctx.mask_is_bool, ctx.softcap, ctx.window = causal, scale, mask_is_bool, softcap, window
         ctx.mask_shape = None if attn_mask is None else attn_mask.shape
         return o, lse
 
@@ -191,18 +198,18 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, o, lse, row_stats, mask = ctx.saved_tensors
         dq, dk, dv, dmask = attention_backward(
             unit_stride_head_dim(do), q, k, v, o, lse, dlse, ctx.causal, ctx.scale, mask, ctx.mask_is_bool,
-            mask_needs_grad=ctx.needs_input_grad[5], row_stats=row_stats, softcap=ctx.softcap,
+            mask_needs_grad=ctx.needs_input_grad[5], row_stats=row_stats, softcap=ctx.softcap, window=ctx.window,
         )
         if dmask is not None:
             dmask = dmask.sum_to_size(ctx.mask_shape).to(mask.dtype)
-        return dq, dk, dv, None, None, dmask, None, None, None, None, None, None
+        return dq, dk, dv, None, None, dmask, None, None, None, None, None, None, None
 
 
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     causal: bool = False, scale: float | None = None, attn_mask: torch.Tensor | None = None, return_lse: bool = False,
     num_splits: int | None = None, cache_seqlens: torch.Tensor | None = None, softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, window_size: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention ``softmax(q kᵀ · scale + mask) v``, tile by tile, without materialising the scores.
 
@@ -246,6 +253,12 @@ def flash_attention(
         softcap: None, or a float > 0: the scaled scores become
             ``softcap · tanh(s / softcap)`` before the mask (Gemma-2's logit
             softcapping), on every path, backward included.
+        window_size: None, or ``(left, right)``, ints >= -1 (-1: unbounded on that
+            side): a sliding window, FlashAttention's ``window_size``. Query ``i`` sees
+            key ``j`` iff ``i + Lk - Lq - left <= j <= i + Lk - Lq + right`` (``Lk`` is
+            ``cache_seqlens[b]`` when given); with ``causal`` a key must pass both.
+            Key tiles outside the window are never read: the work is proportional to
+            the visible pairs. Every path, backward and decoding included.
         sinks: None, or (H,) floating point (may require grad): attention sinks, one
             extra logit per head whose value vector is zeros. Each row's softmax runs
             over its visible scores and ``sinks[h]``; the returned LSE includes the sink;
@@ -278,10 +291,11 @@ def flash_attention(
     if sinks is not None:  # the sinks' state merged into the rows' (o, lse)
         check_sinks(sinks, q)
         o, lse = flash_attention(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask, return_lse=True,
-                                 num_splits=num_splits, cache_seqlens=cache_seqlens, softcap=softcap)
+                                 num_splits=num_splits, cache_seqlens=cache_seqlens, softcap=softcap,
+                                 window_size=window_size)
         o, lse = merge_sinks(o, lse, sinks)
         return (o, lse) if check_flag("return_lse", return_lse) else o
-    key = repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_seqlens, softcap)
+    key = repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_seqlens, softcap, window_size)
     route = _ROUTES.get(key) if key is not None else None
     if route is not None:  # a repeated inference call: checked and planned when first seen
         o, lse = route(q, k, v, None, cache_seqlens)
@@ -293,14 +307,15 @@ def flash_attention(
     seqlen_k = k.shape[2]
     scale = check_scale(scale, 1.0 / math.sqrt(head_dim))
     softcap = check_softcap(softcap)
+    causal, window = visibility(causal, check_window_size(window_size))
     if is_compiling():  # one node of the graph (flashlite.ops); training keeps the forward kernel, as below
         grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, attn_mask) if t is not None)
         splits = 1 if num_splits is None and grads else num_splits
         o, lse, _ = torch.ops.flashlite.flash_attention(q, k, v, causal, scale, attn_mask, splits, cache_seqlens,
-                                                        softcap)
+                                                        softcap, None if window is None else list(window))
         return (o, lse) if return_lse else o
     if not runs_kernels(q):
-        o, lse = attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens, softcap)
+        o, lse = attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens, softcap, window)
     elif batch * n_heads * seqlen_q == 0 or seqlen_k == 0:  # nothing to launch; no key means empty rows
         # Zeros that stay in the autograd graph (gradient 0 for q), whatever q holds (NaN included).
         o = torch.where(torch.zeros_like(q, dtype=torch.bool), q, 0.0)
@@ -313,10 +328,10 @@ def flash_attention(
             num_splits = 1 if needs_grad else auto_num_splits(q, k, mask)
         if needs_grad:
             o, lse = _FlashAttention.apply(q, k, v, causal, scale, attn_mask, mask, mask_is_bool, return_lse,
-                                           num_splits, cache_seqlens, softcap)
+                                           num_splits, cache_seqlens, softcap, window)
         else:  # inference: no autograd node to build (its host cost shows on short calls)
             route = forward_route(q, k, mask, mask_is_bool, causal, scale, return_lse, num_splits,
-                                  cache_seqlens is not None, softcap)
+                                  cache_seqlens is not None, softcap, window)
             o, lse = route(q, k, v, mask, cache_seqlens)
             # Kept for repeats when the key says so (no mask, among others) and the inputs were used in place.
             if key is not None and all(a is b for a, b in zip((q, k, v), inputs)):

@@ -44,8 +44,9 @@ from each row's ``(m, log d)`` kept apart by the forward
 exact under a bias of any finite size.
 
 Key/query ranges under ``causal`` (bottom-right: query ``i`` sees key
-``j <= i + Lk - Lq``, as the forward). The dQ kernel skips key tiles as the
-forward does. The dK/dV kernel skips the query tiles above the diagonal: key
+``j <= i + Lk - Lq``, as the forward) and a sliding window (``core.masking``).
+The dQ kernel skips key tiles as the forward does (``key_ranges``), the dK/dV
+kernel query tiles by the transposed rule (``query_ranges``). The dK/dV kernel skips the query tiles above the diagonal: key
 tile ``[n, n + BLOCK_N)`` is first seen by query ``n - (Lk - Lq)`` and seen
 whole from query ``n + BLOCK_N - 1 - (Lk - Lq)`` on. Worked example: Lq = 6,
 Lk = 8 (offset 2), BLOCK_M = BLOCK_N = 2, key tile 4..5: query 2 is the first
@@ -85,12 +86,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.masking import apply_masks, causal_offset, key_ranges, soft_cap
+from ..core.masking import apply_masks, key_ranges, query_ranges, soft_cap
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.runtime import launch
 from ..core.tiles import add_tile, dot, load_tile, store_tile, tensor_descriptor, tma_usable
 from . import tuning
-from .plan import KV_LOOP_FLAGS, NATURAL_BIAS, default_backward_config, head_dim_padded, qk_scale_for, query_tile
+from .plan import (
+    KV_LOOP_FLAGS, NATURAL_BIAS, default_backward_config, head_dim_padded, qk_scale_for, query_tile, window_bounds,
+)
 from .reference import attention_backward_torch
 from .tuning import AttentionConfig, BackwardConfig
 
@@ -124,6 +127,7 @@ def _probs_and_score_grads(
     MASKED: tl.constexpr, UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr, KEYS_ON_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr,
+    window_left, window_right, HAS_WINDOW: tl.constexpr,
 ):
     """``(P, dS, dS_scores)`` (fp32) of one (query tile, key tile) pair: dS is the gradient of the logits (a bias
     gets it), ``dS_scores`` that of the scaled scores, which the products with Q and K take (the same but under
@@ -136,7 +140,7 @@ def _probs_and_score_grads(
     The scores are fp32 dots of the unscaled tiles, as in the forward; ``qk_scale``
     turns them into logits of ``UNITS``, and ``(row_m, row_logd2)`` are the rows'
     final states (``_load_row_stats``). With ``MASKED``, positions that do not
-    count (bounds, causal, the user's mask) get ``P = 0``; without it every pair
+    count (bounds, causal, the window, the user's mask) get ``P = 0``; without it every pair
     must count, and the scale folds into the exponential, as in the forward.
     With ``HAS_SOFTCAP`` the logits are ``c · tanh(s / c)``
     (``soft_cap``), so ``dS_scores = dS · (1 - tanh²)``.
@@ -158,6 +162,7 @@ def _probs_and_score_grads(
             s = apply_masks(
                 s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
                 IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY, KEYS_ON_ROWS,
+                window_left, window_right, HAS_WINDOW,
             )
         if UNITS == BASE2_UNITS:
             p = tl.exp2(s - query_m)
@@ -186,7 +191,8 @@ def _dkdv_over_query_tiles(
     BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_BY_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr, window_left, window_right,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Add the query tiles ``[query_start, query_end)`` of one query head to the key tile's (dk, dv) accumulators.
 
@@ -209,7 +215,7 @@ def _dkdv_over_query_tiles(
             q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
             mask_ptr, stride_mask_q, stride_mask_k,
             MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, True, DOT_PRECISION, UPCAST_DOTS,
-            softcap, HAS_SOFTCAP,
+            softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
         )
         dv = dot(p.to(do.dtype), do, dv, DOT_PRECISION, UPCAST_DOTS)
         ds_in = ds.to(q.dtype)
@@ -228,7 +234,8 @@ def _dq_over_key_tiles(
     BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, STORE_DS: tl.constexpr, ROW_SUMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr, window_left, window_right,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Add keys ``[key_start, key_end)`` to the query tile's dq accumulator (unscaled: ``Σ dS K``).
 
@@ -248,7 +255,7 @@ def _dq_over_key_tiles(
             q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
             mask_ptr, stride_mask_q, stride_mask_k,
             MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, False, DOT_PRECISION, UPCAST_DOTS,
-            softcap, HAS_SOFTCAP,
+            softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
         )
         if ROW_SUMS:
             dq += tl.sum(ds, axis=1)
@@ -302,11 +309,11 @@ def _attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqm,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
-    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale, softcap,
+    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale, softcap, window_left, window_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, UNITS: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_BY_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     # Tiles numbered per (batch, kv head), key tile fastest; under causal the first key tiles see the most
     # queries, and they are the first to start. With ATOMIC_DQ (the one-pass backward) dQ is added, in fp32,
@@ -327,19 +334,13 @@ def _attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
 
-    # [query_begin, full_begin): masked query tiles (the causal diagonal, or all with a user mask);
-    # [full_begin, seqlen_q): tiles that see every key of this tile. See the module docstring's example.
-    query_tiles_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
-    if IS_CAUSAL:
-        offset = causal_offset(seqlen_q, seqlen_k)
-        query_begin = tl.maximum(n_start - offset, 0) // BLOCK_M * BLOCK_M
-        full_begin = tl.cdiv(tl.maximum(n_start + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
-        full_begin = tl.minimum(full_begin, query_tiles_end)
-    else:
-        query_begin = 0
-        full_begin = 0
+    # [full_start, full_end): query tiles that see every key of this tile; the rest of [query_start, query_end):
+    # masked ones (the causal diagonal, the window's edges, or all with a user mask). See the docstring's example.
+    query_start, full_start, full_end, query_end = query_ranges(
+        n_start, n_start + BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
     if HAS_MASK or (ATOMIC_DQ and n_start + BLOCK_N > seqlen_k):  # every tile masked (see _dkdv_over_query_tiles)
-        full_begin = query_tiles_end
+        full_start = tl.cdiv(query_end, BLOCK_M) * BLOCK_M
+        full_end = full_start
 
     for g in range(0, kv_group):  # every query head that reads this K/V head
         h64 = h_kv64 * kv_group + g
@@ -357,18 +358,29 @@ def _attention_bwd_dkdv_kernel(
             mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
         dk, dv = _dkdv_over_query_tiles(
             dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
-            stride_qm, stride_dom, dq_dst, stride_dqm, query_begin, full_begin, seqlen_q, seqlen_k, head_dim,
+            stride_qm, stride_dom, dq_dst, stride_dqm, query_start, full_start, seqlen_q, seqlen_k, head_dim,
             qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_M, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
             EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+            window_left, window_right, HAS_WINDOW,
         )
         if not HAS_MASK:
             dk, dv = _dkdv_over_query_tiles(
                 dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
-                stride_qm, stride_dom, dq_dst, stride_dqm, full_begin, seqlen_q, seqlen_q, seqlen_k, head_dim,
+                stride_qm, stride_dom, dq_dst, stride_dqm, full_start, full_end, seqlen_q, seqlen_k, head_dim,
                 qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k,
                 BLOCK_M, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
                 EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+                window_left, window_right, HAS_WINDOW,
+            )
+        if HAS_WINDOW:  # the window's far edge: query tiles that see only this tile's first keys
+            dk, dv = _dkdv_over_query_tiles(
+                dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
+                stride_qm, stride_dom, dq_dst, stride_dqm, full_end, query_end, seqlen_q, seqlen_k, head_dim,
+                qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k,
+                BLOCK_M, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+                EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+                window_left, window_right, HAS_WINDOW,
             )
 
     dk_dst = dk_ptr + b64 * stride_dkb + h_kv64 * stride_dkh
@@ -388,11 +400,12 @@ def _attention_bwd_dq_kernel(
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
-    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale, softcap,
+    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale, softcap, window_left, window_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, UNITS: tl.constexpr, STORE_DS: tl.constexpr, HAS_DLSE: tl.constexpr,
     DELTA_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     # Numbered as the forward (``query_tile``). With DELTA_PASS the same walk over the keys writes
     # δ = Σ_j P_ij dP_ij - dLSE per row (from this P, not from the forward's rounded O) instead of dQ.
@@ -427,21 +440,32 @@ def _attention_bwd_dq_kernel(
         delta = _load_rows(delta_ptr + bh64 * seqlen_q, q_idx, seqlen_q)
         dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
-    # Key ranges as the forward's: [0, full_end) full tiles, [full_end, key_end) masked ones.
-    full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
-                                   BLOCK_N, IS_CAUSAL, HAS_MASK)
+    # Key ranges as the forward's: [full_start, full_end) full tiles, the rest of [key_start, key_end) masked.
+    key_start, full_start, full_end, key_end = key_ranges(
+        m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK,
+        window_left, window_right, HAS_WINDOW)
+    if HAS_WINDOW:
+        dq = _dq_over_key_tiles(
+            dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
+            seqlen_k, key_start, full_start, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
+            BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            EVEN_D, STORE_DS and not DELTA_PASS, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+            window_left, window_right, HAS_WINDOW,
+        )
     if not HAS_MASK:
         dq = _dq_over_key_tiles(
             dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
-            seqlen_k, 0, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
+            seqlen_k, full_start, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
             BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
             EVEN_D, False, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+            window_left, window_right, HAS_WINDOW,
         )
     dq = _dq_over_key_tiles(
         dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
         seqlen_k, full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
         BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
         EVEN_D, STORE_DS and not DELTA_PASS, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+        window_left, window_right, HAS_WINDOW,
     )
     # Two branches, no early return: Triton 3.6 still builds the code after a `return` inside a constexpr `if`,
     # where the delta pass's [BLOCK_M] dq does not fit the [BLOCK_M, HEAD_DIM_PADDED] store (a compile error).
@@ -498,7 +522,7 @@ def attention_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool,
     mask_needs_grad: bool = False, config: BackwardConfig | None = None, row_stats: torch.Tensor | None = None,
-    deterministic: bool | None = None, softcap: float | None = None,
+    deterministic: bool | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of ``flash_attention`` from the saved forward, on (B, H, L, D) tensors whose head dim has stride 1.
 
@@ -531,6 +555,7 @@ def attention_backward(
         config: forces the tiles (tests); by default ``default_backward_config``.
         deterministic: the path (above); None follows PyTorch's flag.
         softcap: the forward's logit softcap, or None.
+        window: the forward's sliding window (``plan.visibility``), or None.
         row_stats: under an additive mask, the forward's (2, B, H, Lq) ``(m, log d)``
             of each row (``forward_for_backward``); None takes ``(lse, 0)``, exact
             unless a bias near -1e9 or below hides a whole row.
@@ -541,7 +566,7 @@ def attention_backward(
     """
     if not triton_backward_enabled(q):
         return attention_backward_torch(do, q, k, v, dlse, causal, scale, mask, mask_is_bool, mask_needs_grad,
-                                        softcap)
+                                        softcap, window)
     batch, n_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     hd_pad = head_dim_padded(head_dim)
@@ -558,9 +583,10 @@ def attention_backward(
     stats = (row_stats if additive else lse).contiguous()
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
     common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
-              qk_scale_for(softcap or 1.0, additive))
+              qk_scale_for(softcap or 1.0, additive), *window_bounds(window, seqlen_q, seqlen_k))
     meta = dict(
         HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see core.tiles.dot)
     )

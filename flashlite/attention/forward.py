@@ -61,7 +61,7 @@ from ..core.tiles import dot, load_tile, store_tile, tensor_descriptor, tma_usab
 from . import tuning
 from .plan import (
     NATURAL_BIAS, autotune_enabled, default_config, head_dim_padded, kv_loop_flags, mask_layout, prune_tune_space, qk_scale_for,
-    query_tile, tma_safe,
+    query_tile, tma_safe, window_bounds,
 )
 from .tuning import AttentionConfig
 
@@ -92,7 +92,7 @@ def attend_kv_tiles(
     BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
-    softcap=1.0, HAS_SOFTCAP: tl.constexpr = False,
+    softcap=1.0, HAS_SOFTCAP: tl.constexpr = False, window_left=0, window_right=0, HAS_WINDOW: tl.constexpr = False,
 ):
     """Fold keys ``[key_start, key_end)`` into the running ``(acc, m, d)`` of the query tile ``q``.
 
@@ -105,7 +105,8 @@ def attend_kv_tiles(
     bounds-checked; without it every key of the range must count for every row
     (base-2 units only), and the scale is folded into the exponential. With
     ``HAS_SOFTCAP`` the scaled scores go through ``soft_cap(s, softcap)``
-    first, ``softcap`` in the logits' units.
+    first, ``softcap`` in the logits' units. ``HAS_WINDOW``: masked tiles hide the keys outside each
+    query's sliding window (``apply_masks``).
     ``k_src``/``v_src`` are the (batch, kv head)'s base pointers, or with
     ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``).
     Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
@@ -121,7 +122,8 @@ def attend_kv_tiles(
                 s = soft_cap(s, softcap)
             s = apply_masks(
                 s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
-                IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY,
+                IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY, False,
+                window_left, window_right, HAS_WINDOW,
             )
             m, d, p, alpha = online_update(m, d, s, UNITS)
         elif HAS_SOFTCAP:  # base-2 logits (no additive mask on unmasked tiles)
@@ -137,28 +139,36 @@ def attend_kv_tiles(
 def attend_key_range(
     acc, m, d, q, q_idx, qk_scale,
     k_src, v_src, stride_kn, stride_vn,
-    key_start, key_mid, key_stop, seqlen_q, seqlen_k, head_dim,
+    key_start, full_start, full_end, key_stop, seqlen_q, seqlen_k, head_dim,
     mask_ptr, stride_mask_q, stride_mask_k,
     BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
-    softcap, HAS_SOFTCAP: tl.constexpr,
+    softcap, HAS_SOFTCAP: tl.constexpr, window_left, window_right, HAS_WINDOW: tl.constexpr,
 ):
-    """``attend_kv_tiles`` over keys ``[key_start, key_stop)``: ``[key_start, key_mid)`` seen whole by every row
-    (no mask arithmetic; under a user mask ``key_mid`` must be ``key_start``, and that part is not built), then
-    ``[key_mid, key_stop)`` masked. The forward and split-K/V kernels' walk over their keys."""
+    """``attend_kv_tiles`` over keys ``[key_start, key_stop)`` cut as ``key_ranges`` cuts them: ``[key_start,
+    full_start)`` masked (only under a window; without one ``full_start`` must be ``key_start``), ``[full_start,
+    full_end)`` seen whole by every row (no mask arithmetic; under a user mask that part must be empty, and is
+    not built), then ``[full_end, key_stop)`` masked. The forward and split-K/V kernels' walk over their keys."""
+    if HAS_WINDOW:
+        acc, m, d = attend_kv_tiles(
+            acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn,
+            key_start, full_start, seqlen_q, seqlen_k, head_dim, mask_ptr, stride_mask_q, stride_mask_k,
+            BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
+        )
     if not HAS_MASK:
         acc, m, d = attend_kv_tiles(
             acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn,
-            key_start, key_mid, seqlen_q, seqlen_k, head_dim, mask_ptr, stride_mask_q, stride_mask_k,
+            full_start, full_end, seqlen_q, seqlen_k, head_dim, mask_ptr, stride_mask_q, stride_mask_k,
             BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
         )
     return attend_kv_tiles(
         acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn,
-        key_mid, key_stop, seqlen_q, seqlen_k, head_dim, mask_ptr, stride_mask_q, stride_mask_k,
+        full_end, key_stop, seqlen_q, seqlen_k, head_dim, mask_ptr, stride_mask_q, stride_mask_k,
         BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-        EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+        EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
     )
 
 
@@ -172,7 +182,7 @@ def attention_fwd_kernel(
     stride_ob, stride_oh, stride_om,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
     n_heads, kv_group, n_bh,
-    seqlen_q, seqlen_k, head_dim, qk_scale, softcap,
+    seqlen_q, seqlen_k, head_dim, qk_scale, softcap, window_left, window_right,
     # Read by the autotuner's key only: a power-of-two bucket of seqlen_k, and the mask's
     # layout (MASK_LAYOUT_*), which the heuristics above derive too late for a key.
     tune_bucket, tune_mask_layout,
@@ -180,6 +190,7 @@ def attention_fwd_kernel(
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, UNITS: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_STATS: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     # Tiles are numbered as ``query_tile`` says. Any grid size is correct: one
     # program per tile, or a persistent grid where each program takes several.
@@ -211,15 +222,16 @@ def attention_fwd_kernel(
         m, d = empty_state(BLOCK_M)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
-        # [0, full_end): tiles every row of this query tile sees whole (none under a user mask: full_end = 0);
-        # [full_end, key_end): masked tiles.
-        full_end, key_end = key_ranges(m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
-                                       BLOCK_N, IS_CAUSAL, HAS_MASK)
+        # [full_start, full_end): tiles every row of this query tile sees whole (none under a user mask);
+        # the rest of [key_start, key_end): masked tiles.
+        key_start, full_start, full_end, key_end = key_ranges(
+            m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK,
+            window_left, window_right, HAS_WINDOW)
         acc, m, d = attend_key_range(
             acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
-            0, full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-            BLOCK_N, HEAD_DIM_PADDED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+            key_start, full_start, full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q,
+            stride_mask_k, BLOCK_N, HEAD_DIM_PADDED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
+            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
         )
 
         rows = tl.cast(bh, tl.int64) * seqlen_q + q_idx
@@ -256,7 +268,8 @@ def autotuned_kernel():
         for bm, bn, w, s in tuning.TUNE_SPACE
     ]
     return triton.autotune(
-        configs, key=["tune_bucket", "tune_mask_layout", "head_dim", "HEAD_DIM_PADDED", "IS_CAUSAL", "MASK_IS_BOOL", "WRITE_LSE"],
+        configs, key=["tune_bucket", "tune_mask_layout", "head_dim", "HEAD_DIM_PADDED", "IS_CAUSAL", "MASK_IS_BOOL", "WRITE_LSE",
+                      "HAS_WINDOW"],
         prune_configs_by={"early_config_prune": prune_tune_space}, **options,
     )(attention_fwd_kernel)
 
@@ -264,7 +277,7 @@ def autotuned_kernel():
 def attention_forward_tl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool, config: AttentionConfig | None = None,
-    *, row_stats: torch.Tensor | None = None, softcap: float | None = None,
+    *, row_stats: torch.Tensor | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch this module's kernel on checked (B, H, L, D) tensors whose head dim has stride 1.
 
@@ -274,7 +287,8 @@ def attention_forward_tl(
     ``FLASHLITE_AUTOTUNE=1``. For the backward of an additive mask ``row_stats``,
     a (2, B, H, Lq) fp32 tensor, is filled with each row's ``(m, log d)``
     (``_store_row_stats``). ``softcap``: the scaled scores become
-    ``softcap · tanh(s / softcap)`` before the mask. Returns ``(o, lse)``: o like q,
+    ``softcap · tanh(s / softcap)`` before the mask. ``window``: a sliding window ``(left, right)``
+    (``plan.visibility``; causal folded in), key tiles outside it not read. Returns ``(o, lse)``: o like q,
     lse (B, H, Lq) fp32 natural-log, or None.
     """
     batch, n_heads, seqlen_q, head_dim = q.shape
@@ -303,6 +317,7 @@ def attention_forward_tl(
         *mask_strides,
         n_heads, n_heads // k.shape[1], bh,
         seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive), qk_scale_for(softcap or 1.0, additive),
+        *window_bounds(window, seqlen_q, seqlen_k),
         triton.next_power_of_2(seqlen_k),
         mask_layout(mask),
     )
@@ -311,7 +326,7 @@ def attention_forward_tl(
         WRITE_STATS=row_stats is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see dot)
-        USE_TMA=k_desc is not None, HAS_SOFTCAP=softcap is not None,
+        USE_TMA=k_desc is not None, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         **kv_loop_flags(mask, mask_is_bool, mask_strides[2], head_dim, hd_pad),
     )
     if tuned:

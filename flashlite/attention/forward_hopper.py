@@ -37,8 +37,9 @@ Two kernels run that loop (``_attend_kv_tiles``):
   rows, and the load warp hands most of its registers to the softmax warpgroups
   (``setmaxnreg``), which then hold 128-key tiles.
 
-Scope: fp16/bf16, head dims 33 to 256 (boxes as wide as the next power of two, zero-filled past D by TMA),
-no user mask, causal or not, GQA/MQA,
+Softcapping (``HAS_SOFTCAP``) scales each score tile, then squashes it (``soft_cap``) before the masks and
+``online_update``. Scope: fp16/bf16, head dims 33 to 256 (boxes as wide as the next power of two, zero-filled past D by TMA),
+no user mask, causal or not, sliding windows (K/V tiles outside a program's window never loaded), GQA/MQA,
 any lengths, Q/K/V whose strides TMA accepts (16-byte aligned), on Hopper.
 ``flashlite.attention.api.attention_forward`` sends such calls here and the rest
 to the ``triton.language`` kernel (``forward``). Gluon has no interpreter, so these kernels
@@ -75,12 +76,12 @@ try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
 except ImportError:  # pragma: no cover - older Triton: the triton.language kernel serves every call
     gluon = None
 
-from ..core.masking import apply_masks, key_ranges
-from ..core.online_softmax import BASE2_UNITS, LOG2E, normalize, online_update_scaled, state_logsumexp
+from ..core.masking import apply_masks, key_ranges, soft_cap
+from ..core.online_softmax import BASE2_UNITS, LOG2E, normalize, online_update, online_update_scaled, state_logsumexp
 from ..core.runtime import device_info, launch
 from ..core.tiles import descriptor_strides, tma_usable
 from . import tuning
-from .plan import head_dim_padded, query_tile, wgmma_config
+from .plan import head_dim_padded, query_tile, wgmma_config, window_bounds
 from .tuning import WgmmaConfig
 
 # wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
@@ -90,16 +91,18 @@ WGMMA_CAPABILITY = (9, 0)
 if gluon is not None:
 
     @gluon.jit
-    def _issue_kv_load(desc, bars, smem, tile, b, h_kv, n_tiles, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr):
-        """Start the TMA copy of K (or V) tile ``tile`` into its slot, if the tile exists."""
+    def _issue_kv_load(desc, bars, smem, tile, b, h_kv, key_start, n_tiles,
+                       BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr):
+        """Start the TMA copy of K (or V) tile ``tile`` (keys from ``key_start + tile · BLOCK_N``) into its slot,
+        if the tile exists."""
         slot = tile % KV_STAGES
         exists = tile < n_tiles
         bar = bars.index(slot)
         mbarrier.expect(bar, desc.block_type.nbytes, pred=exists)
-        _tma_load(desc, [b, h_kv, tile * BLOCK_N, 0], bar, smem.index(slot), pred=exists)
+        _tma_load(desc, [b, h_kv, key_start + tile * BLOCK_N, 0], bar, smem.index(slot), pred=exists)
 
     @gluon.jit
-    def _release_kv_slot(desc, ready_bars, free_bars, smem, tile, b, h_kv, n_tiles,
+    def _release_kv_slot(desc, ready_bars, free_bars, smem, tile, b, h_kv, key_start, n_tiles,
                          BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
                          LOAD_WARP: gl.constexpr):
         """K (or V) tile ``tile`` has been read: its slot may take tile ``tile + KV_STAGES``.
@@ -113,7 +116,7 @@ if gluon is not None:
         else:
             if NUM_WARPS > 4:
                 _barrier()
-            _issue_kv_load(desc, ready_bars, smem, tile + KV_STAGES, b, h_kv, n_tiles, BLOCK_N, KV_STAGES)
+            _issue_kv_load(desc, ready_bars, smem, tile + KV_STAGES, b, h_kv, key_start, n_tiles, BLOCK_N, KV_STAGES)
 
     @gluon.jit
     def _wait_kv(bars, smem, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr):
@@ -123,24 +126,38 @@ if gluon is not None:
         return smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
 
     @gluon.jit
-    def _fold_scores(s, m, d, tile, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
-                     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):
-        """Mask K tile ``tile``'s scores if it is not a full tile, fold them into ``(m, d)``: ``(m, d, P, alpha)``,
-        P rounded to the input dtype in the register-operand layout of the P V product."""
-        if tile >= n_full_tiles:
-            k_idx = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-            s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False, LOG2E)
-        m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
+    def _fold_scores(s, m, d, tile, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k, qk_scale,
+                     window_left, window_right, softcap,
+                     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                     HAS_SOFTCAP: gl.constexpr, P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):
+        """Mask K tile ``tile``'s scores (keys from ``key_start + tile · BLOCK_N``) unless it is one of the
+        tiles ``[full_first, full_stop)`` every row sees whole, fold them into ``(m, d)``: ``(m, d, P, alpha)``, P
+        rounded to the input dtype in the register-operand layout of the P V product. ``HAS_SOFTCAP``: the
+        scores are scaled first, then ``soft_cap(s, softcap)`` (``softcap`` in base-2 units)."""
+        if HAS_SOFTCAP:
+            s = soft_cap(s * qk_scale, softcap)
+        if (tile < full_first) | (tile >= full_stop):
+            k_idx = key_start + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False, LOG2E,
+                            False, False, window_left, window_right, HAS_WINDOW)
+        if HAS_SOFTCAP:
+            m, d, p, alpha = online_update(m, d, s, BASE2_UNITS)
+        else:
+            m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
         return m, d, gl.convert_layout(p.to(DTYPE), P_LAYOUT), alpha
 
     @gluon.jit
     def _attend_kv_tiles(
         q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-        b, h_kv, n_kv_tiles, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
+        b, h_kv, key_start, n_kv_tiles, full_first, full_stop, q_idx, seqlen_q, seqlen_k, qk_scale,
+        window_left, window_right, softcap,
         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-        NUM_WARPS: gl.constexpr, LOAD_WARP: gl.constexpr,
+        HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, NUM_WARPS: gl.constexpr, LOAD_WARP: gl.constexpr,
     ):
         """The K/V loop of one query tile: ``(m, d, O)`` after every K/V tile, O not yet divided by d.
+
+        Its ``n_kv_tiles`` K/V tiles start at key ``key_start``; the full tiles ``[full_first, full_stop)``
+        (``_fold_scores``) are numbered from there.
 
         Turn j issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` together, waits until only the
         second is in flight, folds S_j into ``(m, d)`` while P V runs, then waits for O, rescales it and
@@ -155,28 +172,30 @@ if gluon is not None:
             # Turn 0: S_0 alone (there is no P V to overlap yet).
             k_tile = _wait_kv(k_ready, k_smem, 0, BLOCK_N, HEAD_DIM, KV_STAGES)
             s = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False)
-            _release_kv_slot(k_desc, k_ready, k_free, k_smem, 0, b, h_kv, n_kv_tiles,
+            _release_kv_slot(k_desc, k_ready, k_free, k_smem, 0, b, h_kv, key_start, n_kv_tiles,
                              BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
-            m, d, p, alpha = _fold_scores(s, m, d, 0, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
-                                          BLOCK_N, IS_CAUSAL, p_layout, dtype)
+            m, d, p, alpha = _fold_scores(s, m, d, 0, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k,
+                                          qk_scale, window_left, window_right, softcap, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
+                                          HAS_SOFTCAP, p_layout, dtype)
             for j in range(1, n_kv_tiles):
                 k_tile = _wait_kv(k_ready, k_smem, j, BLOCK_N, HEAD_DIM, KV_STAGES)
                 v_tile = _wait_kv(v_ready, v_smem, j - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
                 s_token = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc_token = warpgroup_mma(p, v_tile, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s_token,))  # S_j is ready; P V may still run
-                _release_kv_slot(k_desc, k_ready, k_free, k_smem, j, b, h_kv, n_kv_tiles,
+                _release_kv_slot(k_desc, k_ready, k_free, k_smem, j, b, h_kv, key_start, n_kv_tiles,
                                  BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
-                m, d, p, alpha = _fold_scores(s, m, d, j, n_full_tiles, q_idx, seqlen_q, seqlen_k, qk_scale,
-                                              BLOCK_N, IS_CAUSAL, p_layout, dtype)
+                m, d, p, alpha = _fold_scores(s, m, d, j, key_start, full_first, full_stop, q_idx, seqlen_q,
+                                              seqlen_k, qk_scale, window_left, window_right, softcap, BLOCK_N,
+                                              IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, p_layout, dtype)
                 acc = warpgroup_mma_wait(0, deps=(acc_token,))
-                _release_kv_slot(v_desc, v_ready, v_free, v_smem, j - 1, b, h_kv, n_kv_tiles,
+                _release_kv_slot(v_desc, v_ready, v_free, v_smem, j - 1, b, h_kv, key_start, n_kv_tiles,
                                  BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             v_tile = _wait_kv(v_ready, v_smem, n_kv_tiles - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
             acc = warpgroup_mma(p, v_tile, acc)
             if LOAD_WARP:  # (without one, nothing is left to load into the slot)
-                _release_kv_slot(v_desc, v_ready, v_free, v_smem, n_kv_tiles - 1, b, h_kv, n_kv_tiles,
+                _release_kv_slot(v_desc, v_ready, v_free, v_smem, n_kv_tiles - 1, b, h_kv, key_start, n_kv_tiles,
                                  BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
         return m, d, acc
 
@@ -203,9 +222,10 @@ if gluon is not None:
     @gluon.jit
     def _attention_fwd_wgmma_kernel(
         q_desc, k_desc, v_desc, o_desc, lse_ptr,
-        n_heads, kv_group, seqlen_q, seqlen_k, qk_scale,
+        n_heads, kv_group, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
-        Q_IN_REGISTERS: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
+        Q_IN_REGISTERS: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+        WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         # Register layouts: the wgmma accumulators of S [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM].
@@ -220,9 +240,10 @@ if gluon is not None:
         h = bh % n_heads
         h_kv = h // kv_group
 
-        full_end, key_end = key_ranges(m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
-                                       BLOCK_N, IS_CAUSAL, False)
-        n_kv_tiles = gl.cdiv(key_end, BLOCK_N)
+        key_start, full_start, full_end, key_end = key_ranges(
+            m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
+            window_left, window_right, HAS_WINDOW)
+        n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -238,8 +259,8 @@ if gluon is not None:
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
         for i in gl.static_range(KV_STAGES):
-            _issue_kv_load(k_desc, k_bars, k_smem, i, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
-            _issue_kv_load(v_desc, v_bars, v_smem, i, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+            _issue_kv_load(k_desc, k_bars, k_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
+            _issue_kv_load(v_desc, v_bars, v_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
 
         # Q, unscaled: kept in registers as the S products' first operand (Q_IN_REGISTERS: then only K is
         # read from shared memory by each product), or read by each product from shared memory.
@@ -255,8 +276,10 @@ if gluon is not None:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         # No load warp: the program refills its K/V slots itself (no free-slot barriers: k_bars/v_bars fill in).
         m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_bars, v_bars,
-                                     b, h_kv, n_kv_tiles, full_end // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale,
-                                     BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL, num_warps, False)
+                                     b, h_kv, key_start, n_kv_tiles, (full_start - key_start) // BLOCK_N,
+                                     (full_end - key_start) // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale,
+                                     window_left, window_right, softcap, BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL,
+                                     HAS_WINDOW, HAS_SOFTCAP, num_warps, False)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(KV_STAGES):
@@ -270,7 +293,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
-                           b, h, h_kv, m_start, n_kv_tiles):
+                           b, h, h_kv, m_start, key_start, n_kv_tiles):
         """The load warp: both Q tiles, then every K and V tile into the ring of slots, each once both
         softmax warpgroups have released the slot (a fresh mbarrier counts as released: phase 1 is done)."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -283,15 +306,16 @@ if gluon is not None:
             slot = tile % KV_STAGES
             released = ((tile // KV_STAGES) & 1) ^ 1
             mbarrier.wait(k_free.index(slot), released)
-            _issue_kv_load(k_desc, k_ready, k_smem, tile, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+            _issue_kv_load(k_desc, k_ready, k_smem, tile, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
             mbarrier.wait(v_free.index(slot), released)
-            _issue_kv_load(v_desc, v_ready, v_smem, tile, b, h_kv, n_kv_tiles, BLOCK_N, KV_STAGES)
+            _issue_kv_load(v_desc, v_ready, v_smem, tile, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
 
     @gluon.jit
     def _ws_softmax_partition(
         q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
-        b, h, h_kv, m_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale,
-        IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, WARPGROUP: gl.constexpr,
+        b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap,
+        IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, WRITE_LSE: gl.constexpr,
+        WARPGROUP: gl.constexpr,
     ):
         """One softmax warpgroup: query rows ``m_start + WARPGROUP * BLOCK_M`` on, over the shared K/V tiles."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -304,18 +328,21 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
 
         row_start = m_start + WARPGROUP * BLOCK_M
-        full_end, _ = key_ranges(row_start, gl.minimum(row_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
-                                 BLOCK_N, IS_CAUSAL, False)
+        _, full_start, full_end, _ = key_ranges(
+            row_start, gl.minimum(row_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
+            window_left, window_right, HAS_WINDOW)
         q_tile = q_smem.index(WARPGROUP).reshape([BLOCK_M, HEAD_DIM])
         mbarrier.wait(q_bars.index(WARPGROUP), 0)
         q_op = _q_operand(q_tile, s_layout)
         q_idx = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        # Both warpgroups walk the K/V tiles of the whole program (masking covers the extra causal tile).
+        # Both warpgroups walk the K/V tiles of the whole program (masking covers the tiles only the other sees).
         m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free,
-                                     v_free, b, h_kv, n_kv_tiles, full_end // BLOCK_N, q_idx, seqlen_q, seqlen_k,
-                                     qk_scale, BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL, 4, True)
+                                     v_free, b, h_kv, key_start, n_kv_tiles, (full_start - key_start) // BLOCK_N,
+                                     (full_end - key_start) // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale,
+                                     window_left, window_right, softcap, BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL,
+                                     HAS_WINDOW, HAS_SOFTCAP, 4, True)
         # Q is in registers: O goes out through this warpgroup's Q buffer.
         _write_output(acc, m, d, q_idx, q_tile, q_smem.index(WARPGROUP), o_desc, lse_row, b, h, row_start,
                       seqlen_q, WRITE_LSE)
@@ -323,9 +350,9 @@ if gluon is not None:
     @gluon.jit
     def _attention_fwd_ws_kernel(
         q_desc, k_desc, v_desc, o_desc, lse_ptr,
-        n_heads, kv_group, seqlen_q, seqlen_k, qk_scale,
+        n_heads, kv_group, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, WRITE_LSE: gl.constexpr,
         SOFTMAX_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
@@ -334,9 +361,10 @@ if gluon is not None:
         b = bh // n_heads
         h = bh % n_heads
         h_kv = h // kv_group
-        _, key_end = key_ranges(m_start, gl.minimum(m_start + 2 * BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k,
-                                BLOCK_N, IS_CAUSAL, False)
-        n_kv_tiles = gl.cdiv(key_end, BLOCK_N)
+        key_start, _, _, key_end = key_ranges(
+            m_start, gl.minimum(m_start + 2 * BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
+            window_left, window_right, HAS_WINDOW)
+        n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -360,13 +388,15 @@ if gluon is not None:
         gl.warp_specialize(
             [(_ws_softmax_partition,  # warpgroup 0: the default partition
               (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
-               v_free, b, h, h_kv, m_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, IS_CAUSAL, WRITE_LSE, 0)),
+               v_free, b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, window_left,
+               window_right, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, WRITE_LSE, 0)),
              (_ws_softmax_partition,  # warpgroup 1
               (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
-               v_free, b, h, h_kv, m_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, IS_CAUSAL, WRITE_LSE, 1)),
+               v_free, b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, window_left,
+               window_right, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, WRITE_LSE, 1)),
              (_ws_load_partition,
               (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
-               b, h, h_kv, m_start, n_kv_tiles))],
+               b, h, h_kv, m_start, key_start, n_kv_tiles))],
             [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
 
 
@@ -409,10 +439,12 @@ def _gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
     return desc
 
 
-def kernel_for(config: WgmmaConfig, head_dim: int, causal: bool, write_lse: bool) -> tuple:
+def kernel_for(config: WgmmaConfig, head_dim: int, causal: bool, write_lse: bool, has_window: bool = False,
+               has_softcap: bool = False) -> tuple:
     """``(kernel, launch keywords)`` of a call: its constexprs, ``num_warps`` and, warp-specialized, ``maxnreg``."""
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
-                IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps)
+                IS_CAUSAL=causal, HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap, WRITE_LSE=write_lse,
+                num_warps=config.num_warps)
     if config.warp_specialized:
         return _attention_fwd_ws_kernel, dict(meta, SOFTMAX_REGISTERS=tuning.WS_SOFTMAX_REGISTERS,
                                               LOAD_REGISTERS=tuning.WS_LOAD_REGISTERS, maxnreg=tuning.WS_LAUNCH_REGISTERS)
@@ -421,9 +453,11 @@ def kernel_for(config: WgmmaConfig, head_dim: int, causal: bool, write_lse: bool
 
 def attention_forward_hopper(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, write_lse: bool,
-    config: WgmmaConfig | None = None,
+    config: WgmmaConfig | None = None, window: tuple[int, int] | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the Hopper kernel on checked (B, H, L, D) fp16/bf16 tensors that ``wgmma_eligible`` accepted."""
+    """Launch the Hopper kernel on checked (B, H, L, D) fp16/bf16 tensors that ``wgmma_eligible`` accepted;
+    ``window`` a sliding window (``plan.visibility``), its key tiles outside it never loaded; ``softcap`` Gemma-2's
+    logit softcapping (``core.masking.soft_cap``, on every tile)."""
     batch, n_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     config = config or wgmma_config(head_dim, causal, seqlen_k)
@@ -437,7 +471,8 @@ def attention_forward_hopper(
         for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n), (o, config.block_m))
     ]
     grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
-    kernel, meta = kernel_for(config, hd_pad, causal, write_lse)
+    kernel, meta = kernel_for(config, hd_pad, causal, write_lse, window is not None, softcap is not None)
     launch(kernel, grid, (*descs, lse if lse is not None else o, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k,
-                          scale * LOG2E.value), **meta)
+                          scale * LOG2E.value, *window_bounds(window, seqlen_q, seqlen_k),
+                          (softcap or 1.0) * LOG2E.value), **meta)
     return o, lse

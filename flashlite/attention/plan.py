@@ -69,6 +69,33 @@ KV_LOOP_FLAGS = {
 }
 
 
+def visibility(causal: bool, window: tuple[int, int] | None) -> tuple[bool, tuple[int, int] | None]:
+    """``(causal, window)`` as the kernels take them: a checked ``window_size`` ``(left, right)`` (-1 unbounded)
+    with ``causal`` folded in (a key must pass both: ``right = 0``), or None when it hides nothing beyond
+    causal. A window bounded on neither side is no window; ``(-1, 0)`` is causal itself.
+    Examples: ``(True, (4, -1))`` -> ``(False, (4, 0))``; ``(False, (-1, 0))`` -> ``(True, None)``."""
+    if window is None:
+        return causal, None
+    left, right = window
+    if causal:
+        right = 0
+    if left == -1 and right == -1:
+        return causal, None
+    if left == -1 and right == 0:
+        return True, None
+    return False, (left, right)
+
+
+def window_bounds(window: tuple[int, int] | None, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """The kernels' ``(window_left, window_right)``: an unbounded side (-1), and any side wider, becomes
+    ``seqlen_q + seqlen_k``, which no (query, key) distance reaches (so the kernels' 32-bit sums of it with a
+    position cannot overflow); ``(0, 0)`` without a window (unread: ``HAS_WINDOW`` is off)."""
+    if window is None:
+        return 0, 0
+    unbounded = seqlen_q + seqlen_k
+    return tuple(unbounded if side == -1 else min(side, unbounded) for side in window)
+
+
 def head_dim_padded(head_dim: int) -> int:
     """Width of the on-chip Q/K/V tiles: the next power of two, at least 16."""
     return max(tuning.MIN_HEAD_DIM, triton.next_power_of_2(head_dim))

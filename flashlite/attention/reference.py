@@ -12,9 +12,10 @@ import torch
 
 def attention_torch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, attn_mask: torch.Tensor | None,
-    cache_seqlens: torch.Tensor | None = None, softcap: float | None = None,
+    cache_seqlens: torch.Tensor | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same result in PyTorch fp32 ops (CPU without the interpreter); materialises the (Lq, Lk) scores."""
+    """The same result in PyTorch fp32 ops (CPU without the interpreter); materialises the (Lq, Lk) scores.
+    ``window``: a sliding window ``(left, right)``, -1 unbounded (causal folded in or not: both are applied)."""
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv, seqlen_k = k.shape[1], k.shape[2]
     group = n_heads // n_kv
@@ -22,15 +23,22 @@ def attention_torch(
     s = (qf @ k.float().unsqueeze(2).transpose(-1, -2) * scale).reshape(batch, n_heads, seqlen_q, seqlen_k)
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    if cache_seqlens is not None:  # keys [0, len_b) of each element; causal aligned bottom-right against len_b
-        used = cache_seqlens.to(device=q.device, dtype=torch.long).view(batch, 1, 1, 1)
+    if cache_seqlens is not None or causal or window is not None:
+        # Keys [0, len_b) of each element (len_b = Lk without a cache); causal and the window aligned
+        # bottom-right against len_b: query i's diagonal is key i + len_b - Lq.
+        used = seqlen_k if cache_seqlens is None else cache_seqlens.to(device=q.device, dtype=torch.long).view(
+            batch, 1, 1, 1)
         key_idx = torch.arange(seqlen_k, device=q.device)
-        keep = key_idx < used  # (B, 1, 1, Lk)
+        diagonal = torch.arange(seqlen_q, device=q.device)[:, None] + used - seqlen_q  # (Lq, 1) or (B, 1, Lq, 1)
+        keep = key_idx < used
         if causal:
-            keep = keep & (key_idx <= torch.arange(seqlen_q, device=q.device)[:, None] + used - seqlen_q)
-        s = s.masked_fill(~keep, float("-inf"))
-    elif causal:
-        keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
+            keep = keep & (key_idx <= diagonal)
+        if window is not None:
+            left, right = window
+            if left >= 0:
+                keep = keep & (key_idx >= diagonal - left)
+            if right >= 0:
+                keep = keep & (key_idx <= diagonal + right)
         s = s.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
@@ -48,7 +56,7 @@ def attention_torch(
 def attention_backward_torch(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dlse: torch.Tensor | None,
     causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool, mask_needs_grad: bool,
-    softcap: float | None = None,
+    softcap: float | None = None, window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The same gradients by autograd through ``attention._attention_torch`` (fp32, scores materialised)."""
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -57,7 +65,7 @@ def attention_backward_torch(
         if mask_needs_grad:
             inputs.append(mask.requires_grad_())
     with torch.enable_grad():
-        o, lse = attention_torch(*inputs[:3], causal, scale, mask, softcap=softcap)
+        o, lse = attention_torch(*inputs[:3], causal, scale, mask, softcap=softcap, window=window)
         outputs, grad_outputs = [o], [do]
         if dlse is not None:
             outputs.append(lse)

@@ -24,8 +24,9 @@ Keeping ``(m, d, acc)`` rather than ``(O, lse)`` makes pass 2 literally the
 core's merge of two states, with no division or logarithm in pass 1.
 
 Key split. For a row tile whose keys end at ``key_end`` (Lk, the cache length
-``cache_seqlens[b]``, or the tile's causal end) there are
-``T = cdiv(key_end, BLOCK_N)`` key tiles; split ``s`` takes tiles
+``cache_seqlens[b]``, or the tile's causal or window end) there are
+``T = cdiv(key_end, BLOCK_N)`` key tiles (under a sliding window, counted from the
+tile of the window's first key); split ``s`` takes tiles
 ``[s·c, (s+1)·c)`` with ``c = cdiv(T, num_splits)``, so boundaries are multiples
 of BLOCK_N as ``attend_kv_tiles`` needs. Example: key_end = 300, BLOCK_N = 64:
 T = 5; with 4 splits c = 2, the splits take keys [0, 128), [128, 256),
@@ -66,7 +67,7 @@ from ..core.online_softmax import (
 )
 from ..core.runtime import compiled_launcher, device_info, launch
 from .forward import attend_key_range, positive_scale
-from .plan import default_config, head_dim_padded, kv_loop_flags, logit_units, qk_scale_for
+from .plan import default_config, head_dim_padded, kv_loop_flags, logit_units, qk_scale_for, window_bounds
 from .tuning import AttentionConfig
 
 
@@ -102,11 +103,11 @@ def _split_kv_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_cache_seqlens,
     n_heads, kv_group, heads_per_program, n_groups, n_splits, n_out_rows,
-    seqlen_q, seqlen_k, head_dim, qk_scale, softcap,
+    seqlen_q, seqlen_k, head_dim, qk_scale, softcap, window_left, window_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
     EVEN_D: tl.constexpr, UNITS: tl.constexpr, HAS_CACHE_SEQLENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     # Axis 0: (batch, head group, row tile), row tile fastest; axis 1: the split.
     n_rows = heads_per_program * seqlen_q
@@ -134,23 +135,26 @@ def _split_kv_kernel(
     if HAS_MASK:  # packed rows share head_base's mask: the host packs only masks with stride 0 over heads
         mask_bh = mask_ptr + b64 * stride_mask_b + tl.cast(head_base, tl.int64) * stride_mask_h
 
-    # The tile's keys: [0, full_end) seen whole by every row (none under a user mask), up to key_end seen by some.
-    full_end, key_end = key_ranges(tl.min(q_idx, axis=0), tl.max(tl.where(valid, q_idx, 0), axis=0),
-                                   seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK)
-    # This split's share (module docstring): [key_start, key_stop), its full tiles up to key_mid.
-    tiles_per_split = tl.cdiv(tl.cdiv(key_end, BLOCK_N), n_splits)
-    key_start = split * tiles_per_split * BLOCK_N
-    key_stop = tl.minimum(key_start + tiles_per_split * BLOCK_N, key_end)  # < key_start for an empty split
-    key_mid = tl.maximum(key_start, tl.minimum(full_end, key_stop))
+    # The tile's keys: [key_begin, key_end), of which [full_start, full_end) seen whole by every row.
+    key_begin, full_start, full_end, key_end = key_ranges(
+        tl.min(q_idx, axis=0), tl.max(tl.where(valid, q_idx, 0), axis=0), seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL,
+        HAS_MASK, window_left, window_right, HAS_WINDOW)
+    # This split's share of those key tiles (module docstring): [key_start, key_stop), each part of the tile's
+    # cut clipped to it (an empty split has key_stop < key_start).
+    tiles_per_split = tl.cdiv(tl.cdiv(key_end, BLOCK_N) - key_begin // BLOCK_N, n_splits)
+    key_start = key_begin + split * tiles_per_split * BLOCK_N
+    key_stop = tl.minimum(key_start + tiles_per_split * BLOCK_N, key_end)
+    split_full_start = tl.maximum(key_start, tl.minimum(full_start, key_stop))
+    split_full_end = tl.maximum(split_full_start, tl.minimum(full_end, key_stop))
 
     m, d = empty_state(BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
-    # (Under a user mask full_end = 0 makes key_mid = key_start: every tile masked.)
     acc, m, d = attend_key_range(
         acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
-        key_start, key_mid, key_stop, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-        BLOCK_N, HEAD_DIM_PADDED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-        EVEN_D, False, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
+        key_start, split_full_start, split_full_end, key_stop, seqlen_q, seqlen_k, head_dim, mask_bh,
+        stride_mask_q, stride_mask_k, BLOCK_N, HEAD_DIM_PADDED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
+        MASK_PER_KEY, EVEN_D, False, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP, window_left, window_right,
+        HAS_WINDOW,
     )
 
     # Partials are (n_splits, B, H, Lq) rows; acc rows are HEAD_DIM_PADDED wide (no column mask needed).
@@ -362,7 +366,7 @@ class SplitLaunch:
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float,
         mask_is_bool: bool, write_lse: bool, num_splits: int, has_cache_seqlens: bool,
-        config: AttentionConfig | None = None, softcap: float | None = None,
+        config: AttentionConfig | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
     ):
         batch, n_heads, seqlen_q, head_dim = q.shape
         seqlen_k = k.shape[2]
@@ -381,11 +385,12 @@ class SplitLaunch:
         self.split_sizes = (  # the split kernel's arguments after the pointers and strides
             n_heads, n_heads // k.shape[1], pack, n_heads // pack, self.num_splits, n_out_rows,
             seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive), qk_scale_for(softcap or 1.0, additive),
+            *window_bounds(window, seqlen_q, seqlen_k),
         )
         self.split_meta = dict(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM_PADDED=hd_pad,
             IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, HAS_CACHE_SEQLENS=has_cache_seqlens,
-            HAS_SOFTCAP=softcap is not None,
+            HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see forward.dot)
             **kv_loop_flags(mask, mask_is_bool, mask_stride_q, head_dim, hd_pad),
@@ -431,7 +436,7 @@ def split_kv_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool,
     num_splits: int, cache_seqlens: torch.Tensor | None = None, config: AttentionConfig | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-K/V attention on checked (B, H, L, D) tensors whose head dim has stride 1 (as ``attention_forward``).
 
@@ -441,5 +446,5 @@ def split_kv_forward(
     One ``SplitLaunch``, planned and run once.
     """
     plan = SplitLaunch(q, k, mask, causal, scale, mask_is_bool, write_lse, num_splits, cache_seqlens is not None, config,
-                       softcap)
+                       softcap, window)
     return plan(q, k, v, mask, cache_seqlens)

@@ -48,6 +48,21 @@ def check_softcap(softcap) -> float | None:
     return float(softcap)
 
 
+def check_window_size(window_size) -> tuple[int, int] | None:
+    """``window_size`` as ``(left, right)``: None, or a pair (tuple or list) of ints >= -1, -1 meaning unbounded
+    on that side (FlashAttention's ``window_size``); a TypeError or ValueError naming ``window_size`` otherwise."""
+    if window_size is None:
+        return None
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be None or a pair (left, right) of ints >= -1, got {window_size!r}")
+    for side in window_size:
+        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
+            raise TypeError(f"window_size must be a pair of ints >= -1, got {window_size!r}")
+        if side < -1:
+            raise ValueError(f"window_size sides must be >= -1 (-1: unbounded), got {tuple(window_size)!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
 def check_flag(name: str, value) -> bool:
     """``value`` as a bool; a TypeError naming ``name`` for anything but a bool (``"no"`` or None is not one)."""
     if type(value) is bool or isinstance(value, np.bool_):

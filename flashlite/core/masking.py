@@ -11,6 +11,11 @@ columns keys ``k_idx``:
   iff ``j <= i + (seqlen_k - seqlen_q)``. With ``seqlen_q = seqlen_k`` it is the
   usual lower triangle; with ``seqlen_q < seqlen_k`` the last query sees every
   key; a query with ``i + seqlen_k - seqlen_q < 0`` sees none (its row is empty);
+* a sliding window (``window_left``, ``window_right``, FlashAttention's ``window_size``), aligned
+  as causal: query ``i`` sees key ``j`` iff ``i + offset - left <= j <= i + offset + right``
+  (``offset = seqlen_k - seqlen_q``). Causal is the window ``(unbounded, 0)``; callers fold a
+  causal call with a window into the window alone (``right = 0``), and pass an unbounded side as
+  ``seqlen_q + seqlen_k`` (``flashlite.attention.plan.window_bounds``);
 * a boolean mask (nonzero = keep, as in ``scaled_dot_product_attention``) or an
   additive float mask, read through strides so that a broadcast mask (stride 0
   on broadcast dims) is never expanded in memory.
@@ -46,21 +51,81 @@ def causal_key_end(q_last, seqlen_q, seqlen_k):
 
 
 @triton.jit
+def clamp_keys(key, seqlen_k):
+    """``key`` clamped to ``[0, seqlen_k]``."""
+    return tl.minimum(tl.maximum(key, 0), seqlen_k)
+
+
+@triton.jit
 def key_ranges(q_first, q_last, seqlen_q, seqlen_k,
-               BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
-    """``(full_end, key_end)`` for a tile of queries ``q_first..q_last``: keys ``[0, full_end)`` (whole
-    ``BLOCK_N`` tiles) count for every row, so need no mask arithmetic; ``[full_end, key_end)`` count for
-    some rows; keys from ``key_end`` on for none. With a user mask (``HAS_MASK``) every tile is masked.
+               BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+               window_left=0, window_right=0, HAS_WINDOW: tl.constexpr = False):
+    """``(key_start, full_start, full_end, key_end)`` for a tile of queries ``q_first..q_last``.
+
+    Keys ``[full_start, full_end)`` (whole ``BLOCK_N`` tiles) count for every row, so need no mask
+    arithmetic; ``[key_start, full_start)`` and ``[full_end, key_end)`` count for some rows; keys outside
+    ``[key_start, key_end)`` for none, and are never read. ``key_start``, ``full_start`` and ``full_end`` are
+    multiples of ``BLOCK_N``. Without a window ``key_start = full_start = 0``. With a user mask
+    (``HAS_MASK``) every tile is masked: ``full_start = full_end = key_start``.
+
+    Window example: BLOCK_N = 4, seqlen_q = seqlen_k = 16, window (3, 0), queries 8..11: query 8 sees keys
+    5..8, query 11 keys 8..11. key_start = 4 (the tile of key 5), full keys are those every row sees, 8..8,
+    no whole tile: full_start = 8, full_end = max(8, 8) = 8; key_end = 12. Tiles [4, 8) and [8, 12) masked.
     """
-    if IS_CAUSAL:
+    offset = causal_offset(seqlen_q, seqlen_k)
+    if HAS_WINDOW:
+        key_start = clamp_keys(q_first + offset - window_left, seqlen_k) // BLOCK_N * BLOCK_N
+        key_end = clamp_keys(q_last + offset + window_right + 1, seqlen_k)
+        full_start = tl.cdiv(clamp_keys(q_last + offset - window_left, seqlen_k), BLOCK_N) * BLOCK_N
+        full_end = clamp_keys(q_first + offset + window_right + 1, seqlen_k) // BLOCK_N * BLOCK_N
+        full_end = tl.maximum(full_end, full_start)  # no whole tile: both masked parts meet at full_start
+    elif IS_CAUSAL:
+        key_start = 0
+        full_start = 0
         key_end = causal_key_end(q_last, seqlen_q, seqlen_k)
         full_end = causal_key_end(q_first, seqlen_q, seqlen_k) // BLOCK_N * BLOCK_N
     else:
+        key_start = 0
+        full_start = 0
         key_end = seqlen_k
         full_end = seqlen_k // BLOCK_N * BLOCK_N
-    if HAS_MASK:
-        full_end = 0  # the user's mask is read on every tile
-    return full_end, key_end
+    if HAS_MASK:  # the user's mask is read on every tile
+        full_start = key_start
+        full_end = key_start
+    return key_start, full_start, full_end, key_end
+
+
+@triton.jit
+def query_ranges(k_first, k_last, seqlen_q, seqlen_k,
+                 BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr, window_left=0, window_right=0,
+                 HAS_WINDOW: tl.constexpr = False):
+    """``(query_start, full_start, full_end, query_end)`` for a tile of keys ``k_first..k_last``: the
+    transpose of ``key_ranges`` (the attention backward's dK/dV kernel walks query tiles).
+
+    Query tiles ``[full_start, full_end)`` see every key of the tile; ``[query_start, full_start)`` and
+    ``[full_end, query_end)`` some; the rest none. Starts are multiples of ``BLOCK_M``; without a window
+    ``full_end = query_end = seqlen_q`` (rows past it load as zeros and add nothing). Under causal key
+    ``j`` is seen by queries ``i >= j - offset``; under a window by ``j - offset - right <= i <= j - offset
+    + left``.
+    """
+    offset = causal_offset(seqlen_q, seqlen_k)
+    if HAS_WINDOW:
+        query_start = clamp_keys(k_first - offset - window_right, seqlen_q) // BLOCK_M * BLOCK_M
+        query_end = clamp_keys(k_last - offset + window_left + 1, seqlen_q)
+        full_start = tl.cdiv(clamp_keys(k_last - offset - window_right, seqlen_q), BLOCK_M) * BLOCK_M
+        full_end = clamp_keys(k_first - offset + window_left + 1, seqlen_q) // BLOCK_M * BLOCK_M
+        full_end = tl.maximum(full_end, full_start)
+    elif IS_CAUSAL:
+        query_start = clamp_keys(k_first - offset, seqlen_q) // BLOCK_M * BLOCK_M
+        full_start = tl.cdiv(clamp_keys(k_last - offset, seqlen_q), BLOCK_M) * BLOCK_M
+        full_end = seqlen_q
+        query_end = seqlen_q
+    else:
+        query_start = 0
+        full_start = 0
+        full_end = seqlen_q
+        query_end = seqlen_q
+    return query_start, full_start, full_end, query_end
 
 
 @triton.jit
@@ -69,12 +134,14 @@ def apply_masks(
     mask_ptr, stride_mask_q, stride_mask_k,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
     BIAS_TO_UNITS: tl.constexpr, MASK_PER_KEY: tl.constexpr = False, KEYS_ON_ROWS: tl.constexpr = False,
+    window_left=0, window_right=0, HAS_WINDOW: tl.constexpr = False,
 ):
     """Logits ``s`` with every position that does not count set to ``-inf`` and the bias added.
 
     ``s`` is ``[M, N]`` (queries ``q_idx`` on rows, keys ``k_idx`` across), or
     with ``KEYS_ON_ROWS`` its transpose ``[N, M]`` (the attention backward's
     dK/dV kernel works in that orientation).
+    With ``HAS_WINDOW``, keys outside the sliding window of each query are hidden too.
     ``mask_ptr`` points at the mask of this (batch, head), already offset by the
     caller; ``stride_mask_q``/``stride_mask_k`` are 0 on broadcast dims.
     With ``MASK_PER_KEY`` (``stride_mask_q == 0``: a key-padding mask such as
@@ -91,6 +158,9 @@ def apply_masks(
     keep = k_ok & (q_grid < seqlen_q)
     if IS_CAUSAL:
         keep = keep & (k_grid <= q_grid + causal_offset(seqlen_q, seqlen_k))
+    if HAS_WINDOW:
+        diagonal = q_grid + causal_offset(seqlen_q, seqlen_k)
+        keep = keep & (k_grid >= diagonal - window_left) & (k_grid <= diagonal + window_right)
     if HAS_MASK:
         # 64-bit: a mask stored keys-outermost (e.g. an (Lk, Lq) tensor transposed) has key strides near 2^31.
         key_offsets = k_grid.to(tl.int64) * stride_mask_k

@@ -30,6 +30,16 @@ That builder gives
   passed through as is. With left padding, the queries at padding positions
   see no key; flash_attention gives them zeros (SDPA would give NaN).
 
+Sliding windows (Mistral, Gemma-2, gpt-oss). transformers' window keeps keys
+``kv > q - sliding_window`` (the query and ``sliding_window - 1`` before it), and
+its SDPA mask builder always materialises it (SDPA has no window). flashlite's
+builder (``window_mask``) checks that the layer's mask function is that window
+(not a chunked one), and then lets SDPA's builder skip the mask wherever it
+would skip a plain causal one; the layer passes ``sliding_window``, and the hook
+gives ``flash_attention`` ``window_size=(sliding_window - 1, 0)``: no L×L mask is
+built or read, and the kernels skip the key tiles outside the window. With
+padding the window is in the built mask as before.
+
 A float mask (additive, 0 or the dtype's minimum: what transformers < 4.53
 builds for a custom name, or a user's 4-D mask) is passed through as an additive
 bias; a row masked with the minimum everywhere gives what SDPA gives there (the
@@ -46,7 +56,7 @@ from ..attention import flash_attention
 NAME = "fl_attention"
 _RESERVED_SUBSTRINGS = ("flash", "sdpa", "flex", "paged")
 
-__all__ = ["NAME", "attention_forward", "register"]
+__all__ = ["NAME", "attention_forward", "is_sliding_window", "register", "window_mask"]
 
 
 def attention_forward(
@@ -65,9 +75,10 @@ def attention_forward(
         dropout: must be 0.0 (flashlite has no attention dropout).
         **kwargs: ``s_aux`` (gpt-oss's attention sinks, (H,)) and ``softcap``
             (Gemma-2's logit softcapping) go to ``flash_attention``'s ``sinks`` and
-            ``softcap``; ``position_bias`` is not supported and raises when set;
-            the rest (``sliding_window``, whose window the mask already holds,
-            cache details) are ignored.
+            ``softcap``; ``sliding_window`` becomes ``window_size=(sliding_window - 1,
+            0)`` when no mask is given (a given mask holds the window already);
+            ``position_bias`` is not supported and raises when set; the rest (cache
+            details) are ignored.
 
     Returns:
         ``(attn_output, None)``: attn_output (B, Lq, H, D) contiguous, in query's dtype;
@@ -80,6 +91,7 @@ def attention_forward(
             raise ValueError(f"{name} is not supported by attn_implementation={NAME!r}; use 'eager' or 'sdpa'")
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     causal = False
+    window_size = None
     if attention_mask is not None:
         if attention_mask.dim() != 4:
             raise ValueError(f"attention_mask must be 4-D (B, 1 or H, Lq, Lk), got shape {tuple(attention_mask.shape)}")
@@ -94,9 +106,40 @@ def attention_forward(
             # the keys past Lq are unused slots and "causal" means top-left, as SDPA's is_causal.
             # flashlite aligns causal bottom-right, so drop the unused slots, as transformers' SDPA path does.
             key, value = key[:, :, :seqlen_q], value[:, :, :seqlen_q]
+        if kwargs.get("sliding_window") is not None:  # keys kv > q - sliding_window, aligned bottom-right
+            window_size = (int(kwargs["sliding_window"]) - 1, 0)
     out = flash_attention(query, key, value, causal=causal, scale=scaling, attn_mask=attention_mask,
-                          softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))  # (B, H, Lq, D)
+                          softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
+                          window_size=window_size)  # (B, H, Lq, D)
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D)
+
+
+def is_sliding_window(mask_function, window: int) -> bool:
+    """True when transformers' ``mask_function(b, h, q, kv)`` is its causal sliding window of ``window`` keys
+    (``kv <= q`` and ``kv > q - window``), not a chunked mask (which also sets a ``local_size``): probed at
+    the positions where the two differ."""
+    def keeps(q: int, kv: int) -> bool:
+        zero = torch.tensor(0)
+        return bool(mask_function(zero, zero, torch.tensor(q), torch.tensor(kv)))
+
+    try:
+        return (keeps(window, 1) and not keeps(window, 0) and keeps(2 * window - 1, window)
+                and not keeps(window, window + 1))
+    except Exception:  # a mask function that cannot be probed so: keep transformers' own mask
+        return False
+
+
+def window_mask(*args, local_size: int | None = None, mask_function=None, **kwargs):
+    """SDPA's mask builder, but for a sliding window (``local_size``) it may return None where it would for a
+    plain causal mask (no padding, Lq == Lk or Lq == 1): the hook then passes the window to the kernels."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    if mask_function is not None:
+        kwargs["mask_function"] = mask_function
+    if local_size is not None and mask_function is not None and is_sliding_window(mask_function, local_size):
+        local_size = None
+    return sdpa(*args, local_size=local_size, **kwargs)
 
 
 def register(name: str = NAME) -> None:
@@ -105,7 +148,7 @@ def register(name: str = NAME) -> None:
     Registers ``attention_forward`` in ``transformers.AttentionInterface`` and,
     where transformers has one (>= 4.53), SDPA's mask builder under the same name
     in ``AttentionMaskInterface`` (boolean masks, True = keep; None when causal
-    alone suffices).
+    alone suffices, or causal and a sliding window: ``window_mask``).
 
     Raises:
         ValueError: ``name`` contains a substring that transformers routes elsewhere ("flash", ...).
@@ -123,4 +166,5 @@ def register(name: str = NAME) -> None:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     except ImportError:  # pragma: no cover - before 4.53 models build an additive 4-D mask for custom names
         return
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    if "sdpa" in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, window_mask)
