@@ -191,6 +191,19 @@ def test_sinks_on_the_gpu(head_dim):
                            attention_ref(*args, sinks=sinks.detach(), dtype=dtype), dtype)
 
 
+def check_output_and_grads(q, k, v, dtype: torch.dtype, **kw) -> None:
+    """flash_attention(q, k, v, **kw) and its dq/dk/dv, outputs poisoned first, under FlashAttention's rule."""
+    poison()
+    out = flashlite.flash_attention(q, k, v, **kw)
+    assert_attention_close(out, attention_ref(q, k, v, **kw), attention_ref(q, k, v, dtype=dtype, **kw), dtype)
+    do = torch.randn_like(out)
+    poison()
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    for g, r, t in zip(grads, attention_grads_ref(q, k, v, do, **kw),
+                       attention_grads_ref(q, k, v, do, dtype=dtype, **kw)):
+        assert_attention_close(g, r, t, dtype)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_softcap_on_the_gpu(head_dim):
     # Logit softcapping on the GPU: the tl forward, both backward paths' kernels (the default two passes here),
@@ -199,16 +212,7 @@ def test_softcap_on_the_gpu(head_dim):
     q = (make(2, 8, 700, head_dim, dtype) * 2).requires_grad_()
     k, v = (make(2, 2, 900, head_dim, dtype) * 2).requires_grad_(), make(2, 2, 900, head_dim, dtype, True)
     for causal in (False, True):
-        kw = dict(causal=causal, softcap=5.0)
-        poison()
-        out = flashlite.flash_attention(q, k, v, **kw)
-        assert_attention_close(out, attention_ref(q, k, v, **kw), attention_ref(q, k, v, dtype=dtype, **kw), dtype)
-        do = torch.randn_like(out)
-        poison()
-        grads = torch.autograd.grad(out, (q, k, v), do)
-        for g, r, t in zip(grads, attention_grads_ref(q, k, v, do, **kw),
-                           attention_grads_ref(q, k, v, do, dtype=dtype, **kw)):
-            assert_attention_close(g, r, t, dtype)
+        check_output_and_grads(q, k, v, dtype, causal=causal, softcap=5.0)
     q1 = make(2, 8, 1, head_dim, dtype) * 2
     args = (q1, k.detach(), v.detach())
     out = flashlite.flash_attention(*args, softcap=5.0, num_splits=4)
@@ -231,16 +235,7 @@ def test_window_on_the_gpu(head_dim, dtype, backward_path):
             for softcap in (None, 20.0):
                 kw = dict(causal=causal, window_size=window, softcap=softcap)
                 try:
-                    poison()
-                    out = flashlite.flash_attention(q, k, v, **kw)
-                    assert_attention_close(out, attention_ref(q, k, v, **kw), attention_ref(q, k, v, dtype=dtype, **kw),
-                                           dtype)
-                    do = torch.randn_like(out)
-                    poison()
-                    grads = torch.autograd.grad(out, (q, k, v), do)
-                    for g, r, t in zip(grads, attention_grads_ref(q, k, v, do, **kw),
-                                       attention_grads_ref(q, k, v, do, dtype=dtype, **kw)):
-                        assert_attention_close(g, r, t, dtype)
+                    check_output_and_grads(q, k, v, dtype, **kw)
                 except AssertionError as err:
                     failures.append(f"Lq={lq} Lk={lk} {kw}: {err}")
     # Decoding: ragged cache lengths, split-K/V.

@@ -51,9 +51,9 @@ def causal_key_end(q_last, seqlen_q, seqlen_k):
 
 
 @triton.jit
-def clamp_keys(key, seqlen_k):
-    """``key`` clamped to ``[0, seqlen_k]``."""
-    return tl.minimum(tl.maximum(key, 0), seqlen_k)
+def clamp_position(position, length):
+    """``position`` (a key, or a query in ``query_ranges``) clamped to ``[0, length]``."""
+    return tl.minimum(tl.maximum(position, 0), length)
 
 
 @triton.jit
@@ -74,10 +74,10 @@ def key_ranges(q_first, q_last, seqlen_q, seqlen_k,
     """
     offset = causal_offset(seqlen_q, seqlen_k)
     if HAS_WINDOW:
-        key_start = clamp_keys(q_first + offset - window_left, seqlen_k) // BLOCK_N * BLOCK_N
-        key_end = clamp_keys(q_last + offset + window_right + 1, seqlen_k)
-        full_start = tl.cdiv(clamp_keys(q_last + offset - window_left, seqlen_k), BLOCK_N) * BLOCK_N
-        full_end = clamp_keys(q_first + offset + window_right + 1, seqlen_k) // BLOCK_N * BLOCK_N
+        key_start = clamp_position(q_first + offset - window_left, seqlen_k) // BLOCK_N * BLOCK_N
+        key_end = clamp_position(q_last + offset + window_right + 1, seqlen_k)
+        full_start = tl.cdiv(clamp_position(q_last + offset - window_left, seqlen_k), BLOCK_N) * BLOCK_N
+        full_end = clamp_position(q_first + offset + window_right + 1, seqlen_k) // BLOCK_N * BLOCK_N
         full_end = tl.maximum(full_end, full_start)  # no whole tile: both masked parts meet at full_start
     elif IS_CAUSAL:
         key_start = 0
@@ -110,14 +110,14 @@ def query_ranges(k_first, k_last, seqlen_q, seqlen_k,
     """
     offset = causal_offset(seqlen_q, seqlen_k)
     if HAS_WINDOW:
-        query_start = clamp_keys(k_first - offset - window_right, seqlen_q) // BLOCK_M * BLOCK_M
-        query_end = clamp_keys(k_last - offset + window_left + 1, seqlen_q)
-        full_start = tl.cdiv(clamp_keys(k_last - offset - window_right, seqlen_q), BLOCK_M) * BLOCK_M
-        full_end = clamp_keys(k_first - offset + window_left + 1, seqlen_q) // BLOCK_M * BLOCK_M
+        query_start = clamp_position(k_first - offset - window_right, seqlen_q) // BLOCK_M * BLOCK_M
+        query_end = clamp_position(k_last - offset + window_left + 1, seqlen_q)
+        full_start = tl.cdiv(clamp_position(k_last - offset - window_right, seqlen_q), BLOCK_M) * BLOCK_M
+        full_end = clamp_position(k_first - offset + window_left + 1, seqlen_q) // BLOCK_M * BLOCK_M
         full_end = tl.maximum(full_end, full_start)
     elif IS_CAUSAL:
-        query_start = clamp_keys(k_first - offset, seqlen_q) // BLOCK_M * BLOCK_M
-        full_start = tl.cdiv(clamp_keys(k_last - offset, seqlen_q), BLOCK_M) * BLOCK_M
+        query_start = clamp_position(k_first - offset, seqlen_q) // BLOCK_M * BLOCK_M
+        full_start = tl.cdiv(clamp_position(k_last - offset, seqlen_q), BLOCK_M) * BLOCK_M
         full_end = seqlen_q
         query_end = seqlen_q
     else:
