@@ -80,6 +80,14 @@ def window_table(data: dict) -> str:
                    "window fwd+bwd", "× full", "× Flex", "peak extra / o+lse MiB"], rows)
 
 
+def head_dim_v_table(data: dict) -> str:
+    rows = [[r["D"], r["Dv"], "yes" if r["causal"] else "no", r["L"], r["same_dv_fwd"], r["fwd"],
+             _ratio(r["x_same_dv_fwd"]), r["sdpa_fwd"], _ratio(r["x_sdpa_fwd"]), r["same_dv_fwdbwd"], r["fwdbwd"],
+             _ratio(r["x_same_dv_fwdbwd"]), _ratio(r["x_sdpa_fwdbwd"])] for r in data["rows"]]
+    return _table(["D", "Dv", "causal", "L", "Dv = D fwd", "fwd", "× Dv = D", "SDPA fwd", "× SDPA", "Dv = D fwd+bwd",
+                   "fwd+bwd", "× Dv = D", "× SDPA"], rows)
+
+
 def _ratio(value) -> str:
     return f"{value:.2f}" if value else "—"
 
@@ -132,6 +140,8 @@ SECTIONS = [
      "causal, H = 32, H_kv = 8", variants_table),
     ("variants_window", "Sliding window (`bench/variants.py --window`): causal, 4096 keys, D = 128, TFLOP/s on the "
      "visible pairs, bf16, H = 32, H_kv = 8, B·L = 128K", window_table),
+    ("variants_head_dim_v", "V head dim of its own (`bench/variants.py --head-dim-v`): D = 192, Dv = 128 against "
+     "D = Dv = 192 and SDPA, TFLOP/s (2·B·H·L²·(D + Dv), halved causal), bf16, H = 32, H_kv = 8", head_dim_v_table),
     ("training", "Training steps (`bench/training.py`): tokens/s, bf16, same model, data and weights", training_table),
     ("masked_softmax", "Masked softmax (`bench/masked_softmax.py`): effective GB/s", masked_table),
     ("decode", "Decoding (`bench/decode.py --quick`): Lq = 1, bf16, H = 32, D = 128, K/V GB/s, eager", decode_table),

@@ -2,13 +2,20 @@
 
     python bench/variants.py [--lengths 4096 16384] [--head-dims 64 128] [--no-flex] [--out DIR]
     python bench/variants.py --window [--window-lengths 8192 32768 131072] [--out DIR]
+    python bench/variants.py --head-dim-v [--lengths 4096 16384] [--out DIR]
 
 bf16, H = 32 with 8 K/V heads, B·L = 32K tokens, causal; forward and forward+backward TFLOP/s as
 bench/attention.py counts them (visible pairs). Variants:
 
-* ``sinks``: one logit per head merged into each row's (o, lse) after the kernels; target >= 0.97x plain.
-* ``softcap``: ``50 · tanh(s / 50)`` (Gemma-2's value) in the kernels' masked tiles; targets >= 0.85x plain and
+* ``sinks``: one logit per head merged into each row's final state by every kernel; target >= 0.97x plain.
+* ``softcap``: ``50 · tanh(s / 50)`` (Gemma-2's value) on every tile; targets >= 0.85x plain and
   >= 1.0x FlexAttention (``torch.compile(flex_attention)`` with the same ``score_mod`` and a causal block mask).
+* ``alibi``: the ALiBi paper's slopes for 32 heads on every tile; the same targets, FlexAttention with the
+  ALiBi ``score_mod``.
+
+* ``--head-dim-v``: q/k head dim 192 with v's 128 (MLA's shape) against D = Dv = 192, causal and not, TFLOP/s
+  counting ``2·B·H·Lq·Lk·(D + Dv)`` (halved under causal); target >= 0.9x the D = Dv = 192 forward. SDPA (its
+  default backend choice) on the same tensors where it runs.
 
 * ``window`` (``--window``): a causal sliding window of 4096 keys (Mistral's), D = 128, B·L = 128K tokens,
   L from 8K to 128K; TFLOP/s counted on the visible pairs only. Targets: >= 0.9x flashlite's full causal
@@ -16,7 +23,8 @@ bench/attention.py counts them (visible pairs). Variants:
   memory-efficient backend with the window materialised as a boolean (L, L) mask where it fits (L <= 16K).
   Also the peak memory of a windowed forward beyond its inputs, against its output and LSE.
 
-Writes ``variants.{json,md}`` (``variants_window.{json,md}`` with ``--window``).
+Writes ``variants.{json,md}`` (``variants_window.{json,md}`` with ``--window``, ``variants_head_dim_v.{json,md}``
+with ``--head-dim-v``).
 """
 
 from __future__ import annotations
@@ -38,19 +46,25 @@ SOFTCAP = 50.0
 WINDOW, WINDOW_HEAD_DIM, WINDOW_TOKENS, SDPA_MASK_MAX_L = 4096, 128, 131072, 16384
 
 
-def flex_softcap(length: int):
-    """FlexAttention with Gemma-2's score_mod and a causal block mask, compiled; None where unavailable."""
+def flex_causal(length: int, score_mod):
+    """FlexAttention with ``score_mod`` and a causal block mask, compiled; None where unavailable."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None
     compiled = torch.compile(flex_attention)
     block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, length, length)
+    return lambda q, k, v: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
 
-    def softcap(score, b, h, q_idx, kv_idx):
-        return SOFTCAP * torch.tanh(score / SOFTCAP)
 
-    return lambda q, k, v: compiled(q, k, v, score_mod=softcap, block_mask=block_mask, enable_gqa=True)
+def softcap_mod(score, b, h, q_idx, kv_idx):
+    """Gemma-2's softcap as FlexAttention's score_mod."""
+    return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+
+def alibi_mod(slopes: torch.Tensor):
+    """ALiBi as FlexAttention's score_mod: ``score - slope[h] · |q - kv|``."""
+    return lambda score, b, h, q_idx, kv_idx: score - slopes[h] * (q_idx - kv_idx).abs()
 
 
 def flex_window(length: int, window: int):
@@ -144,6 +158,44 @@ def window_main(args) -> None:
     print(markdown_table(rows, cols))
 
 
+def head_dim_v_main(args) -> None:
+    """The V-head-dim rows: D = 192 with Dv = 128 against D = Dv = 192 (flashlite both), and SDPA on the first."""
+    import torch.nn.functional as F
+
+    rows = []
+    head_dim = 192
+    for causal in (False, True):
+        for length in args.lengths:
+            batch = max(1, TOKENS // length)
+            q = torch.randn(batch, HEADS, length, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(batch, KV_HEADS, length, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            results = {}
+            for dv in (192, 128):
+                v = torch.randn(batch, KV_HEADS, length, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                do = torch.randn(batch, HEADS, length, dv, device="cuda", dtype=torch.bfloat16)
+                flops = 2.0 * batch * HEADS * length * length * (head_dim + dv) / (2 if causal else 1)
+                results[dv] = measure(lambda q, k, v: flashlite.flash_attention(q, k, v, causal=causal), (q, k, v),
+                                      do, flops)
+                if dv == 128:
+                    results["sdpa"] = measure(
+                        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+                        (q, k, v), do, flops)
+            row = dict(D=head_dim, Dv=128, causal=causal, L=length, B=batch, same_dv_fwd=results[192][0],
+                       fwd=results[128][0], x_same_dv_fwd=ratio(results[128][0], results[192][0]),
+                       sdpa_fwd=results["sdpa"][0], x_sdpa_fwd=ratio(results[128][0], results["sdpa"][0]),
+                       same_dv_fwdbwd=results[192][1], fwdbwd=results[128][1],
+                       x_same_dv_fwdbwd=ratio(results[128][1], results[192][1]), sdpa_fwdbwd=results["sdpa"][1],
+                       x_sdpa_fwdbwd=ratio(results[128][1], results["sdpa"][1]))
+            rows.append(row)
+            print(row, flush=True)
+    cols = ["D", "Dv", "causal", "L", "B", "same_dv_fwd", "fwd", "x_same_dv_fwd", "sdpa_fwd", "x_sdpa_fwd",
+            "same_dv_fwdbwd", "fwdbwd", "x_same_dv_fwdbwd", "sdpa_fwdbwd", "x_sdpa_fwdbwd"]
+    write_results("variants_head_dim_v", results_dir(args.out), environment() | {
+        "heads": HEADS, "kv_heads": KV_HEADS, "dtype": "bfloat16", "flops": "2·B·H·Lq·Lk·(D + Dv), halved causal"},
+        rows, cols, "V head dim 128 with q/k's 192 against D = Dv = 192 (and SDPA), TFLOP/s")
+    print(markdown_table(rows, cols))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
@@ -151,11 +203,18 @@ def main() -> None:
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a minute)")
     parser.add_argument("--window", action="store_true", help="the sliding-window rows instead (variants_window)")
     parser.add_argument("--window-lengths", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--head-dim-v", action="store_true", help="the V-head-dim rows instead (variants_head_dim_v)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.window:
         window_main(args)
         return
+    if args.head_dim_v:
+        head_dim_v_main(args)
+        return
+    from flashlite.nn import alibi_slopes
+
+    slopes = alibi_slopes(HEADS).cuda()
     rows = []
     for head_dim in args.head_dims:
         for length in args.lengths:
@@ -172,7 +231,9 @@ def main() -> None:
                 "sinks": (lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True, sinks=sinks), (q, k, v, sinks),
                           None),
                 "softcap": (lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True, softcap=SOFTCAP), (q, k, v),
-                            None if args.no_flex else flex_softcap(length)),
+                            None if args.no_flex else flex_causal(length, softcap_mod)),
+                "alibi": (lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True, alibi_slopes=slopes),
+                          (q, k, v), None if args.no_flex else flex_causal(length, alibi_mod(slopes))),
             }
             for name, (fn, inputs, flex) in cases.items():
                 mine = measure(fn, inputs, do, flops)
@@ -183,10 +244,11 @@ def main() -> None:
                            x_flex_fwdbwd=ratio(mine[1], theirs[1]))
                 rows.append(row)
                 print(row, flush=True)
+            torch._dynamo.reset()  # this shape's compiled FlexAttentions: freed before the next (recompile limit)
     cols = ["variant", "D", "L", "B", "plain_fwd", "fwd", "x_plain_fwd", "flex_fwd", "x_flex_fwd", "plain_fwdbwd",
             "fwdbwd", "x_plain_fwdbwd", "flex_fwdbwd", "x_flex_fwdbwd"]
     write_results("variants", results_dir(args.out), environment() | {"heads": HEADS, "kv_heads": KV_HEADS,
-                  "causal": True, "dtype": "bfloat16", "softcap": SOFTCAP}, rows, cols,
+                  "causal": True, "dtype": "bfloat16", "softcap": SOFTCAP, "alibi": "paper slopes"}, rows, cols,
                   "Attention variants against plain and FlexAttention, TFLOP/s")
     print(markdown_table(rows, cols))
 

@@ -245,7 +245,7 @@ def block_gradients(
     """``(dq, dk, dv)`` of one shard pair: queries ``q`` (their final ``o``, ``lse``, ``do``, ``dlse``) against one
     block of keys, on the kernels (``attention_backward``) or, without ``kernels``, in PyTorch."""
     if kernels:
-        dq, dk, dv, _ = attention_backward(do, q, k, v, o, lse, dlse, causal, scale, None, False)
+        dq, dk, dv, _, _ = attention_backward(do, q, k, v, o, lse, dlse, causal, scale, None, False)
         return dq, dk, dv
     return block_gradients_torch(do, q, k, v, o, lse, dlse, causal, scale)
 

@@ -19,6 +19,8 @@ plain autograd), so the layer trains on CPU as it is.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -28,7 +30,25 @@ from .attention.api import flash_attention
 from .attention.tuning import MAX_HEAD_DIM, MIN_HEAD_DIM
 from .core.checks import check_flag, check_softcap, check_window_size
 
-__all__ = ["MultiheadAttention"]
+__all__ = ["MultiheadAttention", "alibi_slopes"]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi paper's slopes for ``num_heads`` heads (Press et al., 2022), fp32 (H,) on the CPU.
+
+    For a power of two ``n`` the geometric sequence ``2^(-8 i / n)``, i = 1..n (8 heads: 1/2, 1/4, ... 1/256);
+    otherwise the slopes of the largest power of two below ``n``, then every other slope of twice that many.
+    Example: 12 heads: the 8 slopes of 8 heads, then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5 (odd ones of 16 heads).
+    """
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+
+    base = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = geometric(base) + geometric(2 * base)[0::2][: num_heads - base]
+    return torch.tensor(slopes, dtype=torch.float32)
 
 
 class MultiheadAttention(nn.Module):
@@ -57,6 +77,9 @@ class MultiheadAttention(nn.Module):
         window_size: None, or ``(left, right)`` ints >= -1: a sliding window
             (``flash_attention``'s ``window_size``; with ``causal``, ``(W, 0)`` is
             Mistral's window of W keys before each query).
+        alibi: ALiBi with the paper's slopes for ``num_heads`` (``alibi_slopes``): each score
+            minus ``slope_h · |i + Lk - Lq - j|`` (``flash_attention``'s ``alibi_slopes``). Fixed,
+            fp32 whatever the parameters' dtype, not in the state dict.
         sinks: learnable attention sinks (``self.sinks``, (H,), zeros at first): one
             extra logit per head in every row's softmax, with a zero value vector
             (``flash_attention``'s ``sinks``, as gpt-oss).
@@ -68,13 +91,14 @@ class MultiheadAttention(nn.Module):
     def __init__(
         self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, causal: bool = False,
         bias: bool = True, softcap: float | None = None, window_size: tuple[int, int] | None = None,
-        sinks: bool = False, dropout: float = 0.0,
+        alibi: bool = False, sinks: bool = False, dropout: float = 0.0,
         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if num_kv_heads is None:
             num_kv_heads = num_heads
         causal, bias, sinks = check_flag("causal", causal), check_flag("bias", bias), check_flag("sinks", sinks)
+        alibi = check_flag("alibi", alibi)
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -104,11 +128,13 @@ class MultiheadAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
         self.softcap = check_softcap(softcap)
         self.window_size = check_window_size(window_size)
+        self.alibi = alibi
+        self._alibi_slopes: dict[torch.device, torch.Tensor] = {}  # by device: fixed values, built once on each
 
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"causal={self.causal}, softcap={self.softcap}, window_size={self.window_size}, "
+            f"causal={self.causal}, softcap={self.softcap}, window_size={self.window_size}, alibi={self.alibi}, "
             f"sinks={self.sinks is not None}"
         )
 
@@ -153,11 +179,20 @@ class MultiheadAttention(nn.Module):
         k = rearrange(k, "b l (h d) -> b h l d", h=self.num_kv_heads)  # (B, H_kv, Lk, D)
         v = rearrange(v, "b l (h d) -> b h l d", h=self.num_kv_heads)  # (B, H_kv, Lk, D)
         o = flash_attention(q, k, v, causal=self.causal, attn_mask=mask, softcap=self.softcap,
-                            window_size=self.window_size, sinks=self.sinks)  # (B, H, Lq, D)
+                            window_size=self.window_size, alibi_slopes=self._slopes(x.device),
+                            sinks=self.sinks)  # (B, H, Lq, D)
         o = rearrange(o, "b h l d -> b l (h d)")  # (B, Lq, E); a view when o is in (B, L, H, D) order
         return self.out_proj(o)
 
     # ------------------------------------------------------------------------- helpers
+
+    def _slopes(self, device: torch.device) -> torch.Tensor | None:
+        """The ALiBi slopes on ``device`` (None without ALiBi)."""
+        if not self.alibi:
+            return None
+        if device not in self._alibi_slopes:
+            self._alibi_slopes[device] = alibi_slopes(self.num_heads).to(device)
+        return self._alibi_slopes[device]
 
     def _split_sizes(self) -> list[int]:
         kv_size = self.num_kv_heads * self.head_dim

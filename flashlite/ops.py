@@ -7,8 +7,8 @@ each of which the graph keeps as one opaque node:
 
 * ``flashlite::softmax(x, dim, algorithm, dtype)`` and ``flashlite::logsumexp(x, dim)``;
 * ``flashlite::masked_softmax(x, mask, scale, causal, dim, algorithm)``;
-* ``flashlite::flash_attention(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens, softcap, window)
-  -> (o, lse, row_stats)`` (row_stats: what the backward of an additive mask needs,
+* ``flashlite::flash_attention(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens, softcap, window,
+  alibi, sinks) -> (o, lse, row_stats)`` (row_stats: what the backward of an additive mask needs,
   ``attention.forward_for_backward``; empty otherwise);
 
 and, for their gradients, ``flashlite::softmax_backward``,
@@ -34,6 +34,7 @@ import torch
 
 from .attention.api import SPLIT_HAS_NO_BACKWARD, forward_for_backward, unit_stride_head_dim
 from .attention.backward import attention_backward
+from .attention.plan import output_like
 from .attention.reference import attention_torch
 from .attention.split_kv import auto_num_splits, split_kv_forward
 from .core.masking import broadcast_mask
@@ -222,28 +223,31 @@ def _keeps_row_stats(attn_mask: torch.Tensor | None, num_splits: int | None, cac
 @torch.library.custom_op(
     "flashlite::flash_attention", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale, Tensor? attn_mask, int? num_splits, "
-           "Tensor? cache_seqlens, float? softcap=None, int[]? window=None) -> (Tensor, Tensor, Tensor)",
+           "Tensor? cache_seqlens, float? softcap=None, int[]? window=None, Tensor? alibi=None, "
+           "Tensor? sinks=None) -> (Tensor, Tensor, Tensor)",
 )
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                      attn_mask: torch.Tensor | None, num_splits: int | None,
                      cache_seqlens: torch.Tensor | None, softcap: float | None = None,
-                     window: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     window: list[int] | None = None, alibi: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     window = None if window is None else tuple(window)  # attention.plan.visibility's (left, right)
+    variants = dict(softcap=softcap, window=window, alibi=alibi, sinks=sinks)
     q, k, v = (unit_stride_head_dim(t) for t in (q, k, v))
     batch, n_heads, seqlen_q, _ = q.shape
     row_stats = None
     if not runs_kernels(q) or batch * n_heads * seqlen_q == 0 or k.shape[2] == 0:
-        o, lse = attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens, softcap, window)
-        o, lse = torch.empty_like(q).copy_(o), lse.contiguous()
+        o, lse = attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens, **variants)
+        o, lse = output_like(q, v.shape[3]).copy_(o), lse.contiguous()
     else:
         mask, mask_is_bool = _attention_mask(attn_mask, q, k)
         if num_splits is None:
             num_splits = auto_num_splits(q, k, mask)
         if num_splits == 1 and cache_seqlens is None:
-            o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool, softcap, window)
+            o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool, **variants)
         else:
             o, lse = split_kv_forward(q, k, v, causal, scale, mask, mask_is_bool, True, num_splits, cache_seqlens,
-                                      softcap=softcap, window=window)
+                                      **variants)
     # The fake's contract, whatever path ran: (2, B, H, Lq) under an additive mask, else empty.
     if not _keeps_row_stats(attn_mask, num_splits, cache_seqlens):
         row_stats = q.new_empty((0,), dtype=torch.float32)
@@ -253,8 +257,9 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 
 @_flash_attention.register_fake
-def _(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens, softcap=None, window=None):
-    o = torch.empty_like(unit_stride_head_dim(q))  # q's memory order, as attention_forward allocates it
+def _(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens, softcap=None, window=None, alibi=None,
+      sinks=None):
+    o = output_like(unit_stride_head_dim(q), v.shape[3])  # q's memory order, as attention_forward allocates it
     keeps = _keeps_row_stats(attn_mask, num_splits, cache_seqlens)
     row_stats = q.new_empty((2, *q.shape[:3]) if keeps else (0,), dtype=torch.float32)
     return o, q.new_empty(q.shape[:3], dtype=torch.float32), row_stats  # lse (B, H, Lq)
@@ -264,42 +269,46 @@ def _(q, k, v, causal, scale, attn_mask, num_splits, cache_seqlens, softcap=None
     "flashlite::flash_attention_backward", mutates_args=(),
     schema="(Tensor do, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor row_stats, "
            "bool causal, float scale, Tensor? attn_mask, bool mask_needs_grad, float? softcap=None, "
-           "int[]? window=None) -> (Tensor, Tensor, Tensor, Tensor)",
+           "int[]? window=None, Tensor? alibi=None, Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _flash_attention_bwd(
     do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o: torch.Tensor, lse: torch.Tensor, row_stats: torch.Tensor, causal: bool, scale: float,
     attn_mask: torch.Tensor | None, mask_needs_grad: bool, softcap: float | None = None,
-    window: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dmask)``; dmask is the fp32 gradient of ``attn_mask`` in its shape, or empty when not asked.
-    ``row_stats`` is empty or the forward's ``(m, log d)``."""
+    window: list[int] | None = None, alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dmask, dsinks)``; dmask is the fp32 gradient of ``attn_mask`` in its shape, or empty when not
+    asked; dsinks the sinks' (empty without them). ``row_stats`` is empty or the forward's ``(m, log d)``."""
     window = None if window is None else tuple(window)
     do, q, k, v, o = (unit_stride_head_dim(t) for t in (do, q, k, v, o))
     batch, n_heads, seqlen_q, _ = q.shape
     if not runs_kernels(q) or batch * n_heads * seqlen_q == 0 or k.shape[2] == 0:
-        return _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad, softcap, window)
+        return _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad, softcap, window,
+                                      alibi, sinks)
     mask, mask_is_bool = _attention_mask(attn_mask, q, k)
-    dq, dk, dv, ds = attention_backward(do, q, k, v, o, lse, dlse, causal, scale, mask, mask_is_bool,
-                                        mask_needs_grad=mask_needs_grad,
-                                        row_stats=row_stats if row_stats.numel() else None, softcap=softcap,
-                                        window=window)
-    return dq, dk, dv, _mask_grad(ds, attn_mask, q.device)
+    dq, dk, dv, ds, dsinks = attention_backward(do, q, k, v, o, lse, dlse, causal, scale, mask, mask_is_bool,
+                                                mask_needs_grad=mask_needs_grad,
+                                                row_stats=row_stats if row_stats.numel() else None, softcap=softcap,
+                                                window=window, alibi=alibi, sinks=sinks)
+    return dq, dk, dv, _mask_grad(ds, attn_mask, q.device), _sinks_grad(dsinks, q.device)
 
 
-def _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad, softcap, window):
+def _attention_grads_torch(do, dlse, q, k, v, causal, scale, attn_mask, mask_needs_grad, softcap, window, alibi,
+                           sinks):
     """The gradients of the PyTorch path by ``torch.func.vjp`` (plain autograd does not record below the
     dispatcher's autograd layer, where op implementations run)."""
-    def attend(q, k, v, bias):
+    def attend(q, k, v, bias, sink_logits):
         return attention_torch(q, k, v, causal, scale, bias if mask_needs_grad else attn_mask, softcap=softcap,
-                               window=window)
+                               window=window, alibi=alibi, sinks=sinks if sinks is None else sink_logits)
 
     bias = attn_mask if mask_needs_grad else q.new_empty((0,))
-    (o, lse), vjp = torch.func.vjp(attend, q, k, v, bias)
+    sink_logits = sinks if sinks is not None else q.new_empty((0,))
+    (o, lse), vjp = torch.func.vjp(attend, q, k, v, bias, sink_logits)
     dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
-    dq, dk, dv, dbias = vjp((do.to(o.dtype), dlse))
+    dq, dk, dv, dbias, dsinks = vjp((do.to(o.dtype), dlse))
     grads = [torch.empty_like(t).copy_(g) for t, g in ((q, dq), (k, dk), (v, dv))]
-    return (*grads, _mask_grad(dbias if mask_needs_grad else None, attn_mask, q.device))
+    return (*grads, _mask_grad(dbias if mask_needs_grad else None, attn_mask, q.device),
+            _sinks_grad(dsinks if sinks is not None else None, q.device))
 
 
 def _mask_grad(dmask: torch.Tensor | None, attn_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -309,28 +318,40 @@ def _mask_grad(dmask: torch.Tensor | None, attn_mask: torch.Tensor | None, devic
     return dmask.sum_to_size(attn_mask.shape).float().contiguous()
 
 
+def _sinks_grad(dsinks: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The sinks' gradient as a fresh fp32 tensor, or an empty one without sinks."""
+    if dsinks is None:
+        return torch.empty((0,), dtype=torch.float32, device=device)
+    return dsinks.float().clone()
+
+
 @_flash_attention_bwd.register_fake
-def _(do, dlse, q, k, v, o, lse, row_stats, causal, scale, attn_mask, mask_needs_grad, softcap=None, window=None):
+def _(do, dlse, q, k, v, o, lse, row_stats, causal, scale, attn_mask, mask_needs_grad, softcap=None, window=None,
+      alibi=None, sinks=None):
     dq, dk, dv = (torch.empty_like(unit_stride_head_dim(t)) for t in (q, k, v))
-    return dq, dk, dv, q.new_empty(attn_mask.shape if mask_needs_grad else (0,), dtype=torch.float32)
+    dmask = q.new_empty(attn_mask.shape if mask_needs_grad else (0,), dtype=torch.float32)
+    return dq, dk, dv, dmask, q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
 
 
 def _flash_attention_setup(ctx, inputs, output) -> None:
-    q, k, v, ctx.causal, ctx.scale, attn_mask, num_splits, cache_seqlens, ctx.softcap, ctx.window = inputs
+    (q, k, v, ctx.causal, ctx.scale, attn_mask, num_splits, cache_seqlens, ctx.softcap, ctx.window, alibi,
+     sinks) = inputs
     ctx.split = num_splits not in (None, 1) or cache_seqlens is not None
-    ctx.save_for_backward(q, k, v, *output, attn_mask)
+    ctx.sinks_dtype = None if sinks is None else sinks.dtype
+    ctx.save_for_backward(q, k, v, *output, attn_mask, alibi, sinks)
 
 
 def _flash_attention_grad(ctx, do, dlse, _drow_stats):
     if ctx.split:
         raise NotImplementedError(SPLIT_HAS_NO_BACKWARD)
-    q, k, v, o, lse, row_stats, attn_mask = ctx.saved_tensors
+    q, k, v, o, lse, row_stats, attn_mask, alibi, sinks = ctx.saved_tensors
     mask_needs_grad = ctx.needs_input_grad[5]
-    dq, dk, dv, ds = torch.ops.flashlite.flash_attention_backward(
+    dq, dk, dv, ds, dsinks = torch.ops.flashlite.flash_attention_backward(
         do, dlse, q, k, v, o, lse, row_stats, ctx.causal, ctx.scale, attn_mask, mask_needs_grad, ctx.softcap,
-        ctx.window)
+        ctx.window, alibi, sinks)
     dmask = ds.to(attn_mask.dtype) if mask_needs_grad else None
-    return dq, dk, dv, None, None, dmask, None, None, None, None
+    dsinks = dsinks.to(ctx.sinks_dtype) if ctx.sinks_dtype is not None else None
+    return dq, dk, dv, None, None, dmask, None, None, None, None, None, dsinks
 
 
 _flash_attention.register_autograd(_flash_attention_grad, setup_context=_flash_attention_setup)

@@ -46,6 +46,18 @@ def _fresh_seed(request):
     yield
 
 
+@pytest.fixture
+def small_attention_tiles(monkeypatch):
+    """16 x 16 tiles for every attention kernel run through the interpreter, so that short sequences cross many
+    tiles (masked edges, full tiles, ragged ends)."""
+    from flashlite.attention import tuning
+    from flashlite.attention.tuning import AttentionConfig, BackwardConfig
+
+    tiles = AttentionConfig(16, 16, 4, 1)
+    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", tiles)
+    monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BackwardConfig(tiles, tiles))
+
+
 @pytest.fixture(params=["one_pass", "deterministic"])
 def backward_path(request, monkeypatch):
     """Both paths of the attention backward: one pass (dQ by atomic adds; also on a GPU, where two passes are the

@@ -30,8 +30,12 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=560.0)
     parser.add_argument("--log", default=None, help="also write the summary here")
     parser.add_argument("--shard-logs", default=None, help="keep each shard's full output in this folder")
+    # -k takes a value, which parse_known_args would take for a path: declared here, passed on below.
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest's -k expression")
     parser.add_argument("paths", nargs="*", default=["tests"])
-    args, options = parser.parse_known_args()  # options (-k, -x, ...) go to every pytest run
+    args, options = parser.parse_known_args()  # options (-x, --maxfail=N, ...) go to every pytest run
+    if args.keyword is not None:
+        options += ["-k", args.keyword]
 
     ids = collect([*args.paths, *options])
     if not ids:

@@ -294,8 +294,9 @@ def _key_range(q, q_idx, qk_scale, k_ptr, v_ptr, lo, hi, seqlen_q, seqlen_k,
     m, d = empty_state(BLOCK_M)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     return forward.attend_kv_tiles(
-        acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, D, D, lo, hi, seqlen_q, seqlen_k, D, None, 0, 0,
-        BLOCK_N, D, True, 1.0, True, False, False, False, True, False, "ieee", False,
+        acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, D, D, lo, hi, seqlen_q, seqlen_k, D, D, None, 0, 0,
+        (1.0, 0.0, 0, 0), BLOCK_N, D, D, True, 1.0, True, False, False, False, True, True, False, "ieee", False,
+        (False, False, False, False),
     )
 
 

@@ -1,7 +1,8 @@
 """Attention sinks (``flash_attention(..., sinks=)``, gpt-oss's ``s_aux``) against float64, through the interpreter.
 
-The sink is one more logit per head in every row's softmax, with a zero value vector: its state is merged
-into the kernels' ``(o, lse)`` (``flashlite.attention.sinks``). Checked: outputs, LSE and the gradients of q,
+The sink is one more logit per head in every row's softmax, with a zero value vector: every kernel merges its
+state into its rows' final states (``core.online_softmax.merge_sink``; the split-K/V path after its splits),
+and the backward takes its gradient from the rows' δ (``backward.sink_gradient``). Checked: outputs, LSE and the gradients of q,
 k, v and the sinks (FlashAttention's rule), causal and not, GQA, Lq != Lk, rows that see no key (o = 0,
 LSE = the sink), a boolean mask, decoding with a ragged cache, the PyTorch path, and bad arguments.
 """
@@ -10,18 +11,11 @@ import pytest
 import torch
 
 import flashlite
-from flashlite.attention import api, tuning
-from flashlite.attention.tuning import AttentionConfig, BackwardConfig
+from flashlite.attention import api
 
 from .utils import assert_attention_close, attention_grads_ref, attention_ref, randn
 
-TILES_16 = AttentionConfig(16, 16, 4, 1)
-
-
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", TILES_16)
-    monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BackwardConfig(TILES_16, TILES_16))
+pytestmark = pytest.mark.usefixtures("small_attention_tiles")
 
 
 def check(q, k, v, sinks, **kw):

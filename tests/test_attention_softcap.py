@@ -11,36 +11,11 @@ import pytest
 import torch
 
 import flashlite
-from flashlite.attention import api, tuning
-from flashlite.attention.tuning import AttentionConfig, BackwardConfig
+from flashlite.attention import api
 
-from .utils import assert_attention_close, attention_grads_ref, attention_ref, randn
+from .utils import assert_attention_close, attention_ref, check_attention, randn
 
-TILES_16 = AttentionConfig(16, 16, 4, 1)
-
-
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", TILES_16)
-    monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BackwardConfig(TILES_16, TILES_16))
-
-
-def check(q, k, v, **kw):
-    """Output, LSE and gradients of every input that requires grad against float64."""
-    out, lse = flashlite.flash_attention(q, k, v, return_lse=True, **kw)
-    ref, ref_lse = attention_ref(q, k, v, return_lse=True, **kw)
-    assert_attention_close(out, ref, attention_ref(q, k, v, dtype=q.dtype, **kw), q.dtype)
-    finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=1e-5 if q.dtype == torch.float32 else 2e-2,
-                               rtol=1e-5 if q.dtype == torch.float32 else 1e-2)
-    do = torch.randn_like(out)
-    mask = kw.get("attn_mask")
-    inputs = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else [])
-    grads = torch.autograd.grad(out, inputs, do)
-    for g, r, t in zip(grads, attention_grads_ref(q, k, v, do, **kw), attention_grads_ref(q, k, v, do, dtype=q.dtype, **kw)):
-        assert torch.isfinite(g).all()
-        assert_attention_close(g, r, t, q.dtype)
-    return out
+pytestmark = pytest.mark.usefixtures("small_attention_tiles")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -50,7 +25,7 @@ def test_softcap_against_float64(causal, lq, lk, h_kv, backward_path):
     # in dS shows.
     q = randn(1, 4, lq, 32, scale=2.0, requires_grad=True)
     k, v = randn(1, h_kv, lk, 32, scale=2.0, requires_grad=True), randn(1, h_kv, lk, 32, requires_grad=True)
-    check(q, k, v, causal=causal, softcap=2.0)
+    check_attention(q, k, v, causal=causal, softcap=2.0)
 
 
 def test_softcap_changes_the_result():
@@ -63,20 +38,20 @@ def test_softcap_changes_the_result():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_softcap_low_precision(dtype):
     q, k, v = (randn(1, 2, 40, 64, dtype=dtype, scale=2.0, requires_grad=True) for _ in range(3))
-    check(q, k, v, causal=True, softcap=5.0)
+    check_attention(q, k, v, causal=True, softcap=5.0)
 
 
 def test_softcap_with_masks(backward_path):
     q, k, v = (randn(2, 2, 30, 16, scale=2.0, requires_grad=True) for _ in range(3))
     keep = torch.rand(2, 2, 30, 30) > 0.3
-    check(q, k, v, attn_mask=keep, softcap=3.0)
+    check_attention(q, k, v, attn_mask=keep, softcap=3.0)
     bias = randn(2, 1, 30, 30, requires_grad=True)  # additive, with its own gradient (two passes, dS stored)
-    check(q, k, v, attn_mask=bias, softcap=3.0, causal=True)
+    check_attention(q, k, v, attn_mask=bias, softcap=3.0, causal=True)
 
 
 def test_softcap_negative_scale():
     q, k, v = (randn(1, 2, 20, 16, scale=2.0, requires_grad=True) for _ in range(3))
-    check(q, k, v, scale=-0.4, softcap=1.5)
+    check_attention(q, k, v, scale=-0.4, softcap=1.5)
 
 
 def test_softcap_decoding_and_sinks():

@@ -142,17 +142,18 @@ def test_descriptor_matches_a_checked_one():
 
 
 def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool, write_lse: bool,
-                        has_window: bool = False, has_softcap: bool = False):
-    """The kernel ``config`` selects, built for sm_90 from CPU (the types a launch on Hopper would give)."""
+                        variants: dict | None = None, head_dim_v: int | None = None):
+    """The kernel ``config`` selects, built for sm_90 from CPU (the types a launch on Hopper would give);
+    ``variants``: ``plan.variant_args``' switches that are on."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    t = torch.randn(1, 1, 256, head_dim, dtype=torch.bfloat16)
-    descs = {name: fw._gluon_descriptor(t, rows, head_dim)
-             for name, rows in (("q_desc", config.block_m), ("k_desc", config.block_n), ("v_desc", config.block_n),
-                                ("o_desc", config.block_m))}
-    kernel, meta = fw.kernel_for(config, head_dim, causal, write_lse, has_window, has_softcap)  # a launch's
+    head_dim_v = head_dim_v or head_dim
+    descs = {name: fw._gluon_descriptor(torch.randn(1, 1, 256, width, dtype=torch.bfloat16), rows, width)
+             for name, rows, width in (("q_desc", config.block_m, head_dim), ("k_desc", config.block_n, head_dim),
+                                       ("v_desc", config.block_n, head_dim_v), ("o_desc", config.block_m, head_dim_v))}
+    kernel, meta = fw.kernel_for(config, head_dim, head_dim_v, causal, write_lse, variants)  # a launch's
     options = {name: meta[name] for name in ("num_warps", "maxnreg") if name in meta}
     constants = {name: value for name, value in meta.items() if name != "maxnreg"}
     signature = {}
@@ -162,23 +163,29 @@ def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool,
         elif name in constants:
             signature[name] = "constexpr"
         else:
-            signature[name] = {"lse_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32"}.get(name, "i32")
+            signature[name] = {"lse_ptr": "*fp32", "alibi_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32",
+                               "softcap": "fp32"}.get(name, "i32")
     return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options=options)
 
 
+# The variant cases the build test compiles: every score modifier and the sinks together, with v of its own width.
+ALL_VARIANTS = dict(HAS_SOFTCAP=True, FAST_TANH=True, HAS_ALIBI=True, HAS_WINDOW=True, HAS_SINKS=True)
+
+
 def _build_report(cases: list) -> dict:
-    """For each (head_dim, causal, window): whether the PTX has wgmma and TMA, its wgmma wait depths, warps and
-    register moves."""
+    """For each (head_dim, causal, variants, head_dim_v): whether the PTX has wgmma and TMA, its wgmma wait
+    depths, warps and register moves."""
     report = {}
-    for head_dim, causal, window in cases:
-        config = plan.wgmma_config(head_dim, causal, 1024)
-        compiled = _compile_for_hopper(config, head_dim, causal, write_lse=causal, has_window=window,
-                                       has_softcap=window)  # the window cases also softcap
+    for head_dim, causal, variants, head_dim_v in cases:
+        config = plan.wgmma_config(max(head_dim, head_dim_v), causal, 1024)
+        compiled = _compile_for_hopper(config, head_dim, causal, write_lse=causal,
+                                       variants=ALL_VARIANTS if variants else None, head_dim_v=head_dim_v)
         ptx = compiled.asm["ptx"]
-        report[f"{head_dim}-{causal}" + ("-window-softcap" if window else "")] = dict(
+        name = f"{head_dim}-{causal}" + ("-variants" if variants else "") + (f"-v{head_dim_v}" if head_dim_v != head_dim else "")
+        report[name] = dict(
             warp_specialized=config.warp_specialized, warps=compiled.metadata.num_warps,
-            wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx,
+            wgmma="wgmma.mma_async" in ptx, tma="cp.async.bulk.tensor" in ptx, tanh="tanh.approx.f32" in ptx,
             waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
             registers=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}))
     return report
@@ -191,8 +198,10 @@ def test_kernel_builds_with_products_in_flight():
     runs 12 warps (two softmax warpgroups and a load warp, padded to a warpgroup) and moves registers
     from the load warp to the softmax warpgroups.
     """
-    cases = [(64, False, False), (64, True, False), (128, False, False), (128, True, False), (256, False, False),
-             (256, True, False), (128, False, True), (64, False, True)]  # HAS_WINDOW and HAS_SOFTCAP
+    cases = [(64, False, False, 64), (64, True, False, 64), (128, False, False, 128), (128, True, False, 128),
+             (256, False, False, 256), (256, True, False, 256),
+             (128, False, True, 128), (64, False, True, 64),  # every variant switched on
+             (256, True, False, 128), (128, False, True, 64)]  # v narrower than q/k: O through its own buffer
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json; from tests.test_attention_wgmma import _build_report; print(json.dumps(_build_report({cases})))"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -200,6 +209,7 @@ def test_kernel_builds_with_products_in_flight():
     report = json.loads(done.stdout.strip().splitlines()[-1])
     for case, built in report.items():
         assert built["wgmma"] and built["tma"], case
+        assert built["tanh"] == ("variants" in case), case  # the softcap's one-instruction tanh, when on
         assert 1 in built["waits"], f"{case}: no wgmma left in flight across the softmax (waits {built['waits']})"
         if built["warp_specialized"]:
             assert built["warps"] == 12, case

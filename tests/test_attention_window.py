@@ -14,19 +14,11 @@ import pytest
 import torch
 
 import flashlite
-from flashlite.attention import api, plan, tuning
-from flashlite.attention.tuning import AttentionConfig, BackwardConfig
+from flashlite.attention import api, plan
 
-from .test_attention_softcap import check
-from .utils import assert_attention_close, attention_ref, randn
+from .utils import assert_attention_close, attention_ref, check_attention, randn
 
-TILES_16 = AttentionConfig(16, 16, 4, 1)
-
-
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", TILES_16)
-    monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BackwardConfig(TILES_16, TILES_16))
+pytestmark = pytest.mark.usefixtures("small_attention_tiles")
 
 
 @pytest.mark.parametrize("window", [
@@ -42,7 +34,7 @@ def small_tiles(monkeypatch):
 def test_window_against_float64(window, causal, lq, lk, h_kv, backward_path):
     q = randn(1, 4, lq, 32, requires_grad=True)
     k, v = randn(1, h_kv, lk, 32, requires_grad=True), randn(1, h_kv, lk, 32, requires_grad=True)
-    check(q, k, v, causal=causal, window_size=window)
+    check_attention(q, k, v, causal=causal, window_size=window)
 
 
 def test_window_changes_the_result():
@@ -56,17 +48,17 @@ def test_window_changes_the_result():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_window_low_precision(dtype):
     q, k, v = (randn(2, 2, 64, 64, dtype=dtype, requires_grad=True) for _ in range(3))
-    check(q, k, v, causal=True, window_size=(19, 0))
+    check_attention(q, k, v, causal=True, window_size=(19, 0))
 
 
 def test_window_with_softcap_sinks_and_masks(backward_path):
     q, k, v = (randn(1, 4, 45, 16, scale=2.0, requires_grad=True) for _ in range(3))
     sinks = randn(4, requires_grad=True)
-    check(q, k, v, causal=True, window_size=(9, 4), softcap=3.0, sinks=sinks)
+    check_attention(q, k, v, causal=True, window_size=(9, 4), softcap=3.0, sinks=sinks)
     keep = torch.rand(1, 4, 45, 45) > 0.3
-    check(q, k, v, attn_mask=keep, window_size=(12, 12))
+    check_attention(q, k, v, attn_mask=keep, window_size=(12, 12))
     bias = randn(1, 1, 45, 45, requires_grad=True)  # additive, with its own gradient
-    check(q, k, v, attn_mask=bias, window_size=(6, 2))
+    check_attention(q, k, v, attn_mask=bias, window_size=(6, 2))
 
 
 def test_rows_outside_every_window_are_empty():
@@ -75,7 +67,7 @@ def test_rows_outside_every_window_are_empty():
     out, lse = flashlite.flash_attention(q, k, v, window_size=(2, 1), return_lse=True)
     assert torch.equal(out[:, :, :27], torch.zeros_like(out[:, :, :27]))
     assert torch.isinf(lse[:, :, :27]).all()
-    check(q, k, v, window_size=(2, 1))
+    check_attention(q, k, v, window_size=(2, 1))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

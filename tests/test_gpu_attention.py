@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import flashlite
+from flashlite.nn import alibi_slopes
 
 from .utils import assert_attention_close, attention_grads_ref, attention_ref, need_memory, poison
 
@@ -167,8 +168,8 @@ def test_softmax_special_rows_on_the_gpu():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_sinks_on_the_gpu(head_dim):
-    # Attention sinks after the Hopper kernel (and the split-K/V path for a decoding shape): output, LSE and the
-    # gradients of q, k, v and the sinks under FlashAttention's rule.
+    # Attention sinks merged into the Hopper kernel's final states (and the split-K/V merge's, for a decoding
+    # shape): output, LSE and the gradients of q, k, v and the sinks under FlashAttention's rule.
     dtype = torch.bfloat16
     q = make(2, 8, 700, head_dim, dtype, True)
     k, v = make(2, 2, 900, head_dim, dtype, True), make(2, 2, 900, head_dim, dtype, True)
@@ -272,3 +273,71 @@ def test_window_at_128k_allocates_only_its_output():
     kw = dict(causal=True, window_size=(4096, 0))
     assert_attention_close(out[:, :, rows], attention_ref(*args, **kw), attention_ref(*args, dtype=q.dtype, **kw),
                            q.dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_alibi_on_the_gpu(head_dim, backward_path):
+    # ALiBi on every tile of the Hopper forward, of the tl forward (under a boolean mask), of both backward paths'
+    # kernels and of the split-K/V kernel (packed GQA rows, each with its head's slope; ragged cache lengths).
+    dtype = torch.bfloat16
+    failures = []
+    for lq, lk in [(700, 900), (900, 700)]:
+        q = make(2, 8, lq, head_dim, dtype, True)
+        k, v = make(2, 2, lk, head_dim, dtype, True), make(2, 2, lk, head_dim, dtype, True)
+        keep = torch.rand(2, 1, lq, lk, device="cuda") > 0.2
+        for causal in (False, True):
+            for slopes in (alibi_slopes(8).cuda(), torch.rand(2, 8, device="cuda") * 0.05):
+                for mask in (None, keep):
+                    kw = dict(causal=causal, alibi_slopes=slopes, attn_mask=mask)
+                    try:
+                        check_output_and_grads(q, k, v, dtype, **kw)
+                    except AssertionError as err:
+                        failures.append(f"Lq={lq} Lk={lk} causal={causal} slopes {tuple(slopes.shape)} "
+                                        f"mask={mask is not None}: {err}")
+    q1 = make(3, 8, 1, head_dim, dtype)
+    k1, v1 = make(3, 2, 5000, head_dim, dtype), make(3, 2, 5000, head_dim, dtype)
+    lens = torch.tensor([5000, 1234, 7], device="cuda", dtype=torch.int32)
+    slopes = torch.rand(3, 8, device="cuda") * 0.01
+    out = flashlite.flash_attention(q1, k1, v1, causal=True, alibi_slopes=slopes, cache_seqlens=lens)
+    kw = dict(causal=True, alibi_slopes=slopes, cache_seqlens=lens)
+    try:
+        assert_attention_close(out, attention_ref(q1, k1, v1, **kw), attention_ref(q1, k1, v1, dtype=dtype, **kw), dtype)
+    except AssertionError as err:
+        failures.append(f"decoding: {err}")
+    assert not failures, "\n".join(failures)
+
+
+# (D, Dv): MLA's 192/128, narrower and wider V, and head dims padded apart.
+HEAD_DIMS_V = [(192, 128), (128, 64), (64, 128), (96, 64), (256, 128), (40, 72)]
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", HEAD_DIMS_V)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_head_dim_v_on_the_gpu(head_dim, head_dim_v, dtype, backward_path):
+    # A V head dim of its own on the Hopper forward (O through its own shared-memory buffer), the tl forward
+    # (a boolean mask), both backward paths and the split-K/V path; with every variant at once too.
+    failures = []
+    for lq, lk in [(700, 900), (1000, 1000)]:
+        q = make(2, 6, lq, head_dim, dtype, True)
+        k, v = make(2, 2, lk, head_dim, dtype, True), make(2, 2, lk, head_dim_v, dtype, True)
+        keep = torch.rand(2, 1, lq, lk, device="cuda") > 0.2
+        cases = [dict(causal=False), dict(causal=True), dict(attn_mask=keep),
+                 dict(causal=True, window_size=(300, 0), softcap=20.0, alibi_slopes=alibi_slopes(6).cuda() / 16,
+                      sinks=torch.randn(6, device="cuda"))]
+        for kw in cases:
+            try:
+                check_output_and_grads(q, k, v, dtype, **kw)
+            except AssertionError as err:
+                failures.append(f"Lq={lq} Lk={lk} {sorted(kw)}: {err}")
+    q1 = make(3, 8, 1, head_dim, dtype)
+    k1, v1 = make(3, 2, 5000, head_dim, dtype), make(3, 2, 5000, head_dim_v, dtype)
+    lens = torch.tensor([5000, 1234, 7], device="cuda", dtype=torch.int32)
+    poison()
+    out = flashlite.flash_attention(q1, k1, v1, cache_seqlens=lens)
+    try:
+        assert out.shape == (3, 8, 1, head_dim_v)
+        assert_attention_close(out, attention_ref(q1, k1, v1, cache_seqlens=lens),
+                               attention_ref(q1, k1, v1, cache_seqlens=lens, dtype=dtype), dtype)
+    except AssertionError as err:
+        failures.append(f"decoding: {err}")
+    assert not failures, "\n".join(failures)

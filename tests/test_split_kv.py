@@ -69,7 +69,7 @@ def spy_split(monkeypatch) -> list:
     class Spy(sk.SplitLaunch):
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
-            calls.append(args[7])
+            calls.append(args[8])  # (q, k, v, mask, causal, scale, mask_is_bool, write_lse, num_splits, ...)
 
     api.clear_routes()  # routes planned before the spy would not show
     monkeypatch.setattr(api, "SplitLaunch", Spy)

@@ -200,6 +200,15 @@ def test_gpt_oss_sinks_match_eager(padded):
     assert torch.equal(out, out_eager)
 
 
+def assert_logits_match(flash, eager, ids, mask) -> None:
+    """fl_attention's logits against eager's, unpadded and left-padded (padding positions not compared)."""
+    for kw in ({}, dict(attention_mask=mask)):
+        with torch.no_grad():
+            logits, logits_eager = flash(ids, **kw).logits, eager(ids, **kw).logits
+        real = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
+        torch.testing.assert_close(logits[real], logits_eager[real], atol=1e-4, rtol=1e-4)
+
+
 def test_gemma2_softcap_matches_eager():
     # Gemma-2: logit softcapping (softcap reaches the kernel), head dim 32 with query_pre_attn_scalar, alternating
     # sliding-window and full layers (the window as window_size, or in the mask when padded), plain and padded.
@@ -216,12 +225,7 @@ def test_gemma2_softcap_matches_eager():
             layer.self_attn.q_proj.weight.mul_(8.0)
             layer.self_attn.k_proj.weight.mul_(8.0)
     eager.load_state_dict(flash.state_dict())
-    ids, mask = batch()
-    for kw in ({}, dict(attention_mask=mask)):
-        with torch.no_grad():
-            logits, logits_eager = flash(ids, **kw).logits, eager(ids, **kw).logits
-        real = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
-        torch.testing.assert_close(logits[real], logits_eager[real], atol=1e-4, rtol=1e-4)
+    assert_logits_match(flash, eager, *batch())
 
 
 def test_mistral_sliding_window_matches_eager(monkeypatch):
@@ -281,3 +285,27 @@ def test_window_probe_tells_sliding_from_chunked():
         except TypeError:
             function = chunked(4)
         assert not fl_hf.is_sliding_window(function, 4)
+
+
+def test_deepseek_v3_mla_head_dims_match_eager():
+    # DeepSeek-V3's multi-head latent attention: q/k head dim 24 (16 without rope + 8 with), v head dim 16, so the
+    # hook hands flash_attention a v of its own width (no padding to q's, as transformers' FlashAttention path
+    # does). Logits against eager, plain and padded, and greedy decoding with a KV cache.
+    fl_hf.register()
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, max_position_embeddings=64,
+    )
+    flash, eager = (transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl).eval()
+                    for impl in (fl_hf.NAME, "eager"))
+    eager.load_state_dict(flash.state_dict())
+    ids, mask = batch()
+    assert_logits_match(flash, eager, ids, mask)
+    layer = flash.model.layers[0].self_attn
+    assert layer.qk_head_dim != layer.v_head_dim  # the case under test: D = 24, Dv = 16
+    with torch.no_grad():
+        out = flash.generate(ids[:1], max_new_tokens=6, do_sample=False)
+        out_eager = eager.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, out_eager)

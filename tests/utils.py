@@ -76,13 +76,28 @@ def masked_softmax_ref(x, mask=None, scale=None, causal=False) -> torch.Tensor:
 
 
 def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch.float64, return_lse=False,
-                  sinks=None, softcap=None, window_size=None):
+                  sinks=None, softcap=None, window_size=None, alibi_slopes=None, cache_seqlens=None):
     """Attention computed as softmax(q k^T * scale + mask) v in ``dtype``: float64 for the reference, or the input
     dtype for PyTorch's own error, FlashAttention's ``upcast=False``: scores, weights and products each rounded
     to it (softmax's own sums in fp32, as torch does). GQA by repeating K/V heads; empty rows give 0. ``sinks``
     (H,): one more column per row, ``sinks[h]``, in the softmax, dropped before ``P V`` (gpt-oss's eager).
     ``softcap``: scores ``softcap · tanh(s / softcap)`` before the masks (Gemma-2's eager). ``window_size``
-    ``(left, right)``, -1 unbounded: query i sees key j iff ``i + lk - lq - left <= j <= i + lk - lq + right``."""
+    ``(left, right)``, -1 unbounded: query i sees key j iff ``i + lk - lq - left <= j <= i + lk - lq + right``.
+    ``alibi_slopes`` (H,) or (B, H): ``s - slope · |i + lk - lq - j|`` after the softcap (FlashAttention's ALiBi).
+    ``cache_seqlens``: (B,) lengths; each batch element's keys past its own are cut off (as separate calls would).
+    v may have its own head dim."""
+    if cache_seqlens is not None:  # one call per batch element on its used keys
+        outs = []
+        for b, n in enumerate(cache_seqlens.tolist()):
+            mask_b = attn_mask
+            if attn_mask is not None:
+                mask_b = (attn_mask if attn_mask.shape[0] == 1 else attn_mask[b:b + 1])
+                mask_b = mask_b if mask_b.shape[-1] == 1 else mask_b[..., :n]
+            slopes_b = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+            outs.append(attention_ref(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], causal, scale, mask_b, dtype,
+                                      True, sinks, softcap, window_size, slopes_b))
+        out, lse = torch.cat([o for o, _ in outs]), torch.cat([l for _, l in outs])
+        return (out, lse) if return_lse else out
     h, h_kv = q.shape[1], k.shape[1]
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if h != h_kv:
@@ -93,6 +108,10 @@ def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch
     if softcap is not None:  # Gemma-2's logit softcapping, before the masks
         s = softcap * torch.tanh(s / softcap)
     lq, lk = s.shape[-2:]
+    if alibi_slopes is not None:  # after the softcap, before the masks
+        distance = (torch.arange(lq, device=s.device)[:, None] + lk - lq - torch.arange(lk, device=s.device)).abs()
+        slopes = alibi_slopes.to(s.dtype).view(-1 if alibi_slopes.dim() == 2 else 1, s.shape[1], 1, 1)
+        s = s - slopes * distance.to(s.dtype)
     keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device)  # on the inputs' device: also a GPU reference
     if causal:
         keep = keep.tril(diagonal=lk - lq)
@@ -167,6 +186,31 @@ def assert_attention_close(out, ref64, out_torch, dtype, magnitude: float = 1.0)
     bound = 2 * torch_err + attention_floor(ref64, dtype, out.device, magnitude)
     assert not math.isnan(err), "NaN in output"
     assert err <= bound, f"max error {err:.3e} > 2 x torch's {torch_err:.3e} + {bound - 2 * torch_err:.1e}"
+
+
+def check_attention(q, k, v, **kw):
+    """``flashlite.flash_attention(q, k, v, **kw)``: output, LSE and the gradient of every input that requires
+    grad (q, k, v, a float ``attn_mask``, ``sinks``) against float64, under FlashAttention's rule (the LSE within
+    1e-5 in fp32, 2e-2 otherwise, where it is finite). Returns the output."""
+    import flashlite
+
+    out, lse = flashlite.flash_attention(q, k, v, return_lse=True, **kw)
+    ref, ref_lse = attention_ref(q, k, v, return_lse=True, **kw)
+    assert_attention_close(out, ref, attention_ref(q, k, v, dtype=q.dtype, **kw), q.dtype)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    low = q.dtype != torch.float32
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=2e-2 if low else 1e-5,
+                               rtol=1e-2 if low else 1e-5)
+    do = torch.randn_like(out)
+    mask, sinks = kw.get("attn_mask"), kw.get("sinks")
+    inputs = [q, k, v] + [t for t in (mask, sinks) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(out, inputs, do)
+    for g, r, t in zip(grads, attention_grads_ref(q, k, v, do, **kw), attention_grads_ref(q, k, v, do, dtype=q.dtype,
+                                                                                            **kw)):
+        assert torch.isfinite(g).all()
+        assert_attention_close(g, r, t, q.dtype)
+    return out
 
 
 # ----------------------------------------------------------------------------- GPU tests

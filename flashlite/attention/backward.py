@@ -86,13 +86,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.masking import apply_masks, key_ranges, query_ranges, soft_cap
+from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges, range_part
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.runtime import launch
 from ..core.tiles import add_tile, dot, load_tile, store_tile, tensor_descriptor, tma_usable
 from . import tuning
+from .forward import alibi_slope
 from .plan import (
-    KV_LOOP_FLAGS, NATURAL_BIAS, default_backward_config, head_dim_padded, qk_scale_for, query_tile, window_bounds,
+    KV_LOOP_FLAGS, NATURAL_BIAS, default_backward_config, head_dim_padded, qk_scale_for, query_tile, variant_args,
 )
 from .reference import attention_backward_torch
 from .tuning import AttentionConfig, BackwardConfig
@@ -122,12 +123,11 @@ def _load_row_stats(stats_ptr, rows, ok, n_rows, UNITS: tl.constexpr):
 
 @triton.jit
 def _probs_and_score_grads(
-    q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
-    mask_ptr, stride_mask_q, stride_mask_k,
+    q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, cols_start, seqlen_q, seqlen_k,
+    mask_ptr, stride_mask_q, stride_mask_k, mods,
     MASKED: tl.constexpr, UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr, KEYS_ON_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr,
-    window_left, window_right, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, MODS: tl.constexpr,
 ):
     """``(P, dS, dS_scores)`` (fp32) of one (query tile, key tile) pair: dS is the gradient of the logits (a bias
     gets it), ``dS_scores`` that of the scaled scores, which the products with Q and K take (the same but under
@@ -137,14 +137,19 @@ def _probs_and_score_grads(
     wants them), or with ``KEYS_ON_ROWS`` ``[BLOCK_N, BLOCK_M]`` (as the dK/dV
     kernel's ``P dO`` and ``dS Q`` want them): each kernel gets its operand
     untransposed, computed directly in that orientation (``S^T = K Q^T``).
+    ``q_idx``/``k_idx`` are the tiles' positions, ``cols_start`` the first column's (a query with
+    ``KEYS_ON_ROWS``, else a key).
     The scores are fp32 dots of the unscaled tiles, as in the forward; ``qk_scale``
     turns them into logits of ``UNITS``, and ``(row_m, row_logd2)`` are the rows'
     final states (``_load_row_stats``). With ``MASKED``, positions that do not
     count (bounds, causal, the window, the user's mask) get ``P = 0``; without it every pair
     must count, and the scale folds into the exponential, as in the forward.
-    With ``HAS_SOFTCAP`` the logits are ``c · tanh(s / c)``
-    (``soft_cap``), so ``dS_scores = dS · (1 - tanh²)``.
+    The score modifiers ``mods``/``MODS`` (``core.masking.modify_scores``) apply as in the forward: under a
+    softcap the logits are ``c · tanh(s / c)``, so ``dS_scores = dS · (1 - tanh²)``; ALiBi's bias has no
+    gradient to give and leaves dS as it is.
     """
+    HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+    softcap, alibi, window_left, window_right = mods
     if KEYS_ON_ROWS:
         s = dot(k, tl.trans(q), None, DOT_PRECISION, UPCAST_DOTS)
         dp = dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST_DOTS)
@@ -153,11 +158,13 @@ def _probs_and_score_grads(
         s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
         dp = dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST_DOTS)
         query_m, query_logd2, query_delta = row_m[:, None], row_logd2[:, None], delta[:, None]
-    if MASKED or HAS_SOFTCAP:
-        s = s * qk_scale
-        if HAS_SOFTCAP:
-            s = soft_cap(s, softcap)
-            tanh = s / softcap
+    if MASKED or HAS_SOFTCAP or HAS_ALIBI:
+        if KEYS_ON_ROWS:  # keys on rows, the query tile across (ALiBi's positions: add_alibi)
+            s, tanh = modify_scores(s * qk_scale, k_idx, cols_start, tl.arange(0, q_idx.shape[0]), seqlen_q,
+                                    seqlen_k, mods, MODS, True)
+        else:
+            s, tanh = modify_scores(s * qk_scale, q_idx, cols_start, tl.arange(0, k_idx.shape[0]), seqlen_q,
+                                    seqlen_k, mods, MODS)
         if MASKED:
             s = apply_masks(
                 s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
@@ -186,13 +193,12 @@ def _load_rows(ptr, q_idx, seqlen_q):
 @triton.jit
 def _dkdv_over_query_tiles(
     dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh_rows, n_stat_rows, delta_src, stride_qm, stride_dom,
-    dq_dst, stride_dqm, query_start, query_end, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
-    mask_ptr, stride_mask_q, stride_mask_k,
-    BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_BY_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr, window_left, window_right,
-    HAS_WINDOW: tl.constexpr,
+    dq_dst, stride_dqm, query_start, query_end, seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, scale,
+    mask_ptr, stride_mask_q, stride_mask_k, mods,
+    BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr, MASKED: tl.constexpr,
+    UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DQ_BY_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, MODS: tl.constexpr,
 ):
     """Add the query tiles ``[query_start, query_end)`` of one query head to the key tile's (dk, dv) accumulators.
 
@@ -208,14 +214,14 @@ def _dkdv_over_query_tiles(
         start = tl.multiple_of(start, BLOCK_M)
         q_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_M)
         q = load_tile(q_src, start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
-        do = load_tile(do_src, start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+        do = load_tile(do_src, start, seqlen_q, stride_dom, head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED, True, EVEN_DV,
+                       False)
         row_m, row_logd2 = _load_row_stats(stats_ptr, bh_rows + q_idx, q_idx < seqlen_q, n_stat_rows, UNITS)
         delta = _load_rows(delta_src, q_idx, seqlen_q)
         p, _, ds = _probs_and_score_grads(
-            q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
-            mask_ptr, stride_mask_q, stride_mask_k,
-            MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, True, DOT_PRECISION, UPCAST_DOTS,
-            softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
+            q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, start, seqlen_q, seqlen_k,
+            mask_ptr, stride_mask_q, stride_mask_k, mods,
+            MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, True, DOT_PRECISION, UPCAST_DOTS, MODS,
         )
         dv = dot(p.to(do.dtype), do, dv, DOT_PRECISION, UPCAST_DOTS)
         ds_in = ds.to(q.dtype)
@@ -229,13 +235,12 @@ def _dkdv_over_query_tiles(
 @triton.jit
 def _dq_over_key_tiles(
     dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, stride_dsm,
-    key_start, key_end, seqlen_q, seqlen_k, head_dim,
-    mask_ptr, stride_mask_q, stride_mask_k,
-    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, STORE_DS: tl.constexpr, ROW_SUMS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, softcap, HAS_SOFTCAP: tl.constexpr, window_left, window_right,
-    HAS_WINDOW: tl.constexpr,
+    key_start, key_end, seqlen_q, seqlen_k, head_dim, head_dim_v,
+    mask_ptr, stride_mask_q, stride_mask_k, mods,
+    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr, MASKED: tl.constexpr,
+    UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, STORE_DS: tl.constexpr,
+    ROW_SUMS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, MODS: tl.constexpr,
 ):
     """Add keys ``[key_start, key_end)`` to the query tile's dq accumulator (unscaled: ``Σ dS K``).
 
@@ -250,12 +255,12 @@ def _dq_over_key_tiles(
         start = tl.multiple_of(start, BLOCK_N)
         k_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_N)
         k = load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
-        v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, False)
+        v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, MASKED, EVEN_DV,
+                      False)
         p, ds, ds_scores = _probs_and_score_grads(
-            q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, seqlen_q, seqlen_k,
-            mask_ptr, stride_mask_q, stride_mask_k,
-            MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, False, DOT_PRECISION, UPCAST_DOTS,
-            softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
+            q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, start, seqlen_q, seqlen_k,
+            mask_ptr, stride_mask_q, stride_mask_k, mods,
+            MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, False, DOT_PRECISION, UPCAST_DOTS, MODS,
         )
         if ROW_SUMS:
             dq += tl.sum(ds, axis=1)
@@ -279,7 +284,7 @@ def _attention_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     # For one tile of BLOCK_M rows of one (batch, head): δ = rowsum(dO ⊙ O) - dLSE (dLSE is (B, H, Lq)
-    # contiguous). O is the forward's output, or its fp32 copy (forward_for_backward).
+    # contiguous). O is the forward's output, or its fp32 copy (forward_for_backward); head_dim is O's (Dv).
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     bh = tl.program_id(0) // n_query_tiles
     m_start = (tl.program_id(0) % n_query_tiles) * BLOCK_M
@@ -300,7 +305,7 @@ def _attention_bwd_preprocess_kernel(
 @triton.heuristics(KV_LOOP_FLAGS)
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, dq_desc, mask_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, dq_desc, mask_ptr, alibi_ptr,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -308,12 +313,14 @@ def _attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqm,
-    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
-    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale, softcap, window_left, window_right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_alibi_b,
+    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, scale, softcap, window_left,
+    window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, UNITS: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_BY_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, UNITS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DQ_BY_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    FAST_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     # Tiles numbered per (batch, kv head), key tile fastest; under causal the first key tiles see the most
     # queries, and they are the first to start. With ATOMIC_DQ (the one-pass backward) dQ is added, in fp32,
@@ -329,10 +336,11 @@ def _attention_bwd_dkdv_kernel(
     k_src = k_ptr + b64 * stride_kb + h_kv64 * stride_kh
     v_src = v_ptr + b64 * stride_vb + h_kv64 * stride_vh
     k = load_tile(k_src, n_start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, True, EVEN_D, False)
-    v = load_tile(v_src, n_start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, True, EVEN_D, False)
+    v = load_tile(v_src, n_start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, True, EVEN_DV, False)
     k_idx = tl.cast(n_start, tl.int64) + tl.arange(0, BLOCK_N)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PADDED], tl.float32)
+    MODS: tl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
 
     # [full_start, full_end): query tiles that see every key of this tile; the rest of [query_start, query_end):
     # masked ones (the causal diagonal, the window's edges, or all with a user mask). See the docstring's example.
@@ -356,56 +364,45 @@ def _attention_bwd_dkdv_kernel(
         mask_bh = mask_ptr
         if HAS_MASK:
             mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
-        dk, dv = _dkdv_over_query_tiles(
-            dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
-            stride_qm, stride_dom, dq_dst, stride_dqm, query_start, full_start, seqlen_q, seqlen_k, head_dim,
-            qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k,
-            BLOCK_M, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
-            window_left, window_right, HAS_WINDOW,
-        )
-        if not HAS_MASK:
-            dk, dv = _dkdv_over_query_tiles(
-                dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
-                stride_qm, stride_dom, dq_dst, stride_dqm, full_start, full_end, seqlen_q, seqlen_k, head_dim,
-                qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k,
-                BLOCK_M, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-                EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
-                window_left, window_right, HAS_WINDOW,
-            )
-        if HAS_WINDOW:  # the window's far edge: query tiles that see only this tile's first keys
-            dk, dv = _dkdv_over_query_tiles(
-                dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
-                stride_qm, stride_dom, dq_dst, stride_dqm, full_end, query_end, seqlen_q, seqlen_k, head_dim,
-                qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k,
-                BLOCK_M, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-                EVEN_D, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
-                window_left, window_right, HAS_WINDOW,
-            )
+        mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h64, UNITS, HAS_ALIBI), window_left,
+                window_right)
+        # The diagonal (or the window's near edge), the full tiles, then the window's far edge: query tiles that
+        # see only this tile's first keys (empty without a window).
+        for part in tl.static_range(3):
+            first, last = range_part(part, query_start, full_start, full_end, query_end)
+            if (part != 1 or not HAS_MASK) and (part != 2 or HAS_WINDOW):
+                dk, dv = _dkdv_over_query_tiles(
+                    dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
+                    stride_qm, stride_dom, dq_dst, stride_dqm, first, last, seqlen_q, seqlen_k, head_dim, head_dim_v,
+                    qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k, mods,
+                    BLOCK_M, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, part != 1, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
+                    MASK_PER_KEY, EVEN_D, EVEN_DV, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, MODS,
+                )
 
     dk_dst = dk_ptr + b64 * stride_dkb + h_kv64 * stride_dkh
     dv_dst = dv_ptr + b64 * stride_dvb + h_kv64 * stride_dvh
     store_tile(dk_dst, (dk * scale).to(k.dtype), n_start, seqlen_k, stride_dkn, head_dim, BLOCK_N, HEAD_DIM_PADDED, EVEN_D)
-    store_tile(dv_dst, dv.to(v.dtype), n_start, seqlen_k, stride_dvn, head_dim, BLOCK_N, HEAD_DIM_PADDED, EVEN_D)
+    store_tile(dv_dst, dv.to(v.dtype), n_start, seqlen_k, stride_dvn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, EVEN_DV)
 
 
 @triton.heuristics({**KV_LOOP_FLAGS, "STORE_DS": lambda args: args["ds_ptr"] is not None,
                     "HAS_DLSE": lambda args: args["dlse_ptr"] is not None})
 @triton.jit
 def _attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dlse_ptr, dq_ptr, ds_ptr, mask_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dlse_ptr, dq_ptr, ds_ptr, mask_ptr, alibi_ptr,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
-    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
-    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale, softcap, window_left, window_right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_alibi_b,
+    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, scale, softcap, window_left,
+    window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, UNITS: tl.constexpr, STORE_DS: tl.constexpr, HAS_DLSE: tl.constexpr,
-    DELTA_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, UNITS: tl.constexpr, STORE_DS: tl.constexpr,
+    HAS_DLSE: tl.constexpr, DELTA_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     # Numbered as the forward (``query_tile``). With DELTA_PASS the same walk over the keys writes
     # δ = Σ_j P_ij dP_ij - dLSE per row (from this P, not from the forward's rounded O) instead of dQ.
@@ -426,9 +423,11 @@ def _attention_bwd_dq_kernel(
     ds_dst = ds_ptr
     if STORE_DS:  # a (B, H, Lq, Lk) contiguous fp32 buffer
         ds_dst = ds_ptr + bh64 * seqlen_q * seqlen_k
+    mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h64, UNITS, HAS_ALIBI), window_left, window_right)
+    MODS: tl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
 
     q = load_tile(q_src, m_start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
-    do = load_tile(do_src, m_start, seqlen_q, stride_dom, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    do = load_tile(do_src, m_start, seqlen_q, stride_dom, head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED, True, EVEN_DV, False)
     q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
     row_m, row_logd2 = _load_row_stats(stats_ptr, bh64 * seqlen_q + q_idx, q_idx < seqlen_q,
                                        tl.cast(n_bh, tl.int64) * seqlen_q, UNITS)
@@ -440,33 +439,21 @@ def _attention_bwd_dq_kernel(
         delta = _load_rows(delta_ptr + bh64 * seqlen_q, q_idx, seqlen_q)
         dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
-    # Key ranges as the forward's: [full_start, full_end) full tiles, the rest of [key_start, key_end) masked.
+    # Key ranges as the forward's (attend_key_range): the window's near edge (masked), the full tiles (none under
+    # a user mask), the masked rest of [key_start, key_end).
     key_start, full_start, full_end, key_end = key_ranges(
         m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK,
         window_left, window_right, HAS_WINDOW)
-    if HAS_WINDOW:
-        dq = _dq_over_key_tiles(
-            dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
-            seqlen_k, key_start, full_start, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-            BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, STORE_DS and not DELTA_PASS, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
-            window_left, window_right, HAS_WINDOW,
-        )
-    if not HAS_MASK:
-        dq = _dq_over_key_tiles(
-            dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
-            seqlen_k, full_start, full_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-            BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, False, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
-            window_left, window_right, HAS_WINDOW,
-        )
-    dq = _dq_over_key_tiles(
-        dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
-        seqlen_k, full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q, stride_mask_k,
-        BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-        EVEN_D, STORE_DS and not DELTA_PASS, DELTA_PASS, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP,
-        window_left, window_right, HAS_WINDOW,
-    )
+    for part in tl.static_range(3):
+        first, last = range_part(part, key_start, full_start, full_end, key_end)
+        if (part != 0 or HAS_WINDOW) and (part != 1 or not HAS_MASK):
+            dq = _dq_over_key_tiles(
+                dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
+                seqlen_k, first, last, seqlen_q, seqlen_k, head_dim, head_dim_v, mask_bh, stride_mask_q,
+                stride_mask_k, mods, BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, part != 1, UNITS, IS_CAUSAL, HAS_MASK,
+                MASK_IS_BOOL, MASK_PER_KEY, EVEN_D, EVEN_DV, STORE_DS and part != 1 and not DELTA_PASS, DELTA_PASS,
+                DOT_PRECISION, UPCAST_DOTS, MODS,
+            )
     # Two branches, no early return: Triton 3.6 still builds the code after a `return` inside a constexpr `if`,
     # where the delta pass's [BLOCK_M] dq does not fit the [BLOCK_M, HEAD_DIM_PADDED] store (a compile error).
     if DELTA_PASS:
@@ -501,7 +488,8 @@ def _bhl_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _launch_dkdv(c: AttentionConfig, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, mask_strides, common, meta):
+def _launch_dkdv(c: AttentionConfig, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, alibi, mask_strides, common,
+                 meta):
     """The dK/dV kernel on ``c``'s tiles; with an fp32 ``dq_acc`` it also adds dQ there (the one-pass path), by
     TMA reductions on a GPU where the workspace allows them, else by atomic adds of single elements."""
     dq_desc = None
@@ -509,7 +497,7 @@ def _launch_dkdv(c: AttentionConfig, q, k, v, do, stats, delta, dk, dv, dq_acc, 
         dq_desc = tensor_descriptor(dq_acc, c.block_m, meta["HEAD_DIM_PADDED"])
     launch(
         _attention_bwd_dkdv_kernel, (triton.cdiv(k.shape[2], c.block_n) * k.shape[0] * k.shape[1],),
-        (q, k, v, do, stats, delta, dk, dv, dq_acc, dq_desc, mask,
+        (q, k, v, do, stats, delta, dk, dv, dq_acc, dq_desc, mask, alibi,
          *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do),
          *_bhl_strides(dk), *_bhl_strides(dv), *(_bhl_strides(dq_acc) if dq_acc is not None else (0, 0, 0)),
          *mask_strides, *common),
@@ -518,13 +506,23 @@ def _launch_dkdv(c: AttentionConfig, q, k, v, do, stats, delta, dk, dv, dq_acc, 
     )
 
 
+def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The gradient of attention sinks (H,) from the rows' LSE (the sink included) and δ (B, H, Lq): the sink is
+    one more logit of every row with ``dP = 0`` (its value vector is zeros), so its ``dS`` is ``p_sink · (0 -
+    δ)`` with ``p_sink = e^(sink - LSE)``, summed over the rows of its head."""
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
+
+
 def attention_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool,
     mask_needs_grad: bool = False, config: BackwardConfig | None = None, row_stats: torch.Tensor | None = None,
     deterministic: bool | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients of ``flash_attention`` from the saved forward, on (B, H, L, D) tensors whose head dim has stride 1.
+    alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of ``flash_attention`` from the saved forward, on (B, H, L, D) tensors whose head dim has stride 1
+    (v, o and do have v's head dim Dv).
 
     Two paths:
 
@@ -544,10 +542,10 @@ def attention_backward(
     others); one pass otherwise (the interpreter).
 
     Args:
-        do: (B, H, Lq, D) gradient of the output ``o`` (head dim stride 1).
+        do: (B, H, Lq, Dv) gradient of the output ``o`` (head dim stride 1).
         q, k, v, o: the forward's inputs and output (``o`` may be its fp32 copy:
             ``attention.forward_for_backward``); k, v have H_kv heads.
-        lse: (B, H, Lq) fp32 natural-log LSE from the forward (``-inf`` for empty rows).
+        lse: (B, H, Lq) fp32 natural-log LSE from the forward (``-inf`` for empty rows; the sinks included).
         dlse: None or the (B, H, Lq) gradient of the returned LSE.
         causal, scale, mask, mask_is_bool: as given to ``attention_forward`` (``mask``
             broadcast to (B, H, Lq, Lk)).
@@ -556,22 +554,24 @@ def attention_backward(
         deterministic: the path (above); None follows PyTorch's flag.
         softcap: the forward's logit softcap, or None.
         window: the forward's sliding window (``plan.visibility``), or None.
+        alibi: the forward's (B, H) ALiBi slopes (``plan.alibi_view``), or None; they get no gradient.
+        sinks: the forward's (H,) sinks, or None: their gradient is returned (``sink_gradient``).
         row_stats: under an additive mask, the forward's (2, B, H, Lq) ``(m, log d)``
             of each row (``forward_for_backward``); None takes ``(lse, 0)``, exact
             unless a bias near -1e9 or below hides a whole row.
 
     Returns:
-        ``(dq, dk, dv, dmask)``: dq like q, dk/dv like k/v (summed over each GQA
-        group), ``dmask`` (B, H, Lq, Lk) fp32 or None.
+        ``(dq, dk, dv, dmask, dsinks)``: dq like q, dk/dv like k/v (summed over each GQA
+        group), ``dmask`` (B, H, Lq, Lk) fp32 or None, ``dsinks`` (H,) or None.
     """
     if not triton_backward_enabled(q):
         return attention_backward_torch(do, q, k, v, dlse, causal, scale, mask, mask_is_bool, mask_needs_grad,
-                                        softcap, window)
+                                        softcap, window, alibi, sinks)
     batch, n_heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
-    hd_pad = head_dim_padded(head_dim)
+    seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+    hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
     if config is None:
-        config = default_backward_config(head_dim, q.dtype, q.device)
+        config = default_backward_config(max(head_dim, head_dim_v), q.dtype, q.device)
     bh = batch * n_heads
     delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
     if dlse is not None:
@@ -581,14 +581,17 @@ def attention_backward(
     if additive and row_stats is None:  # (m, log d) = (lse, 0): the same P wherever the LSE kept log d
         row_stats = torch.stack([lse.float(), torch.zeros_like(lse, dtype=torch.float32)])
     stats = (row_stats if additive else lse).contiguous()
-    mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
-    common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, qk_scale, scale,
-              qk_scale_for(softcap or 1.0, additive), *window_bounds(window, seqlen_q, seqlen_k))
+    mask_strides = (*(mask.stride() if mask is not None else (0, 0, 0, 0)), alibi.stride(0) if alibi is not None else 0)
+    variant_scalars, variant_meta = variant_args(q, additive, softcap, window, alibi is not None, False, seqlen_q,
+                                                 seqlen_k)
+    variant_meta.pop("HAS_SINKS")  # the sinks' gradient is taken here, from δ; the kernels see the LSE alone
+    common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, scale,
+              *variant_scalars)
     meta = dict(
-        HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, HAS_SOFTCAP=softcap is not None,
-        HAS_WINDOW=window is not None,
+        HEAD_DIM_PADDED=hd_pad, HEAD_DIM_V_PADDED=dv_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see core.tiles.dot)
+        **variant_meta,
     )
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
@@ -597,13 +600,17 @@ def attention_backward(
     if not mask_needs_grad:  # δ = rowsum(dO ⊙ O) - dLSE (with a mask's gradient: the dQ kernel's pass, below)
         launch(
             _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, tuning.DELTA_BLOCK_M) * bh,),
-            (o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim),
-            BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=hd_pad,
+            (o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim_v),
+            BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=dv_pad,
         )
+    dsinks = None
     if one_pass:  # fp32 sums of every key tile's share; rounded to q's dtype once, at the end
         dq_acc = torch.zeros_like(q, dtype=torch.float32)  # q's memory order, so dQ has it too
-        _launch_dkdv(config.one_pass, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, mask_strides, common, meta)
-        return dq_acc.to(q.dtype), dk, dv, None
+        _launch_dkdv(config.one_pass, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, alibi, mask_strides, common,
+                     meta)
+        if sinks is not None:
+            dsinks = sink_gradient(sinks, lse, delta)
+        return dq_acc.to(q.dtype), dk, dv, None, dsinks
     dq = torch.empty_like(q)
     c = config.dq
     dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
@@ -614,13 +621,15 @@ def attention_backward(
         # gradient's row sums Σ_j dS_ij = Σ_j P_ij dP_ij - δ_i come out 0 to fp32 rounding; rowsum(dO ⊙ O)
         # differs from it by the forward's rounding of P (and of O) to the input dtype.
         launch(_attention_bwd_dq_kernel, dq_grid,
-               (q, k, v, do, stats, delta, dlse, dq, None, mask, *dq_strides, *mask_strides, *common),
+               (q, k, v, do, stats, delta, dlse, dq, None, mask, alibi, *dq_strides, *mask_strides, *common),
                DELTA_PASS=True, **dq_meta)
         ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
     else:
         ds = None
-    _launch_dkdv(config.dkdv, q, k, v, do, stats, delta, dk, dv, None, mask, mask_strides, common, meta)
+    _launch_dkdv(config.dkdv, q, k, v, do, stats, delta, dk, dv, None, mask, alibi, mask_strides, common, meta)
     launch(_attention_bwd_dq_kernel, dq_grid,
-           (q, k, v, do, stats, delta, None, dq, ds, mask, *dq_strides, *mask_strides, *common),
+           (q, k, v, do, stats, delta, None, dq, ds, mask, alibi, *dq_strides, *mask_strides, *common),
            DELTA_PASS=False, **dq_meta)
-    return dq, dk, dv, ds
+    if sinks is not None:
+        dsinks = sink_gradient(sinks, lse, delta)
+    return dq, dk, dv, ds, dsinks

@@ -52,16 +52,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.masking import apply_masks, key_ranges, soft_cap
+from ..core.masking import apply_masks, key_ranges, modify_scores, range_part
 from ..core.online_softmax import (
-    LN2, empty_state, normalize, online_update, online_update_scaled, rescale_accumulator, state_logsumexp,
+    LN2, LOG2E, empty_state, merge_sink, normalize, online_update, online_update_scaled, rescale_accumulator,
+    state_logsumexp,
 )
 from ..core.runtime import launch, launch_persistent
 from ..core.tiles import dot, load_tile, store_tile, tensor_descriptor, tma_usable
 from . import tuning
 from .plan import (
-    NATURAL_BIAS, autotune_enabled, default_config, head_dim_padded, kv_loop_flags, mask_layout, prune_tune_space, qk_scale_for,
-    query_tile, tma_safe, window_bounds,
+    NATURAL_BIAS, autotune_enabled, default_config, head_dim_padded, kv_loop_flags, mask_layout, output_like,
+    prune_tune_space, qk_scale_for, query_tile, tma_safe, variant_args,
 )
 from .tuning import AttentionConfig
 
@@ -87,12 +88,12 @@ def positive_scale(q, qk_scale):
 def attend_kv_tiles(
     acc, m, d, q, q_idx, qk_scale,
     k_src, v_src, stride_kn, stride_vn,
-    key_start, key_end, seqlen_q, seqlen_k, head_dim,
-    mask_ptr, stride_mask_q, stride_mask_k,
-    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, UNITS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
-    softcap=1.0, HAS_SOFTCAP: tl.constexpr = False, window_left=0, window_right=0, HAS_WINDOW: tl.constexpr = False,
+    key_start, key_end, seqlen_q, seqlen_k, head_dim, head_dim_v,
+    mask_ptr, stride_mask_q, stride_mask_k, mods,
+    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr, MASKED: tl.constexpr,
+    UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+    MASK_PER_KEY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, MODS: tl.constexpr,
 ):
     """Fold keys ``[key_start, key_end)`` into the running ``(acc, m, d)`` of the query tile ``q``.
 
@@ -101,36 +102,37 @@ def attend_kv_tiles(
     (``BASE2_UNITS``: ``scale · log2(e)``; ``LOG2E``, under an additive mask:
     ``scale``). ``q_idx`` (64-bit) are its rows. ``key_start`` must be a
     multiple of ``BLOCK_N``. With ``MASKED`` every tile is scaled, then goes
-    through ``apply_masks`` (bounds, causal, the user's mask) and its K/V rows are
+    through ``apply_masks`` (bounds, causal, the window, the user's mask) and its K/V rows are
     bounds-checked; without it every key of the range must count for every row
-    (base-2 units only), and the scale is folded into the exponential. With
-    ``HAS_SOFTCAP`` the scaled scores go through ``soft_cap(s, softcap)``
-    first, ``softcap`` in the logits' units. ``HAS_WINDOW``: masked tiles hide the keys outside each
-    query's sliding window (``apply_masks``).
+    (base-2 units only), and the scale is folded into the exponential. The score modifiers
+    ``mods``/``MODS`` (``core.masking``: softcap, ALiBi, the window) apply to the scaled scores of every
+    tile (``modify_scores``), before the masks. V tiles are ``head_dim_v`` wide (padded to
+    ``HEAD_DIM_V_PADDED``), and so is ``acc``.
     ``k_src``/``v_src`` are the (batch, kv head)'s base pointers, or with
     ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``).
     Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
     """
+    HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+    softcap, alibi, window_left, window_right = mods
     for start in tl.range(key_start, key_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         k = load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, USE_TMA)
         s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
-        if MASKED:
-            k_idx = start + tl.arange(0, BLOCK_N)
-            s = s * qk_scale
-            if HAS_SOFTCAP:
-                s = soft_cap(s, softcap)
-            s = apply_masks(
-                s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
-                IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY, False,
-                window_left, window_right, HAS_WINDOW,
-            )
+        if MASKED or HAS_SOFTCAP or HAS_ALIBI:  # logits first: the modifiers and masks work on them
+            cols = tl.arange(0, BLOCK_N)
+            k_idx = start + cols
+            s = modify_scores(s * qk_scale, q_idx, start, cols, seqlen_q, seqlen_k, mods, MODS)[0]
+            if MASKED:
+                s = apply_masks(
+                    s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr, stride_mask_q, stride_mask_k,
+                    IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_BIAS, MASK_PER_KEY, False,
+                    window_left, window_right, HAS_WINDOW,
+                )
             m, d, p, alpha = online_update(m, d, s, UNITS)
-        elif HAS_SOFTCAP:  # base-2 logits (no additive mask on unmasked tiles)
-            m, d, p, alpha = online_update(m, d, soft_cap(s * qk_scale, softcap), UNITS)
         else:
             m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
-        v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, USE_TMA)
+        v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, MASKED, EVEN_DV,
+                      USE_TMA)
         acc = dot(p.to(v.dtype), v, rescale_accumulator(acc, alpha), DOT_PRECISION, UPCAST_DOTS)
     return acc, m, d
 
@@ -139,58 +141,71 @@ def attend_kv_tiles(
 def attend_key_range(
     acc, m, d, q, q_idx, qk_scale,
     k_src, v_src, stride_kn, stride_vn,
-    key_start, full_start, full_end, key_stop, seqlen_q, seqlen_k, head_dim,
-    mask_ptr, stride_mask_q, stride_mask_k,
-    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, UNITS: tl.constexpr,
+    key_start, full_start, full_end, key_stop, seqlen_q, seqlen_k, head_dim, head_dim_v,
+    mask_ptr, stride_mask_q, stride_mask_k, mods,
+    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr, UNITS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
-    softcap, HAS_SOFTCAP: tl.constexpr, window_left, window_right, HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, MODS: tl.constexpr,
 ):
     """``attend_kv_tiles`` over keys ``[key_start, key_stop)`` cut as ``key_ranges`` cuts them: ``[key_start,
     full_start)`` masked (only under a window; without one ``full_start`` must be ``key_start``), ``[full_start,
     full_end)`` seen whole by every row (no mask arithmetic; under a user mask that part must be empty, and is
     not built), then ``[full_end, key_stop)`` masked. The forward and split-K/V kernels' walk over their keys."""
-    if HAS_WINDOW:
-        acc, m, d = attend_kv_tiles(
-            acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn,
-            key_start, full_start, seqlen_q, seqlen_k, head_dim, mask_ptr, stride_mask_q, stride_mask_k,
-            BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
-        )
-    if not HAS_MASK:
-        acc, m, d = attend_kv_tiles(
-            acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn,
-            full_start, full_end, seqlen_q, seqlen_k, head_dim, mask_ptr, stride_mask_q, stride_mask_k,
-            BLOCK_N, HEAD_DIM_PADDED, False, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
-        )
-    return attend_kv_tiles(
-        acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn,
-        full_end, key_stop, seqlen_q, seqlen_k, head_dim, mask_ptr, stride_mask_q, stride_mask_k,
-        BLOCK_N, HEAD_DIM_PADDED, True, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-        EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
-    )
+    HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+    for part in tl.static_range(3):  # the window's near edge, the full tiles, the far edge
+        first, last = range_part(part, key_start, full_start, full_end, key_stop)
+        if (part != 0 or HAS_WINDOW) and (part != 1 or not HAS_MASK):
+            acc, m, d = attend_kv_tiles(
+                acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, first, last, seqlen_q, seqlen_k,
+                head_dim, head_dim_v, mask_ptr, stride_mask_q, stride_mask_k, mods,
+                BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, part != 1, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
+                MASK_PER_KEY, EVEN_D, EVEN_DV, USE_TMA, DOT_PRECISION, UPCAST_DOTS, MODS,
+            )
+    return acc, m, d
+
+
+@triton.jit
+def alibi_slope(alibi_ptr, stride_alibi_b, b64, heads, UNITS: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """The ALiBi slope of query head(s) ``heads`` of batch ``b64`` in the logits' ``UNITS`` (the slopes are
+    natural-log): a scalar for one head, a vector for a vector of heads; 0.0 (unused) without ALiBi."""
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + b64 * stride_alibi_b + heads) * (LOG2E / UNITS)
+    return slope
+
+
+@triton.jit
+def finish_rows(acc, m, d, sinks_ptr, heads, UNITS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """``(acc, m, d)`` with each row's attention sink merged in (``merge_sink``; the sinks are natural-log, one
+    per query head, ``heads`` a scalar or a vector of the rows' heads), or unchanged without sinks."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads).to(tl.float32) * (LOG2E / UNITS)
+        m, d, alpha = merge_sink(m, d, sink, UNITS)
+        acc = rescale_accumulator(acc, alpha)
+    return acc, m, d
 
 
 @triton.jit(do_not_specialize=["tune_bucket", "tune_mask_layout"])
 def attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, mask_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, mask_ptr, alibi_ptr, sinks_ptr,
     q_desc, k_desc, v_desc,  # (B, H, L, D) tensor descriptors under USE_TMA, else None
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_alibi_b,
     n_heads, kv_group, n_bh,
-    seqlen_q, seqlen_k, head_dim, qk_scale, softcap, window_left, window_right,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, softcap, window_left, window_right,
     # Read by the autotuner's key only: a power-of-two bucket of seqlen_k, and the mask's
     # layout (MASK_LAYOUT_*), which the heuristics above derive too late for a key.
     tune_bucket, tune_mask_layout,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, UNITS: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_STATS: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, UNITS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    WRITE_STATS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # Tiles are numbered as ``query_tile`` says. Any grid size is correct: one
     # program per tile, or a persistent grid where each program takes several.
@@ -215,12 +230,15 @@ def attention_fwd_kernel(
         mask_bh = mask_ptr
         if HAS_MASK:
             mask_bh = mask_ptr + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
+        # The score modifiers (core.masking): run-time values and constexpr switches.
+        mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h, UNITS, HAS_ALIBI), window_left, window_right)
+        MODS: tl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
 
         q = load_tile(q_src, m_start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, USE_TMA)
         q, tile_scale = positive_scale(q, qk_scale)
         q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
         m, d = empty_state(BLOCK_M)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PADDED], tl.float32)
 
         # [full_start, full_end): tiles every row of this query tile sees whole (none under a user mask);
         # the rest of [key_start, key_end): masked tiles.
@@ -229,10 +247,11 @@ def attention_fwd_kernel(
             window_left, window_right, HAS_WINDOW)
         acc, m, d = attend_key_range(
             acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
-            key_start, full_start, full_end, key_end, seqlen_q, seqlen_k, head_dim, mask_bh, stride_mask_q,
-            stride_mask_k, BLOCK_N, HEAD_DIM_PADDED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY,
-            EVEN_D, USE_TMA, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP, window_left, window_right, HAS_WINDOW,
+            key_start, full_start, full_end, key_end, seqlen_q, seqlen_k, head_dim, head_dim_v, mask_bh,
+            stride_mask_q, stride_mask_k, mods, BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, UNITS, IS_CAUSAL,
+            HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, EVEN_D, EVEN_DV, USE_TMA, DOT_PRECISION, UPCAST_DOTS, MODS,
         )
+        acc, m, d = finish_rows(acc, m, d, sinks_ptr, h, UNITS, HAS_SINKS)
 
         rows = tl.cast(bh, tl.int64) * seqlen_q + q_idx
         if WRITE_LSE:
@@ -240,7 +259,8 @@ def attention_fwd_kernel(
         if WRITE_STATS:  # (m, log d) apart, natural-log units (forward_for_backward)
             _store_row_stats(stats_ptr, rows, n_bh * seqlen_q, m, d, q_idx < seqlen_q, UNITS)
         o = normalize(acc, d, True)  # rows that saw no key (d = 0) give zeros
-        store_tile(o_dst, o.to(q.dtype), m_start, seqlen_q, stride_om, head_dim, BLOCK_M, HEAD_DIM_PADDED, EVEN_D)
+        store_tile(o_dst, o.to(q.dtype), m_start, seqlen_q, stride_om, head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED,
+                   EVEN_DV)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -248,9 +268,10 @@ def attention_fwd_kernel(
 
 def _set_descriptor_blocks(nargs: dict) -> None:
     """Autotune pre-hook: box the descriptors to the BLOCK_M/BLOCK_N being tried."""
-    for name, rows in (("q_desc", "BLOCK_M"), ("k_desc", "BLOCK_N"), ("v_desc", "BLOCK_N")):
+    for name, rows, width in (("q_desc", "BLOCK_M", "HEAD_DIM_PADDED"), ("k_desc", "BLOCK_N", "HEAD_DIM_PADDED"),
+                              ("v_desc", "BLOCK_N", "HEAD_DIM_V_PADDED")):
         if nargs[name] is not None:
-            nargs[name].block_shape = [1, 1, nargs[rows], nargs["HEAD_DIM_PADDED"]]
+            nargs[name].block_shape = [1, 1, nargs[rows], nargs[width]]
 
 
 @functools.lru_cache(maxsize=None)
@@ -268,8 +289,8 @@ def autotuned_kernel():
         for bm, bn, w, s in tuning.TUNE_SPACE
     ]
     return triton.autotune(
-        configs, key=["tune_bucket", "tune_mask_layout", "head_dim", "HEAD_DIM_PADDED", "IS_CAUSAL", "MASK_IS_BOOL", "WRITE_LSE",
-                      "HAS_WINDOW"],
+        configs, key=["tune_bucket", "tune_mask_layout", "head_dim", "HEAD_DIM_PADDED", "head_dim_v", "IS_CAUSAL",
+                      "MASK_IS_BOOL", "WRITE_LSE", "HAS_WINDOW", "HAS_SOFTCAP", "HAS_ALIBI"],
         prune_configs_by={"early_config_prune": prune_tune_space}, **options,
     )(attention_fwd_kernel)
 
@@ -278,56 +299,62 @@ def attention_forward_tl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool, config: AttentionConfig | None = None,
     *, row_stats: torch.Tensor | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
+    alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch this module's kernel on checked (B, H, L, D) tensors whose head dim has stride 1.
+    """Launch this module's kernel on checked (B, H, L, D) tensors whose head dim has stride 1 (v's head dim Dv
+    may differ from q and k's D).
 
     ``mask`` is broadcast to (B, H, Lq, Lk) already (``broadcast_mask``). ``config``
     forces the tiles (tests use small ones to cover the multi-tile paths); without
     it, the fixed table (``plan.default_config``), or triton.autotune under
     ``FLASHLITE_AUTOTUNE=1``. For the backward of an additive mask ``row_stats``,
     a (2, B, H, Lq) fp32 tensor, is filled with each row's ``(m, log d)``
-    (``_store_row_stats``). ``softcap``: the scaled scores become
-    ``softcap · tanh(s / softcap)`` before the mask. ``window``: a sliding window ``(left, right)``
-    (``plan.visibility``; causal folded in), key tiles outside it not read. Returns ``(o, lse)``: o like q,
-    lse (B, H, Lq) fp32 natural-log, or None.
+    (``_store_row_stats``). The variants (``plan.variant_args``): ``softcap``, the scaled scores become
+    ``softcap · tanh(s / softcap)`` before the mask; ``window``, a sliding window ``(left, right)``
+    (``plan.visibility``; causal folded in), key tiles outside it not read; ``alibi``, (B, H) fp32 slopes
+    (``plan.alibi_view``); ``sinks``, (H,) logits merged into every row's state at the end.
+    Returns ``(o, lse)``: o (B, H, Lq, Dv) in q's memory order, lse (B, H, Lq) fp32 natural-log, or None.
     """
     batch, n_heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
-    hd_pad = head_dim_padded(head_dim)
-    o = torch.empty_like(q)  # q's memory order when q is dense, e.g. (B, L, H, D) under a transpose
+    seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+    hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+    o = output_like(q, head_dim_v)
     lse = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
     tuned = config is None and autotune_enabled() and q.is_cuda and q.dtype != torch.float32
     if config is None:
-        config = default_config(head_dim, q.dtype, q.device, causal, seqlen_k, mask is not None)
+        config = default_config(max(head_dim, head_dim_v), q.dtype, q.device, causal, seqlen_k, mask is not None)
     q_desc = k_desc = v_desc = None
-    if config.use_tma and tma_safe(mask is not None, config.block_n, hd_pad) and tma_usable(q, k, v):
+    if (config.use_tma and tma_safe(mask is not None, config.block_n, hd_pad)
+            and tma_safe(mask is not None, config.block_n, dv_pad) and tma_usable(q, k, v)):
         q_desc = tensor_descriptor(q, config.block_m, hd_pad)
-        k_desc, v_desc = (tensor_descriptor(t, config.block_n, hd_pad) for t in (k, v))
+        k_desc = tensor_descriptor(k, config.block_n, hd_pad)
+        v_desc = tensor_descriptor(v, config.block_n, dv_pad)
 
     bh = batch * n_heads
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
     additive = mask is not None and not mask_is_bool
+    variant_scalars, variant_meta = variant_args(q, additive, softcap, window, alibi is not None, sinks is not None,
+                                                   seqlen_q, seqlen_k)
     # The scale goes in as a float (LOG2E.value, not the constexpr LOG2E): a runtime argument, one kernel for any scale.
     args = (
-        q, k, v, o, lse if lse is not None else o, row_stats, mask, q_desc, k_desc, v_desc,
+        q, k, v, o, lse if lse is not None else o, row_stats, mask, alibi, sinks, q_desc, k_desc, v_desc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        *mask_strides,
+        *mask_strides, alibi.stride(0) if alibi is not None else 0,
         n_heads, n_heads // k.shape[1], bh,
-        seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive), qk_scale_for(softcap or 1.0, additive),
-        *window_bounds(window, seqlen_q, seqlen_k),
+        seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale_for(scale, additive), *variant_scalars,
         triton.next_power_of_2(seqlen_k),
         mask_layout(mask),
     )
     meta = dict(
-        HEAD_DIM_PADDED=hd_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, WRITE_LSE=write_lse,
-        WRITE_STATS=row_stats is not None,
+        HEAD_DIM_PADDED=hd_pad, HEAD_DIM_V_PADDED=dv_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
+        WRITE_LSE=write_lse, WRITE_STATS=row_stats is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see dot)
-        USE_TMA=k_desc is not None, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        **kv_loop_flags(mask, mask_is_bool, mask_strides[2], head_dim, hd_pad),
+        USE_TMA=k_desc is not None, **variant_meta,
+        **kv_loop_flags(mask, mask_is_bool, mask_strides[2], head_dim, hd_pad, head_dim_v, dv_pad),
     )
     if tuned:
         autotuned_kernel()[lambda cfg: (triton.cdiv(seqlen_q, cfg["BLOCK_M"]) * bh,)](*args, **meta)

@@ -37,10 +37,14 @@ Two kernels run that loop (``_attend_kv_tiles``):
   rows, and the load warp hands most of its registers to the softmax warpgroups
   (``setmaxnreg``), which then hold 128-key tiles.
 
-Softcapping (``HAS_SOFTCAP``) scales each score tile, then squashes it (``soft_cap``) before the masks and
-``online_update``. Scope: fp16/bf16, head dims 33 to 256 (boxes as wide as the next power of two, zero-filled past D by TMA),
-no user mask, causal or not, sliding windows (K/V tiles outside a program's window never loaded), GQA/MQA,
-any lengths, Q/K/V whose strides TMA accepts (16-byte aligned), on Hopper.
+The variants. A softcap or ALiBi (``core.masking.modified_scores_scaled``) turns each score tile into ``x``
+with logits ``c · x`` before the masks, and ``online_update_scaled`` takes ``c`` as it takes the plain scale
+(the softcap's tanh is one ``tanh.approx.f32`` per score); the head's sink, loaded when the program starts, is
+merged into every row's final state (``merge_sink``); V and O may be narrower or wider than Q and K
+(``HEAD_DIM_V``; O then leaves through a shared-memory buffer of its own). Scope: fp16/bf16, head dims 33 to
+256 (boxes as wide as the next power of two, zero-filled past D by TMA), no user mask, causal or not, sliding
+windows (K/V tiles outside a program's window never loaded), GQA/MQA, any lengths, Q/K/V whose strides TMA
+accepts (16-byte aligned), on Hopper.
 ``flashlite.attention.api.attention_forward`` sends such calls here and the rest
 to the ``triton.language`` kernel (``forward``). Gluon has no interpreter, so these kernels
 run on the GPU only: ``pytest -m gpu`` (tests/test_gpu_attention.py) tests them
@@ -76,12 +80,13 @@ try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
 except ImportError:  # pragma: no cover - older Triton: the triton.language kernel serves every call
     gluon = None
 
-from ..core.masking import apply_masks, key_ranges, soft_cap
-from ..core.online_softmax import BASE2_UNITS, LOG2E, normalize, online_update, online_update_scaled, state_logsumexp
+from ..core.masking import apply_masks, key_ranges, modified_scores_scaled
+from ..core.online_softmax import BASE2_UNITS, LOG2E, merge_sink, normalize, online_update_scaled, state_logsumexp
 from ..core.runtime import device_info, launch
 from ..core.tiles import descriptor_strides, tma_usable
 from . import tuning
-from .plan import head_dim_padded, query_tile, wgmma_config, window_bounds
+from .forward import alibi_slope
+from .plan import head_dim_padded, output_like, query_tile, variant_args, wgmma_config
 from .tuning import WgmmaConfig
 
 # wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
@@ -126,38 +131,39 @@ if gluon is not None:
         return smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
 
     @gluon.jit
-    def _fold_scores(s, m, d, tile, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k, qk_scale,
-                     window_left, window_right, softcap,
-                     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                     HAS_SOFTCAP: gl.constexpr, P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):
+    def _fold_scores(s, m, d, tile, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k, qk_scale, mods,
+                     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, P_LAYOUT: gl.constexpr,
+                     DTYPE: gl.constexpr):
         """Mask K tile ``tile``'s scores (keys from ``key_start + tile · BLOCK_N``) unless it is one of the
         tiles ``[full_first, full_stop)`` every row sees whole, fold them into ``(m, d)``: ``(m, d, P, alpha)``, P
-        rounded to the input dtype in the register-operand layout of the P V product. ``HAS_SOFTCAP``: the
-        scores are scaled first, then ``soft_cap(s, softcap)`` (``softcap`` in base-2 units)."""
-        if HAS_SOFTCAP:
-            s = soft_cap(s * qk_scale, softcap)
+        rounded to the input dtype in the register-operand layout of the P V product. Under a softcap or ALiBi
+        (``mods``/``MODS``, ``core.masking``; the softcap and slope in base-2 units) the scores become
+        ``modified_scores_scaled``'s ``x``, whose factor ``c`` the exponential takes as it takes the plain scale."""
+        HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+        softcap, alibi, window_left, window_right = mods
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        tile_start = key_start + tile * BLOCK_N
+        k_idx = tile_start + cols
+        scale = qk_scale
+        if HAS_SOFTCAP or HAS_ALIBI:
+            s, scale = modified_scores_scaled(s, qk_scale, q_idx, tile_start, cols, seqlen_q, seqlen_k, mods, MODS)
         if (tile < full_first) | (tile >= full_stop):
-            k_idx = key_start + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
             s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False, LOG2E,
                             False, False, window_left, window_right, HAS_WINDOW)
-        if HAS_SOFTCAP:
-            m, d, p, alpha = online_update(m, d, s, BASE2_UNITS)
-        else:
-            m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
+        m, d, p, alpha = online_update_scaled(m, d, s, scale)
         return m, d, gl.convert_layout(p.to(DTYPE), P_LAYOUT), alpha
 
     @gluon.jit
     def _attend_kv_tiles(
         q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-        b, h_kv, key_start, n_kv_tiles, full_first, full_stop, q_idx, seqlen_q, seqlen_k, qk_scale,
-        window_left, window_right, softcap,
-        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-        HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, NUM_WARPS: gl.constexpr, LOAD_WARP: gl.constexpr,
+        b, h_kv, key_start, n_kv_tiles, full_first, full_stop, q_idx, seqlen_q, seqlen_k, qk_scale, mods,
+        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, KV_STAGES: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, NUM_WARPS: gl.constexpr, LOAD_WARP: gl.constexpr,
     ):
         """The K/V loop of one query tile: ``(m, d, O)`` after every K/V tile, O not yet divided by d.
 
         Its ``n_kv_tiles`` K/V tiles start at key ``key_start``; the full tiles ``[full_first, full_stop)``
-        (``_fold_scores``) are numbered from there.
+        (``_fold_scores``) are numbered from there. V tiles are ``HEAD_DIM_V`` wide, as O is.
 
         Turn j issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` together, waits until only the
         second is in flight, folds S_j into ``(m, d)`` while P V runs, then waits for O, rescales it and
@@ -175,24 +181,22 @@ if gluon is not None:
             _release_kv_slot(k_desc, k_ready, k_free, k_smem, 0, b, h_kv, key_start, n_kv_tiles,
                              BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
             m, d, p, alpha = _fold_scores(s, m, d, 0, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k,
-                                          qk_scale, window_left, window_right, softcap, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
-                                          HAS_SOFTCAP, p_layout, dtype)
+                                          qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, p_layout, dtype)
             for j in range(1, n_kv_tiles):
                 k_tile = _wait_kv(k_ready, k_smem, j, BLOCK_N, HEAD_DIM, KV_STAGES)
-                v_tile = _wait_kv(v_ready, v_smem, j - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
+                v_tile = _wait_kv(v_ready, v_smem, j - 1, BLOCK_N, HEAD_DIM_V, KV_STAGES)
                 s_token = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc_token = warpgroup_mma(p, v_tile, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s_token,))  # S_j is ready; P V may still run
                 _release_kv_slot(k_desc, k_ready, k_free, k_smem, j, b, h_kv, key_start, n_kv_tiles,
                                  BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
                 m, d, p, alpha = _fold_scores(s, m, d, j, key_start, full_first, full_stop, q_idx, seqlen_q,
-                                              seqlen_k, qk_scale, window_left, window_right, softcap, BLOCK_N,
-                                              IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, p_layout, dtype)
+                                              seqlen_k, qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, p_layout, dtype)
                 acc = warpgroup_mma_wait(0, deps=(acc_token,))
                 _release_kv_slot(v_desc, v_ready, v_free, v_smem, j - 1, b, h_kv, key_start, n_kv_tiles,
                                  BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = _wait_kv(v_ready, v_smem, n_kv_tiles - 1, BLOCK_N, HEAD_DIM, KV_STAGES)
+            v_tile = _wait_kv(v_ready, v_smem, n_kv_tiles - 1, BLOCK_N, HEAD_DIM_V, KV_STAGES)
             acc = warpgroup_mma(p, v_tile, acc)
             if LOAD_WARP:  # (without one, nothing is left to load into the slot)
                 _release_kv_slot(v_desc, v_ready, v_free, v_smem, n_kv_tiles - 1, b, h_kv, key_start, n_kv_tiles,
@@ -206,13 +210,19 @@ if gluon is not None:
         return q_tile.load(q_layout)
 
     @gluon.jit
-    def _write_output(acc, m, d, q_idx, o_tile, o_smem, o_desc, lse_row, b, h, row_start, seqlen_q,
-                      WRITE_LSE: gl.constexpr):
+    def _write_output(acc, m, d, q_idx, o_tile, o_smem, o_desc, lse_row, sink, b, h, row_start, seqlen_q,
+                      WRITE_LSE: gl.constexpr, HAS_SINKS: gl.constexpr):
         """O / d through shared memory ``o_tile`` (a view of ``o_smem``) by TMA (rows past seqlen_q dropped),
-        and the LSE into ``lse_row`` (this batch and head's); rows that saw no key give zeros."""
+        and the LSE into ``lse_row`` (this batch and head's); rows that saw no key give zeros. With
+        ``HAS_SINKS`` the head's ``sink`` (``_sink_logit``) is merged into every row's state first
+        (``merge_sink``)."""
+        o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        if HAS_SINKS:
+            m, d, alpha = merge_sink(m, d, sink, BASE2_UNITS)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         if WRITE_LSE:
             gl.store(lse_row + q_idx, state_logsumexp(m, d, BASE2_UNITS), mask=q_idx < seqlen_q)
-        o = normalize(acc, gl.convert_layout(d, gl.SliceLayout(1, acc.type.layout)), True)
+        o = normalize(acc, gl.convert_layout(d, o_rows), True)
         o_tile.store(o.to(o_desc.dtype))
         fence_async_shared()
         _barrier()  # every warp's part of O is written before the copy starts
@@ -220,11 +230,21 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
+    def _sink_logit(sinks_ptr, h, HAS_SINKS: gl.constexpr):
+        """Head ``h``'s sink in base-2 units, loaded when the program starts (its latency hidden under the K/V
+        loop, not paid at the end); 0.0 (unused) without sinks."""
+        sink = 0.0
+        if HAS_SINKS:
+            sink = gl.load(sinks_ptr + h).to(gl.float32) * LOG2E
+        return sink
+
+    @gluon.jit
     def _attention_fwd_wgmma_kernel(
-        q_desc, k_desc, v_desc, o_desc, lse_ptr,
-        n_heads, kv_group, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
-        Q_IN_REGISTERS: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+        q_desc, k_desc, v_desc, o_desc, lse_ptr, alibi_ptr, sinks_ptr,
+        n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, softcap, window_left, window_right,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+        KV_STAGES: gl.constexpr, Q_IN_REGISTERS: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+        FAST_TANH: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
         WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
@@ -232,13 +252,18 @@ if gluon is not None:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM_V, 16])
 
         # One query tile per program, numbered as the other kernels number them.
         bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, IS_CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
         h_kv = h // kv_group
+        # The score modifiers (core.masking), softcap and slope in base-2 units.
+        mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
+                window_left, window_right)
+        MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
+        sink = _sink_logit(sinks_ptr, h, HAS_SINKS)
 
         key_start, full_start, full_end, key_end = key_ranges(
             m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
@@ -272,22 +297,26 @@ if gluon is not None:
             q_op = q_tile
 
         q_idx = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         # No load warp: the program refills its K/V slots itself (no free-slot barriers: k_bars/v_bars fill in).
         m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_bars, v_bars,
                                      b, h_kv, key_start, n_kv_tiles, (full_start - key_start) // BLOCK_N,
-                                     (full_end - key_start) // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale,
-                                     window_left, window_right, softcap, BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL,
-                                     HAS_WINDOW, HAS_SOFTCAP, num_warps, False)
+                                     (full_end - key_start) // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale, mods,
+                                     BLOCK_N, HEAD_DIM, HEAD_DIM_V, KV_STAGES, IS_CAUSAL, MODS, num_warps, False)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(KV_STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
-        # Q's buffer is free: O goes out through it.
+        # Q's buffer is free: O goes out through it (a buffer of its own when O is narrower or wider than Q).
+        if HEAD_DIM_V == HEAD_DIM:
+            o_smem = q_smem
+        else:
+            o_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
         lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q
-        _write_output(acc, m, d, q_idx, q_tile, q_smem, o_desc, lse_row, b, h, m_start, seqlen_q, WRITE_LSE)
+        _write_output(acc, m, d, q_idx, o_smem.reshape([BLOCK_M, HEAD_DIM_V]), o_smem, o_desc, lse_row, sink,
+                      b, h, m_start, seqlen_q, WRITE_LSE, HAS_SINKS)
 
     # ---------------------------------------------- warp-specialized: a load warp, two softmax warpgroups
 
@@ -312,22 +341,26 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_softmax_partition(
-        q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
-        b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap,
-        IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, WRITE_LSE: gl.constexpr,
+        q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_free,
+        v_free, sinks_ptr, b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, mods,
+        IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, HAS_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
         WARPGROUP: gl.constexpr,
     ):
         """One softmax warpgroup: query rows ``m_start + WARPGROUP * BLOCK_M`` on, over the shared K/V tiles."""
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         KV_STAGES: gl.constexpr = k_smem.type.shape[0]
+        HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+        softcap, alibi, window_left, window_right = mods
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16])
 
         row_start = m_start + WARPGROUP * BLOCK_M
+        sink = _sink_logit(sinks_ptr, h, HAS_SINKS)
         _, full_start, full_end, _ = key_ranges(
             row_start, gl.minimum(row_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
             window_left, window_right, HAS_WINDOW)
@@ -335,24 +368,25 @@ if gluon is not None:
         mbarrier.wait(q_bars.index(WARPGROUP), 0)
         q_op = _q_operand(q_tile, s_layout)
         q_idx = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         # Both warpgroups walk the K/V tiles of the whole program (masking covers the tiles only the other sees).
         m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free,
                                      v_free, b, h_kv, key_start, n_kv_tiles, (full_start - key_start) // BLOCK_N,
-                                     (full_end - key_start) // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale,
-                                     window_left, window_right, softcap, BLOCK_N, HEAD_DIM, KV_STAGES, IS_CAUSAL,
-                                     HAS_WINDOW, HAS_SOFTCAP, 4, True)
-        # Q is in registers: O goes out through this warpgroup's Q buffer.
-        _write_output(acc, m, d, q_idx, q_tile, q_smem.index(WARPGROUP), o_desc, lse_row, b, h, row_start,
-                      seqlen_q, WRITE_LSE)
+                                     (full_end - key_start) // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale, mods,
+                                     BLOCK_N, HEAD_DIM, HEAD_DIM_V, KV_STAGES, IS_CAUSAL, MODS, 4, True)
+        # Q is in registers: O goes out through this warpgroup's Q buffer (o_smem is q_smem when O is as wide).
+        o_buffer = o_smem.index(WARPGROUP)
+        _write_output(acc, m, d, q_idx, o_buffer.reshape([BLOCK_M, HEAD_DIM_V]), o_buffer, o_desc, lse_row,
+                      sink, b, h, row_start, seqlen_q, WRITE_LSE, HAS_SINKS)
 
     @gluon.jit
     def _attention_fwd_ws_kernel(
-        q_desc, k_desc, v_desc, o_desc, lse_ptr,
-        n_heads, kv_group, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SOFTCAP: gl.constexpr, WRITE_LSE: gl.constexpr,
+        q_desc, k_desc, v_desc, o_desc, lse_ptr, alibi_ptr, sinks_ptr,
+        n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, softcap, window_left, window_right,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+        KV_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
         SOFTMAX_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
@@ -361,6 +395,9 @@ if gluon is not None:
         b = bh // n_heads
         h = bh % n_heads
         h_kv = h // kv_group
+        mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
+                window_left, window_right)
+        MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
         key_start, _, _, key_end = key_ranges(
             m_start, gl.minimum(m_start + 2 * BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
             window_left, window_right, HAS_WINDOW)
@@ -374,6 +411,10 @@ if gluon is not None:
         v_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
         k_free = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
         v_free = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
+        if HEAD_DIM_V == HEAD_DIM:  # O goes out through the Q buffers (Q lives in registers by then)
+            o_smem = q_smem
+        else:
+            o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
         for wg in gl.static_range(2):
             mbarrier.init(q_bars.index(wg), count=1)
         for i in gl.static_range(KV_STAGES):
@@ -387,13 +428,13 @@ if gluon is not None:
         # the constexpr flags into run-time values.)
         gl.warp_specialize(
             [(_ws_softmax_partition,  # warpgroup 0: the default partition
-              (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
-               v_free, b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, window_left,
-               window_right, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, WRITE_LSE, 0)),
+              (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready,
+               k_free, v_free, sinks_ptr, b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale,
+               mods, IS_CAUSAL, MODS, HAS_SINKS, WRITE_LSE, 0)),
              (_ws_softmax_partition,  # warpgroup 1
-              (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
-               v_free, b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, window_left,
-               window_right, softcap, IS_CAUSAL, HAS_WINDOW, HAS_SOFTCAP, WRITE_LSE, 1)),
+              (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready,
+               k_free, v_free, sinks_ptr, b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale,
+               mods, IS_CAUSAL, MODS, HAS_SINKS, WRITE_LSE, 1)),
              (_ws_load_partition,
               (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
                b, h, h_kv, m_start, key_start, n_kv_tiles))],
@@ -406,12 +447,13 @@ def wgmma_available() -> bool:
 
 
 def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: bool, scale: float) -> bool:
-    """True when this kernel takes the call: Gluon present, a Hopper GPU, fp16/bf16, a head dim padded to one
-    of ``tuning.WGMMA_CONFIGS``' (33 to 256), no user mask, ``scale > 0`` (masked scores stay ``-inf`` under
-    it), non-empty, TMA-aligned. ``FLASHLITE_WGMMA=0`` turns it off (A/B runs)."""
+    """True when this kernel takes the call: Gluon present, a Hopper GPU, fp16/bf16, head dims (q/k's and v's)
+    padded to one of ``tuning.WGMMA_CONFIGS``' (33 to 256), no user mask, ``scale > 0`` (masked scores stay
+    ``-inf`` under it), non-empty, TMA-aligned. ``FLASHLITE_WGMMA=0`` turns it off (A/B runs)."""
     return (
         gluon is not None and not has_mask and scale > 0 and q.is_cuda
         and q.dtype in (torch.float16, torch.bfloat16) and head_dim_padded(q.shape[3]) in tuning.WGMMA_CONFIGS
+        and head_dim_padded(v.shape[3]) in tuning.WGMMA_CONFIGS
         and q.shape[2] > 0 and k.shape[2] > 0
         and device_info(q.device).capability == WGMMA_CAPABILITY
         and os.environ.get("FLASHLITE_WGMMA", "1") != "0"
@@ -439,12 +481,15 @@ def _gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
     return desc
 
 
-def kernel_for(config: WgmmaConfig, head_dim: int, causal: bool, write_lse: bool, has_window: bool = False,
-               has_softcap: bool = False) -> tuple:
-    """``(kernel, launch keywords)`` of a call: its constexprs, ``num_warps`` and, warp-specialized, ``maxnreg``."""
-    meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, KV_STAGES=config.kv_stages,
-                IS_CAUSAL=causal, HAS_WINDOW=has_window, HAS_SOFTCAP=has_softcap, WRITE_LSE=write_lse,
-                num_warps=config.num_warps)
+def kernel_for(config: WgmmaConfig, head_dim: int, head_dim_v: int, causal: bool, write_lse: bool,
+               variant_meta: dict | None = None) -> tuple:
+    """``(kernel, launch keywords)`` of a call: its constexprs (``variant_meta``: ``plan.variant_args``' switches,
+    none by default), ``num_warps`` and, warp-specialized, ``maxnreg``."""
+    variants = dict(HAS_SOFTCAP=False, FAST_TANH=False, HAS_ALIBI=False, HAS_WINDOW=False, HAS_SINKS=False)
+    variants.update(variant_meta or {})
+    meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                KV_STAGES=config.kv_stages, IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps,
+                **variants)
     if config.warp_specialized:
         return _attention_fwd_ws_kernel, dict(meta, SOFTMAX_REGISTERS=tuning.WS_SOFTMAX_REGISTERS,
                                               LOAD_REGISTERS=tuning.WS_LOAD_REGISTERS, maxnreg=tuning.WS_LAUNCH_REGISTERS)
@@ -454,25 +499,30 @@ def kernel_for(config: WgmmaConfig, head_dim: int, causal: bool, write_lse: bool
 def attention_forward_hopper(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, write_lse: bool,
     config: WgmmaConfig | None = None, window: tuple[int, int] | None = None, softcap: float | None = None,
+    alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the Hopper kernel on checked (B, H, L, D) fp16/bf16 tensors that ``wgmma_eligible`` accepted;
-    ``window`` a sliding window (``plan.visibility``), its key tiles outside it never loaded; ``softcap`` Gemma-2's
-    logit softcapping (``core.masking.soft_cap``, on every tile)."""
+    """Launch the Hopper kernel on checked (B, H, L, D) fp16/bf16 tensors that ``wgmma_eligible`` accepted (v's
+    head dim Dv may differ from D). The variants as ``forward.attention_forward_tl`` takes them: ``window`` (its
+    key tiles outside it never loaded), ``softcap``, ``alibi`` (B, H) slopes, ``sinks`` (H,).
+    Returns ``(o, lse)``: o (B, H, Lq, Dv), lse (B, H, Lq) fp32 or None."""
     batch, n_heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
-    config = config or wgmma_config(head_dim, causal, seqlen_k)
-    o = torch.empty_like(q)
+    seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+    config = config or wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
+    o = output_like(q, head_dim_v)
     lse = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
-    # Boxes as wide as the padded head dim: TMA fills the columns past D with zeros on loads and drops them on
+    # Boxes as wide as the padded head dims: TMA fills the columns past D with zeros on loads and drops them on
     # the output's store, so a head dim that is not a power of two costs the padded tile's products, nothing more.
-    hd_pad = head_dim_padded(head_dim)
+    hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
     descs = [
-        _gluon_descriptor(t, rows, hd_pad)
-        for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n), (o, config.block_m))
+        _gluon_descriptor(t, rows, width)
+        for t, rows, width in ((q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad),
+                               (o, config.block_m, dv_pad))
     ]
     grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
-    kernel, meta = kernel_for(config, hd_pad, causal, write_lse, window is not None, softcap is not None)
-    launch(kernel, grid, (*descs, lse if lse is not None else o, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k,
-                          scale * LOG2E.value, *window_bounds(window, seqlen_q, seqlen_k),
-                          (softcap or 1.0) * LOG2E.value), **meta)
+    variant_scalars, variant_meta = variant_args(q, False, softcap, window, alibi is not None, sinks is not None,
+                                                   seqlen_q, seqlen_k)
+    kernel, meta = kernel_for(config, hd_pad, dv_pad, causal, write_lse, variant_meta)
+    launch(kernel, grid, (*descs, lse if lse is not None else o, alibi, sinks, n_heads, n_heads // k.shape[1],
+                          seqlen_q, seqlen_k, alibi.stride(0) if alibi is not None else 0, scale * LOG2E.value,
+                          *variant_scalars), **meta)
     return o, lse

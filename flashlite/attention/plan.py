@@ -37,13 +37,15 @@ def query_tile(tile, n_query_tiles, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constex
     return bh, m_tile * BLOCK_M
 
 
-def kv_loop_flags(mask_ptr, mask_is_bool: bool, stride_mask_q: int, head_dim: int, head_dim_pad: int) -> dict:
+def kv_loop_flags(mask_ptr, mask_is_bool: bool, stride_mask_q: int, head_dim: int, head_dim_pad: int,
+                  head_dim_v: int, head_dim_v_pad: int) -> dict:
     """The constexpr flags of every kernel built on ``attend_kv_tiles``, from its arguments."""
     return dict(
         HAS_MASK=mask_ptr is not None,
         # A key-padding mask (B, 1, 1, Lk): one mask row per key tile instead of BLOCK_M copies of it.
         MASK_PER_KEY=stride_mask_q == 0,
         EVEN_D=head_dim == head_dim_pad,
+        EVEN_DV=head_dim_v == head_dim_v_pad,
         UNITS=logit_units(mask_ptr is not None and not mask_is_bool),
     )
 
@@ -64,8 +66,9 @@ def qk_scale_for(scale: float, additive_mask: bool) -> float:
 # every call, the largest Python cost of a forward launch (TUNING.md#host-cost).
 KV_LOOP_FLAGS = {
     name: (lambda args, name=name: kv_loop_flags(
-        args["mask_ptr"], args["MASK_IS_BOOL"], args["stride_mask_q"], args["head_dim"], args["HEAD_DIM_PADDED"])[name])
-    for name in ("HAS_MASK", "MASK_PER_KEY", "EVEN_D", "UNITS")
+        args["mask_ptr"], args["MASK_IS_BOOL"], args["stride_mask_q"], args["head_dim"], args["HEAD_DIM_PADDED"],
+        args["head_dim_v"], args["HEAD_DIM_V_PADDED"])[name])
+    for name in ("HAS_MASK", "MASK_PER_KEY", "EVEN_D", "EVEN_DV", "UNITS")
 }
 
 
@@ -94,6 +97,42 @@ def window_bounds(window: tuple[int, int] | None, seqlen_q: int, seqlen_k: int) 
         return 0, 0
     unbounded = seqlen_q + seqlen_k
     return tuple(unbounded if side == -1 else min(side, unbounded) for side in window)
+
+
+def variant_args(q: torch.Tensor, additive_mask: bool, softcap: float | None, window: tuple[int, int] | None,
+                 has_alibi: bool, has_sinks: bool, seqlen_q: int, seqlen_k: int) -> tuple[tuple, dict]:
+    """The variants' kernel arguments: the run-time ``(softcap, window_left, window_right)`` (the softcap in the
+    logits' units, ``window_bounds``) and the constexpr switches ``HAS_SOFTCAP``, ``FAST_TANH`` (the
+    one-instruction tanh: fp16/bf16 on a GPU, ``tuning.SOFTCAP_FAST_TANH``), ``HAS_ALIBI``, ``HAS_WINDOW`` and
+    ``HAS_SINKS``. Every attention kernel takes them so (``core.masking``'s ``mods``/``MODS``)."""
+    scalars = (qk_scale_for(softcap or 1.0, additive_mask), *window_bounds(window, seqlen_q, seqlen_k))
+    meta = dict(
+        HAS_SOFTCAP=softcap is not None,
+        FAST_TANH=softcap is not None and q.is_cuda and q.dtype != torch.float32 and tuning.SOFTCAP_FAST_TANH,
+        HAS_ALIBI=has_alibi, HAS_WINDOW=window is not None, HAS_SINKS=has_sinks,
+    )
+    return scalars, meta
+
+
+def alibi_view(alibi_slopes: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """Checked ALiBi slopes, (H,) or (B, H) fp32, as the (B, H) tensor the kernels read (``stride(0)`` 0 for
+    slopes shared by the batch, the head dim contiguous), or None."""
+    if alibi_slopes is None:
+        return None
+    slopes = alibi_slopes.detach().contiguous()
+    return slopes.expand(batch, -1) if slopes.dim() == 1 else slopes
+
+
+def output_like(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:
+    """An empty (B, H, Lq, Dv) output in q's dtype and device, its (B, H, L) dims in q's memory order (as
+    ``torch.empty_like(q)`` orders them), so that queries in (B, L, H, D) order give an output in (B, L, H, Dv)
+    order, which merges its heads without a copy."""
+    if head_dim_v == q.shape[3]:
+        return torch.empty_like(q)
+    outer = sorted(range(3), key=lambda dim: -q.stride(dim))  # outermost first; ties keep (B, H, L)
+    order = [*outer, 3]
+    out = q.new_empty([q.shape[dim] for dim in outer] + [head_dim_v])
+    return out.permute(*[order.index(dim) for dim in range(4)])
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -151,10 +190,11 @@ def mask_layout(mask: torch.Tensor | None) -> int:
 
 def prune_tune_space(configs, named_args, **kwargs):
     hd_pad = kwargs["HEAD_DIM_PADDED"]
-    keep = tuning.TUNE_CANDIDATES[max(64, hd_pad)]
+    dv_pad = kwargs.get("HEAD_DIM_V_PADDED", hd_pad)
+    keep = tuning.TUNE_CANDIDATES[max(64, hd_pad, dv_pad)]
     has_mask = named_args.get("tune_mask_layout", MASK_LAYOUT_NONE) != MASK_LAYOUT_NONE
     return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in keep
-            and tma_safe(has_mask, c.kwargs["BLOCK_N"], hd_pad)]
+            and tma_safe(has_mask, c.kwargs["BLOCK_N"], hd_pad) and tma_safe(has_mask, c.kwargs["BLOCK_N"], dv_pad)]
 
 
 def wgmma_config(head_dim: int, causal: bool, seqlen_k: int) -> WgmmaConfig:

@@ -18,7 +18,9 @@ the online-softmax core. Two passes:
    core's ``merge_partial_accumulators`` (up to ``MERGE_TILE_PARTS`` splits at
    once: ``merge_states``, each ``acc`` weighted by ``rescale_factor``, 0 for an
    empty split, so never NaN) and ``merge_accumulators`` between such blocks;
-   then ``O = acc / d`` (``normalize``: zeros for a row no split saw) and
+   then each head's attention sink, if any, joins as one more state
+   (``finish_rows``: once a row's splits are merged, not in every split), and
+   ``O = acc / d`` (``normalize``: zeros for a row no split saw) and
    ``LSE = state_logsumexp(m, d)``.
 Keeping ``(m, d, acc)`` rather than ``(O, lse)`` makes pass 2 literally the
 core's merge of two states, with no division or logarithm in pass 1.
@@ -66,8 +68,8 @@ from ..core.online_softmax import (
     empty_state, merge_accumulators, merge_partial_accumulators, normalize, state_logsumexp,
 )
 from ..core.runtime import compiled_launcher, device_info, launch
-from .forward import attend_key_range, positive_scale
-from .plan import default_config, head_dim_padded, kv_loop_flags, logit_units, qk_scale_for, window_bounds
+from .forward import alibi_slope, attend_key_range, finish_rows, positive_scale
+from .plan import default_config, head_dim_padded, kv_loop_flags, logit_units, output_like, qk_scale_for, variant_args
 from .tuning import AttentionConfig
 
 
@@ -97,17 +99,18 @@ def _partials(part_ptr, n_splits, n_out_rows):
 
 @triton.jit
 def _split_kv_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, cache_seqlens_ptr, part_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, alibi_ptr, cache_seqlens_ptr, part_ptr,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
-    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_cache_seqlens,
+    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_alibi_b, stride_cache_seqlens,
     n_heads, kv_group, heads_per_program, n_groups, n_splits, n_out_rows,
-    seqlen_q, seqlen_k, head_dim, qk_scale, softcap, window_left, window_right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, softcap, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, UNITS: tl.constexpr, HAS_CACHE_SEQLENS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, UNITS: tl.constexpr, HAS_CACHE_SEQLENS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     # Axis 0: (batch, head group, row tile), row tile fastest; axis 1: the split.
     n_rows = heads_per_program * seqlen_q
@@ -134,6 +137,12 @@ def _split_kv_kernel(
     mask_bh = mask_ptr
     if HAS_MASK:  # packed rows share head_base's mask: the host packs only masks with stride 0 over heads
         mask_bh = mask_ptr + b64 * stride_mask_b + tl.cast(head_base, tl.int64) * stride_mask_h
+    # The score modifiers (core.masking); packed rows each take their own head's ALiBi slope, as a column.
+    alibi = alibi_slope(alibi_ptr, stride_alibi_b, b64, tl.where(valid, heads, head_base), UNITS, HAS_ALIBI)
+    if HAS_ALIBI:
+        alibi = alibi[:, None]
+    mods = (softcap, alibi, window_left, window_right)
+    MODS: tl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
 
     # The tile's keys: [key_begin, key_end), of which [full_start, full_end) seen whole by every row.
     key_begin, full_start, full_end, key_end = key_ranges(
@@ -148,61 +157,63 @@ def _split_kv_kernel(
     split_full_end = tl.maximum(split_full_start, tl.minimum(full_end, key_stop))
 
     m, d = empty_state(BLOCK_M)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PADDED], tl.float32)
     acc, m, d = attend_key_range(
         acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
-        key_start, split_full_start, split_full_end, key_stop, seqlen_q, seqlen_k, head_dim, mask_bh,
-        stride_mask_q, stride_mask_k, BLOCK_N, HEAD_DIM_PADDED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
-        MASK_PER_KEY, EVEN_D, False, DOT_PRECISION, UPCAST_DOTS, softcap, HAS_SOFTCAP, window_left, window_right,
-        HAS_WINDOW,
+        key_start, split_full_start, split_full_end, key_stop, seqlen_q, seqlen_k, head_dim, head_dim_v, mask_bh,
+        stride_mask_q, stride_mask_k, mods, BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, UNITS, IS_CAUSAL, HAS_MASK,
+        MASK_IS_BOOL, MASK_PER_KEY, EVEN_D, EVEN_DV, False, DOT_PRECISION, UPCAST_DOTS, MODS,
     )
 
-    # Partials are (n_splits, B, H, Lq) rows; acc rows are HEAD_DIM_PADDED wide (no column mask needed).
+    # Partials are (n_splits, B, H, Lq) rows; acc rows are HEAD_DIM_V_PADDED wide (no column mask needed).
     part_m_ptr, part_d_ptr, part_acc_ptr = _partials(part_ptr, n_splits, n_out_rows)
     part_rows = tl.cast(split, tl.int64) * n_out_rows + (b64 * n_heads + heads) * seqlen_q + q_idx
     tl.store(part_m_ptr + part_rows, m, mask=valid)
     tl.store(part_d_ptr + part_rows, d, mask=valid)
-    tl.store(part_acc_ptr + part_rows[:, None] * HEAD_DIM_PADDED + dims[None, :], acc, mask=valid[:, None])
+    dims_v = tl.arange(0, HEAD_DIM_V_PADDED)
+    tl.store(part_acc_ptr + part_rows[:, None] * HEAD_DIM_V_PADDED + dims_v[None, :], acc, mask=valid[:, None])
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, o_ptr, lse_ptr,
+    part_ptr, o_ptr, lse_ptr, sinks_ptr,
     stride_ob, stride_oh, stride_om,
-    n_heads, seqlen_q, n_out_rows, n_splits, head_dim,
-    BLOCK_ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr,
-    UNITS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    n_heads, seqlen_q, n_out_rows, n_splits, head_dim_v,
+    BLOCK_ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr, EVEN_DV: tl.constexpr,
+    UNITS: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    # The partial maxima are in the split kernel's UNITS (plan.logit_units).
+    # The partial maxima are in the split kernel's UNITS (plan.logit_units). Each head's sink, once the splits
+    # are merged (finish_rows): every split saw part of the keys, the sink is one more state of the whole row.
     # Rows are (batch, head, query) flattened, as the split kernel wrote them. SPLITS_BLOCK splits of each row
     # are loaded at once and merged in one step (not one split after another: a chain of dependent loads).
     part_m_ptr, part_d_ptr, part_acc_ptr = _partials(part_ptr, n_splits, n_out_rows)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < n_out_rows
-    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dims = tl.arange(0, HEAD_DIM_V_PADDED)
     m, d = empty_state(BLOCK_ROWS)
-    acc = tl.zeros([BLOCK_ROWS, HEAD_DIM_PADDED], tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, HEAD_DIM_V_PADDED], tl.float32)
     for first in range(0, n_splits, SPLITS_BLOCK):
         splits = first + tl.arange(0, SPLITS_BLOCK)
         ok = row_ok[:, None] & (splits < n_splits)[None, :]
         part_rows = splits.to(tl.int64)[None, :] * n_out_rows + rows[:, None]  # [BLOCK_ROWS, SPLITS_BLOCK]
         m_split = tl.load(part_m_ptr + part_rows, mask=ok, other=float("-inf"))
         d_split = tl.load(part_d_ptr + part_rows, mask=ok, other=0.0)
-        acc_split = tl.load(part_acc_ptr + part_rows[:, :, None] * HEAD_DIM_PADDED + dims[None, None, :],
+        acc_split = tl.load(part_acc_ptr + part_rows[:, :, None] * HEAD_DIM_V_PADDED + dims[None, None, :],
                             mask=ok[:, :, None], other=0.0)
         m_block, d_block, acc_block = merge_partial_accumulators(m_split, d_split, acc_split, UNITS)
         m, d, acc = merge_accumulators(m, d, acc, m_block, d_block, acc_block, UNITS)
 
-    if WRITE_LSE:
-        tl.store(lse_ptr + rows, state_logsumexp(m, d, UNITS), mask=row_ok)
-    o = normalize(acc, d, True)  # rows no split saw (d = 0) give zeros
     query = rows % seqlen_q
     head = rows // seqlen_q % n_heads
     batch = rows // seqlen_q // n_heads
+    acc, m, d = finish_rows(acc, m, d, sinks_ptr, head, UNITS, HAS_SINKS)
+    if WRITE_LSE:
+        tl.store(lse_ptr + rows, state_logsumexp(m, d, UNITS), mask=row_ok)
+    o = normalize(acc, d, True)  # rows no split saw (d = 0) give zeros
     o_ptrs = o_ptr + batch[:, None] * stride_ob + head[:, None] * stride_oh + query[:, None] * stride_om + dims[None, :]
     ok = row_ok[:, None]
-    if not EVEN_D:
-        ok = ok & (dims < head_dim)[None, :]
+    if not EVEN_DV:
+        ok = ok & (dims < head_dim_v)[None, :]
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=ok)
 
 
@@ -282,11 +293,12 @@ def heads_per_program(n_heads: int, n_kv_heads: int, seqlen_q: int, mask: torch.
     return group
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> tuple[int, AttentionConfig, int]:
-    """``(heads_per_program, config, programs per split)`` of a split launch."""
+def _plan(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
+          head_dim_v: int | None = None) -> tuple[int, AttentionConfig, int]:
+    """``(heads_per_program, config, programs per split)`` of a split launch (tiles for the wider of D and Dv)."""
     batch, n_heads, seqlen_q, head_dim = q.shape
     pack = heads_per_program(n_heads, k.shape[1], seqlen_q, mask)
-    config = split_config(pack * seqlen_q, head_dim, q.dtype, q.device)
+    config = split_config(pack * seqlen_q, max(head_dim, head_dim_v or head_dim), q.dtype, q.device)
     return pack, config, triton.cdiv(pack * seqlen_q, config.block_m) * batch * (n_heads // pack)
 
 
@@ -352,9 +364,10 @@ class SplitLaunch:
     """The two launches of split-K/V attention for one call signature, planned once and repeated at little host cost.
 
     Built from checked (B, H, L, D) tensors whose head dim has stride 1 (as
-    ``attention_forward``) and the call's options; ``num_splits`` (>= 1) is
+    ``attention_forward``; v's head dim Dv may differ from D) and the call's options; ``num_splits`` (>= 1) is
     clamped to the number of key tiles, ``config`` forces the tiles (default
-    ``split_config``). Calling it runs split-K/V attention on tensors of the
+    ``split_config``). ``has_alibi`` and ``has_sinks`` say whether calls bring ALiBi slopes ((B, H),
+    ``plan.alibi_view``) and sinks ((H,)). Calling it runs split-K/V attention on tensors of the
     signature it was built for (the same shapes, strides, dtypes, devices and
     16-byte alignments; ``flash_attention`` keys its repeated calls so):
     everything derived from the signature (tiles, grids, strides, constexprs)
@@ -364,14 +377,15 @@ class SplitLaunch:
     """
 
     def __init__(
-        self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float,
-        mask_is_bool: bool, write_lse: bool, num_splits: int, has_cache_seqlens: bool,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+        scale: float, mask_is_bool: bool, write_lse: bool, num_splits: int, has_cache_seqlens: bool,
         config: AttentionConfig | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
+        has_alibi: bool = False, has_sinks: bool = False,
     ):
         batch, n_heads, seqlen_q, head_dim = q.shape
-        seqlen_k = k.shape[2]
-        hd_pad = head_dim_padded(head_dim)
-        pack, default, programs = _plan(q, k, mask)
+        seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+        hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+        pack, default, programs = _plan(q, k, mask, head_dim_v)
         if config is not None:
             programs = triton.cdiv(pack * seqlen_q, config.block_m) * batch * (n_heads // pack)
         config = config or default
@@ -379,46 +393,51 @@ class SplitLaunch:
         n_out_rows = batch * n_heads * seqlen_q
         additive = mask is not None and not mask_is_bool
         mask_stride_q = mask.stride(2) if mask is not None else 0
-        self.workspace_size = self.num_splits * n_out_rows * (hd_pad + 2)  # m, d and acc (module docstring)
+        self.head_dim_v = head_dim_v
+        self.workspace_size = self.num_splits * n_out_rows * (dv_pad + 2)  # m, d and acc (module docstring)
         self.lse_shape = (batch, n_heads, seqlen_q) if write_lse else None
         self.split_grid = (programs, self.num_splits)
+        variant_scalars, variant_meta = variant_args(q, additive, softcap, window, has_alibi, has_sinks,
+                                                     seqlen_q, seqlen_k)
         self.split_sizes = (  # the split kernel's arguments after the pointers and strides
             n_heads, n_heads // k.shape[1], pack, n_heads // pack, self.num_splits, n_out_rows,
-            seqlen_q, seqlen_k, head_dim, qk_scale_for(scale, additive), qk_scale_for(softcap or 1.0, additive),
-            *window_bounds(window, seqlen_q, seqlen_k),
+            seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale_for(scale, additive), *variant_scalars,
         )
         self.split_meta = dict(
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM_PADDED=hd_pad,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM_PADDED=hd_pad, HEAD_DIM_V_PADDED=dv_pad,
             IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, HAS_CACHE_SEQLENS=has_cache_seqlens,
-            HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
+            HAS_SOFTCAP=variant_meta["HAS_SOFTCAP"], FAST_TANH=variant_meta["FAST_TANH"],
+            HAS_ALIBI=variant_meta["HAS_ALIBI"], HAS_WINDOW=variant_meta["HAS_WINDOW"],
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see forward.dot)
-            **kv_loop_flags(mask, mask_is_bool, mask_stride_q, head_dim, hd_pad),
+            **kv_loop_flags(mask, mask_is_bool, mask_stride_q, head_dim, hd_pad, head_dim_v, dv_pad),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         splits_block = min(triton.next_power_of_2(self.num_splits), MERGE_TILE_PARTS)
         self.merge_grid = (triton.cdiv(n_out_rows, MERGE_TILE_PARTS // splits_block),)
-        self.merge_scalars = (n_heads, seqlen_q, n_out_rows, self.num_splits, head_dim)
+        self.merge_scalars = (n_heads, seqlen_q, n_out_rows, self.num_splits, head_dim_v)
         self.merge_meta = dict(
-            BLOCK_ROWS=MERGE_TILE_PARTS // splits_block, SPLITS_BLOCK=splits_block, HEAD_DIM_PADDED=hd_pad, EVEN_D=head_dim == hd_pad,
-            UNITS=logit_units(additive), WRITE_LSE=write_lse, num_warps=4,
+            BLOCK_ROWS=MERGE_TILE_PARTS // splits_block, SPLITS_BLOCK=splits_block, HEAD_DIM_V_PADDED=dv_pad,
+            EVEN_DV=head_dim_v == dv_pad, UNITS=logit_units(additive), WRITE_LSE=write_lse,
+            HAS_SINKS=variant_meta["HAS_SINKS"], num_warps=4,
         )
         self._repeat_split = self._repeat_merge = None
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-        cache_seqlens: torch.Tensor | None = None,
+        cache_seqlens: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(o, lse)`` like ``attention_forward``, for tensors of the signature this launch was built for."""
         part = torch.empty((self.workspace_size,), dtype=torch.float32, device=q.device)
-        o = torch.empty_like(q)
+        o = output_like(q, self.head_dim_v)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if self.lse_shape else None
         split_args = (
-            q, k, v, mask, cache_seqlens, part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+            q, k, v, mask, alibi, cache_seqlens, part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *(mask.stride() if mask is not None else (0, 0, 0, 0)), alibi.stride(0) if alibi is not None else 0,
             cache_seqlens.stride(0) if cache_seqlens is not None else 0, *self.split_sizes,
         )
-        merge_args = (part, o, lse if lse is not None else part, *o.stride()[:3], *self.merge_scalars)
+        merge_args = (part, o, lse if lse is not None else part, sinks, *o.stride()[:3], *self.merge_scalars)
         if self._repeat_split is not None:
             self._repeat_split(split_args)
             self._repeat_merge(merge_args)
@@ -436,15 +455,16 @@ def split_kv_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool,
     num_splits: int, cache_seqlens: torch.Tensor | None = None, config: AttentionConfig | None = None,
-    softcap: float | None = None, window: tuple[int, int] | None = None,
+    softcap: float | None = None, window: tuple[int, int] | None = None, alibi: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-K/V attention on checked (B, H, L, D) tensors whose head dim has stride 1 (as ``attention_forward``).
 
     ``num_splits`` (>= 1) is clamped to the number of key tiles; ``cache_seqlens``
     (B,) int32/int64 or None limits each batch element's keys. ``config`` forces
-    the tiles (default ``split_config``). Returns ``(o, lse)`` like ``attention_forward``.
-    One ``SplitLaunch``, planned and run once.
+    the tiles (default ``split_config``). The variants as ``attention_forward`` takes them. Returns ``(o, lse)``
+    like ``attention_forward``. One ``SplitLaunch``, planned and run once.
     """
-    plan = SplitLaunch(q, k, mask, causal, scale, mask_is_bool, write_lse, num_splits, cache_seqlens is not None, config,
-                       softcap, window)
-    return plan(q, k, v, mask, cache_seqlens)
+    plan = SplitLaunch(q, k, v, mask, causal, scale, mask_is_bool, write_lse, num_splits, cache_seqlens is not None,
+                       config, softcap, window, alibi is not None, sinks is not None)
+    return plan(q, k, v, mask, cache_seqlens, alibi, sinks)

@@ -96,6 +96,13 @@ TUNE_CANDIDATES = {
 }
 
 
+# Softcapping on a GPU (fp16/bf16) takes tanh from one tanh.approx.f32 instruction (core.masking.tanh_approx)
+# instead of an exp2 and a division: the exponentials' special-function unit is what a softcapped tile waits on.
+# fp32 keeps the exact formula (its tolerance is tighter than the approximation's 2^-11).
+# H200 2026-11-27, python bench/variants.py; TUNING.md#softcap
+SOFTCAP_FAST_TANH = True
+
+
 @dataclass(frozen=True)
 class WgmmaConfig:
     """Tile sizes of one launch: query rows per warpgroup, keys per K/V tile, warps, K/V buffers in shared memory.

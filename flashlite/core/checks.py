@@ -63,6 +63,36 @@ def check_window_size(window_size) -> tuple[int, int] | None:
     return int(window_size[0]), int(window_size[1])
 
 
+def check_alibi_slopes(alibi_slopes, q: torch.Tensor) -> None:
+    """``alibi_slopes``: None, or a float32 tensor of shape (H,) or (B, H) on q's device (q is (B, H, L, D))."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 tensor of shape (H,) or (B, H), got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    batch, n_heads = q.shape[0], q.shape[1]
+    if tuple(alibi_slopes.shape) not in ((n_heads,), (batch, n_heads)):
+        raise ValueError(f"alibi_slopes must have shape (H,) = ({n_heads},) or (B, H) = ({batch}, {n_heads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, q on {q.device}: they must be on the same device")
+
+
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    """``sinks``: None, or a floating (H,) tensor on q's device (``H`` = q's heads)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a tensor of shape (H,), got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got dtype {sinks.dtype}")
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must have shape (H,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device}, q on {q.device}: they must be on the same device")
+
+
 def check_flag(name: str, value) -> bool:
     """``value`` as a bool; a TypeError naming ``name`` for anything but a bool (``"no"`` or None is not one)."""
     if type(value) is bool or isinstance(value, np.bool_):

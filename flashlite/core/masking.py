@@ -5,7 +5,10 @@ of logits ``s`` ``[BLOCK_M, BLOCK_N]`` whose rows are queries ``q_idx`` and
 columns keys ``k_idx``:
 
 * bounds: keys at or past ``seqlen_k`` never count;
-* logit softcapping (``soft_cap``), applied to the scaled scores before the rest;
+* score modifiers (``modify_scores``; ``modified_scores_scaled`` gives the same logits as ``c · x`` for kernels
+  that fold a factor into the exponential), applied to the scaled scores before the rest, in this order: logit
+  softcapping (``soft_cap``, Gemma-2's ``c · tanh(s / c)``), then ALiBi (``add_alibi``, ``s - slope · |i +
+  offset - j|``);
 * causal, aligned bottom-right (FlashAttention >= 2.1,
   ``torch.nn.attention.bias.causal_lower_right``): query ``i`` sees key ``j``
   iff ``j <= i + (seqlen_k - seqlen_q)``. With ``seqlen_q = seqlen_k`` it is the
@@ -22,6 +25,11 @@ columns keys ``k_idx``:
 
 Positions that do not count become ``-inf``; the online-softmax core then gives
 them weight 0, and a row with none left has ``d = 0``.
+
+Score modifiers travel through the attention kernels as two tuples: the run-time values
+``mods = (softcap, alibi, window_left, window_right)`` and the constexpr switches
+``MODS = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)``; ``softcap`` and ``alibi`` (the slope) in the units
+of the kernel's logits, unused unless switched on.
 
 Units: an additive mask is in natural-log units and is added to logits as
 ``bias · BIAS_TO_UNITS``. Every caller adds it to natural-log logits (``1.0``):
@@ -129,6 +137,19 @@ def query_ranges(k_first, k_last, seqlen_q, seqlen_k,
 
 
 @triton.jit
+def range_part(part: tl.constexpr, start, full_start, full_end, stop):
+    """``(first, last)`` of part ``part`` of a range cut as ``key_ranges`` / ``query_ranges`` cut it: 0 is
+    ``[start, full_start)`` (masked), 1 ``[full_start, full_end)`` (whole tiles), 2 ``[full_end, stop)`` (masked).
+    Kernels walk the three in a ``static_range(3)``, the middle one unmasked (``MASKED = part != 1``)."""
+    first, last = full_end, stop
+    if part == 0:
+        first, last = start, full_start
+    if part == 1:
+        first, last = full_start, full_end
+    return first, last
+
+
+@triton.jit
 def apply_masks(
     s, q_idx, k_idx, seqlen_q, seqlen_k,
     mask_ptr, stride_mask_q, stride_mask_k,
@@ -182,15 +203,89 @@ TWO_LOG2E = tl.constexpr(2.8853900817779268)
 
 
 @triton.jit
-def soft_cap(s, cap):
+def tanh_approx(x):
+    """``tanh(x)`` by the GPU's one-instruction approximation (``tanh.approx.f32``, relative error about 2^-11, the
+    one FlashAttention uses for softcapping): one special-function op a value instead of ``soft_cap``'s exact
+    formula's three. CUDA only (inline PTX: the interpreter cannot run it)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def tanh(x, FAST_TANH: tl.constexpr = False):
+    """``tanh(x)``: with ``FAST_TANH`` (fp16/bf16 on a GPU) ``tanh_approx``; else through one ``exp2`` and an
+    approximate division (``tl.fdiv``, 2 ulp: the IEEE one costs several instructions a score),
+    ``1 - 2 / (2^(2 log2(e) x) + 1)``, exact in the limits (+-1 when the power overflows or vanishes)."""
+    if FAST_TANH:
+        return tanh_approx(x)
+    return 1.0 - tl.fdiv(2.0, tl.exp2(x * TWO_LOG2E) + 1.0)
+
+
+@triton.jit
+def soft_cap(s, cap, FAST_TANH: tl.constexpr = False):
     """Logits ``s`` squashed into ``(-cap, cap)``: ``cap · tanh(s / cap)`` (Gemma-2's logit softcapping).
 
     ``s`` and ``cap`` in the same units (the ratio is what tanh sees, so natural-log or base-2 logits both
-    work). tanh through one ``exp2`` and an approximate division (``tl.fdiv``, 2 ulp: the IEEE one costs
-    several instructions a score): ``1 - 2 / (2^(2 log2(e) x) + 1)``, exact in the limits (+-1 when the
-    power overflows or vanishes). Applied before the masks, which then set hidden logits to ``-inf``.
+    work). Applied before the masks, which then set hidden logits to ``-inf``.
     """
-    return cap - tl.fdiv(2.0 * cap, tl.exp2(s * (TWO_LOG2E / cap)) + 1.0)
+    return cap * tanh(s * (1.0 / cap), FAST_TANH)
+
+
+@triton.jit
+def add_alibi(s, rows, cols_start, cols, seqlen_q, seqlen_k, slope, KEYS_ON_ROWS: tl.constexpr = False):
+    """``s - slope · |i + offset - j|`` (ALiBi, FlashAttention's definition: the distance to the bottom-right
+    aligned diagonal) on ``[M, N]`` logits whose rows are queries ``rows`` and columns keys ``cols_start + cols``
+    (with ``KEYS_ON_ROWS``, rows are keys and columns queries). ``cols`` are the tile's column offsets
+    (``arange(0, N)``), ``slope`` in the logits' units: a scalar, or a ``[M, 1]`` column when the rows belong to
+    several heads.
+
+    The distance is ``|r - c|`` with ``r`` the row's position relative to the tile's first column (one integer
+    subtraction and conversion a row) and ``c`` the column offsets as fp32 (constants: built once, not a
+    conversion a score), so a score costs one subtraction and one fused multiply-add. Exact while positions
+    stay below 2^24; past that the distance rounds as the bias itself does.
+    """
+    if KEYS_ON_ROWS:  # columns are queries: |cols_start + c + offset - key|
+        relative = rows - causal_offset(seqlen_q, seqlen_k) - cols_start
+    else:  # columns are keys: |query + offset - cols_start - c|
+        relative = rows + causal_offset(seqlen_q, seqlen_k) - cols_start
+    distance = tl.abs(relative.to(tl.float32)[:, None] - cols.to(tl.float32)[None, :])
+    return s - slope * distance
+
+
+@triton.jit
+def modify_scores(s, rows, cols_start, cols, seqlen_q, seqlen_k, mods, MODS: tl.constexpr,
+                  KEYS_ON_ROWS: tl.constexpr = False):
+    """The scaled scores ``s`` under the call's score modifiers (``mods``/``MODS``, module docstring): softcap,
+    then ALiBi (positions as ``add_alibi`` takes them). Returns ``(s, t)``: ``t = tanh(s / softcap)`` under a
+    softcap (the backward's ``1 - t²``), else the unmodified ``s`` (unused)."""
+    softcap, alibi, window_left, window_right = mods
+    HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+    t = s
+    if HAS_SOFTCAP:
+        s = soft_cap(s, softcap, FAST_TANH)
+        t = s * (1.0 / softcap)
+    if HAS_ALIBI:
+        s = add_alibi(s, rows, cols_start, cols, seqlen_q, seqlen_k, alibi, KEYS_ON_ROWS)
+    return s, t
+
+
+@triton.jit
+def modified_scores_scaled(s, qk_scale, rows, cols_start, cols, seqlen_q, seqlen_k, mods, MODS: tl.constexpr):
+    """``(x, c)``: the raw fp32 scores ``s`` (queries on rows) under the score modifiers as ``x`` with logits
+    ``c · x``, ``c > 0`` (``qk_scale > 0`` required), so that ``online_update_scaled(m, d, x, c)`` folds ``c`` into
+    the exponential as it folds the plain scale: a softcap is ``x = tanh(s · qk_scale / softcap)``,
+    ``c = softcap``; ALiBi subtracts ``slope / c · |i + offset - j|`` from ``x``. One multiply-add fewer a score
+    than ``modify_scores`` on scaled logits (and with a softcap, two multiplies fewer). Masks may set ``x`` to
+    ``-inf`` afterwards."""
+    softcap, alibi, window_left, window_right = mods
+    HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+    x = s
+    c = qk_scale
+    if HAS_SOFTCAP:
+        x = tanh(s * (qk_scale / softcap), FAST_TANH)
+        c = softcap
+    if HAS_ALIBI:
+        x = add_alibi(x, rows, cols_start, cols, seqlen_q, seqlen_k, alibi / c)
+    return x, c
 
 
 # ----------------------------------------------------------------------------- host side

@@ -11,7 +11,8 @@ older, smaller maximum. Softmax uses the final state to normalise; attention
 uses the same alpha to rescale its output accumulator (``rescale_accumulator``);
 split-row softmax merges per-program partial states with ``merge_states``, and
 split-K/V decoding merges them with their accumulators (``merge_accumulators``,
-``merge_partial_accumulators``).
+``merge_partial_accumulators``), and an attention sink is one more state, ``(sink, 1)``, merged into each
+row's (``merge_sink``).
 Programs that trade partial states through memory do it with
 ``flashlite.core.partials``.
 
@@ -149,6 +150,16 @@ def merge_states(m_a, d_a, m_b, d_b, LOG2_PER_UNIT: tl.constexpr):
     m = tl.maximum(m_a, m_b)
     d = d_a * rescale_factor(m_a, m, LOG2_PER_UNIT) + d_b * rescale_factor(m_b, m, LOG2_PER_UNIT)
     return m, d
+
+
+@triton.jit
+def merge_sink(m, d, sink, LOG2_PER_UNIT: tl.constexpr):
+    """``(m, d, alpha)``: the rows' states with one more logit, ``sink`` (an attention sink, whose value vector is
+    zeros), merged in as the state ``(sink, 1)``; ``alpha`` rescales an output accumulator to the new maximum (the
+    sink adds nothing to it). A row that saw nothing becomes ``(sink, 1)``: its output stays 0, its log-sum-exp
+    is ``sink``."""
+    m_new, d_new = merge_states(m, d, sink, 1.0, LOG2_PER_UNIT)
+    return m_new, d_new, rescale_factor(m, m_new, LOG2_PER_UNIT)
 
 
 @triton.jit
