@@ -24,12 +24,14 @@ bench/attention.py counts them (visible pairs). Variants:
   Also the peak memory of a windowed forward beyond its inputs, against its output and LSE.
 
 Writes ``variants.{json,md}`` (``variants_window.{json,md}`` with ``--window``, ``variants_head_dim_v.{json,md}``
-with ``--head-dim-v``).
+with ``--head-dim-v``), then ``variants.png`` from whichever of the three the folder holds (``--plot``: only
+that, from the committed JSON, no GPU needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flashlite  # noqa: E402
-from common import environment, markdown_table, results_dir, tflops, time_ms, write_results  # noqa: E402
+from common import environment, markdown_table, plot_lines, results_dir, tflops, time_ms, write_results  # noqa: E402
 
 HEADS, KV_HEADS, TOKENS = 32, 8, 32768
 SOFTCAP = 50.0
@@ -196,6 +198,42 @@ def head_dim_v_main(args) -> None:
     print(markdown_table(rows, cols))
 
 
+def plot_variants(folder: str) -> None:
+    """``variants.png``: forward TFLOP/s against L, one panel a head dim (plain, each variant, FlexAttention),
+    the window's against full causal and Flex, and the V head dim's against D = Dv and SDPA."""
+    def load(name):
+        path = os.path.join(folder, f"{name}.json")
+        return json.load(open(path))["rows"] if os.path.exists(path) else []
+
+    panels = []
+    rows = load("variants")
+    for head_dim in sorted({r["D"] for r in rows}):
+        mine = [r for r in rows if r["D"] == head_dim]
+        lengths = sorted({r["L"] for r in mine})
+        series = {"plain": [next(r["plain_fwd"] for r in mine if r["L"] == n) for n in lengths]}
+        for variant in dict.fromkeys(r["variant"] for r in mine):
+            at = {r["L"]: r for r in mine if r["variant"] == variant}
+            series[variant] = [at[n]["fwd"] for n in lengths]
+            if any(at[n].get("flex_fwd") for n in lengths):
+                series[f"Flex {variant}"] = [at[n].get("flex_fwd") for n in lengths]
+        panels.append((f"variants, causal, D = {head_dim}: forward", lengths, series, "TFLOP/s"))
+    rows = load("variants_window")
+    if rows:
+        lengths = [r["L"] for r in rows]
+        panels.append(("causal window 4096, D = 128: forward (visible pairs)", lengths,
+                       {"full causal": [r["full_causal_fwd"] for r in rows], "window": [r["fwd"] for r in rows],
+                        "Flex window": [r["flex_fwd"] for r in rows]}, "TFLOP/s"))
+    rows = load("variants_head_dim_v")
+    for causal in (False, True):
+        mine = [r for r in rows if r["causal"] == causal]
+        if mine:
+            panels.append((f"D = 192, Dv = 128{', causal' if causal else ''}: forward", [r["L"] for r in mine],
+                           {"Dv = D = 192": [r["same_dv_fwd"] for r in mine], "Dv = 128": [r["fwd"] for r in mine],
+                            "SDPA, Dv = 128": [r["sdpa_fwd"] for r in mine]}, "TFLOP/s"))
+    if panels:
+        plot_lines(os.path.join(folder, "variants.png"), panels)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
@@ -204,14 +242,23 @@ def main() -> None:
     parser.add_argument("--window", action="store_true", help="the sliding-window rows instead (variants_window)")
     parser.add_argument("--window-lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--head-dim-v", action="store_true", help="the V-head-dim rows instead (variants_head_dim_v)")
+    parser.add_argument("--plot", action="store_true", help="only variants.png, from the folder's JSON files")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.plot:
+        plot_variants(args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200"))
+        return
     if args.window:
         window_main(args)
-        return
-    if args.head_dim_v:
+    elif args.head_dim_v:
         head_dim_v_main(args)
-        return
+    else:
+        variants_main(args)
+    plot_variants(results_dir(args.out))
+
+
+def variants_main(args) -> None:
+    """The sinks, softcap and ALiBi rows: flashlite with each against its plain call and FlexAttention."""
     from flashlite.nn import alibi_slopes
 
     slopes = alibi_slopes(HEADS).cuda()

@@ -38,6 +38,10 @@ descriptors (their bounds give zeros past L and D). Scheduling: one program a
 query tile, numbered as ``plan.query_tile`` says; a persistent grid
 (``AttentionConfig.persistent``) runs the same loop with fewer programs.
 
+Variants. The score modifiers (softcap, ALiBi, the sliding window: ``core.masking``'s ``mods``/``MODS``)
+apply to every tile's logits before the masks; V (and O) may have a head dim of their own
+(``HEAD_DIM_V_PADDED``); a head's attention sink joins each row's final state (``finish_rows``).
+
 The loop ``attend_kv_tiles`` takes the running ``(acc, m, d)`` and a key range,
 so the split-K/V kernel (``split_kv``) runs it on a sub-range, and the study
 trace one tile at a time.
