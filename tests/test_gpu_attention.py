@@ -205,6 +205,31 @@ def check_output_and_grads(q, k, v, dtype: torch.dtype, **kw) -> None:
         assert_attention_close(g, r, t, dtype)
 
 
+def ragged_decoding_failures(head_dim: int, dtype: torch.dtype, head_dim_v: int | None = None, **kw) -> list[str]:
+    """One decoding step (Lq = 1, 8 query heads on 2 K/V heads) over a cache of 5000 positions filled to ragged
+    lengths (5000, 1234, 7): the split-K/V path, output poisoned first, each batch element against float64 under
+    FlashAttention's rule. ``kw``: flash_attention's variants (B = 3, H = 8)."""
+    q1 = make(3, 8, 1, head_dim, dtype)
+    k1, v1 = make(3, 2, 5000, head_dim, dtype), make(3, 2, 5000, head_dim_v or head_dim, dtype)
+    lens = torch.tensor([5000, 1234, 7], device="cuda", dtype=torch.int32)
+    poison()
+    out = flashlite.flash_attention(q1, k1, v1, cache_seqlens=lens, **kw)
+    failures = []
+    if out.shape != (3, 8, 1, head_dim_v or head_dim):
+        failures.append(f"decoding: output shape {tuple(out.shape)}")
+    for b, n in enumerate(lens.tolist()):
+        element = dict(kw)
+        if element.get("alibi_slopes") is not None and element["alibi_slopes"].dim() == 2:
+            element["alibi_slopes"] = element["alibi_slopes"][b:b + 1]
+        args = (q1[b:b + 1], k1[b:b + 1, :, :n], v1[b:b + 1, :, :n])
+        try:
+            assert_attention_close(out[b:b + 1], attention_ref(*args, **element),
+                                   attention_ref(*args, dtype=dtype, **element), dtype)
+        except AssertionError as err:
+            failures.append(f"decoding b={b} {sorted(kw)}: {err}")
+    return failures
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_softcap_on_the_gpu(head_dim):
     # Logit softcapping on the GPU: the tl forward, both backward paths' kernels (the default two passes here),
@@ -239,19 +264,7 @@ def test_window_on_the_gpu(head_dim, dtype, backward_path):
                     check_output_and_grads(q, k, v, dtype, **kw)
                 except AssertionError as err:
                     failures.append(f"Lq={lq} Lk={lk} {kw}: {err}")
-    # Decoding: ragged cache lengths, split-K/V.
-    q1 = make(3, 8, 1, head_dim, dtype)
-    k1, v1 = make(3, 2, 5000, head_dim, dtype), make(3, 2, 5000, head_dim, dtype)
-    lens = torch.tensor([5000, 1234, 7], device="cuda", dtype=torch.int32)
-    out = flashlite.flash_attention(q1, k1, v1, causal=True, window_size=(1000, 0), cache_seqlens=lens)
-    for b, n in enumerate(lens.tolist()):
-        args = (q1[b:b + 1], k1[b:b + 1, :, :n], v1[b:b + 1, :, :n])
-        kw = dict(causal=True, window_size=(1000, 0))
-        try:
-            assert_attention_close(out[b:b + 1], attention_ref(*args, **kw), attention_ref(*args, dtype=dtype, **kw),
-                                   dtype)
-        except AssertionError as err:
-            failures.append(f"decoding b={b}: {err}")
+    failures += ragged_decoding_failures(head_dim, dtype, causal=True, window_size=(1000, 0))
     assert not failures, "\n".join(failures)
 
 
@@ -294,16 +307,8 @@ def test_alibi_on_the_gpu(head_dim, backward_path):
                     except AssertionError as err:
                         failures.append(f"Lq={lq} Lk={lk} causal={causal} slopes {tuple(slopes.shape)} "
                                         f"mask={mask is not None}: {err}")
-    q1 = make(3, 8, 1, head_dim, dtype)
-    k1, v1 = make(3, 2, 5000, head_dim, dtype), make(3, 2, 5000, head_dim, dtype)
-    lens = torch.tensor([5000, 1234, 7], device="cuda", dtype=torch.int32)
-    slopes = torch.rand(3, 8, device="cuda") * 0.01
-    out = flashlite.flash_attention(q1, k1, v1, causal=True, alibi_slopes=slopes, cache_seqlens=lens)
-    kw = dict(causal=True, alibi_slopes=slopes, cache_seqlens=lens)
-    try:
-        assert_attention_close(out, attention_ref(q1, k1, v1, **kw), attention_ref(q1, k1, v1, dtype=dtype, **kw), dtype)
-    except AssertionError as err:
-        failures.append(f"decoding: {err}")
+    failures += ragged_decoding_failures(head_dim, dtype, causal=True,
+                                         alibi_slopes=torch.rand(3, 8, device="cuda") * 0.01)
     assert not failures, "\n".join(failures)
 
 
@@ -329,15 +334,5 @@ def test_head_dim_v_on_the_gpu(head_dim, head_dim_v, dtype, backward_path):
                 check_output_and_grads(q, k, v, dtype, **kw)
             except AssertionError as err:
                 failures.append(f"Lq={lq} Lk={lk} {sorted(kw)}: {err}")
-    q1 = make(3, 8, 1, head_dim, dtype)
-    k1, v1 = make(3, 2, 5000, head_dim, dtype), make(3, 2, 5000, head_dim_v, dtype)
-    lens = torch.tensor([5000, 1234, 7], device="cuda", dtype=torch.int32)
-    poison()
-    out = flashlite.flash_attention(q1, k1, v1, cache_seqlens=lens)
-    try:
-        assert out.shape == (3, 8, 1, head_dim_v)
-        assert_attention_close(out, attention_ref(q1, k1, v1, cache_seqlens=lens),
-                               attention_ref(q1, k1, v1, cache_seqlens=lens, dtype=dtype), dtype)
-    except AssertionError as err:
-        failures.append(f"decoding: {err}")
+    failures += ragged_decoding_failures(head_dim, dtype, head_dim_v)
     assert not failures, "\n".join(failures)
