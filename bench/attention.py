@@ -15,6 +15,7 @@ calls exceed when the host's launch cost shows. Modes:
     python bench/attention.py --tune     # time tile configs at L = 4096 and print the table
     python bench/attention.py --tune-wgmma   # time the Hopper (Gluon) kernel's tile configs
     python bench/attention.py --backward # bwd and fwd+bwd TFLOP/s vs SDPA flash/cuDNN -> attention_backward.*
+    python bench/attention.py --backward --head-dims 96 192 256 --lengths 4096 --name attention_backward_head_dims
 
 GPU correctness (float64 references, poisoned memory, every head dim and kernel) is pytest's
 (pytest -m gpu): tests/test_gpu_attention.py, tests/test_gpu_decode.py and tests/test_gpu_backward.py.
@@ -210,7 +211,8 @@ def run_bench(args) -> None:
                             "dtype": "bfloat16", "flops": "4·B·H·L²·D, halved for causal"}
     cols = ["D", "causal", "L", "B", "flashlite", "flashlite_graph", "flashlite_tl", *PEERS, "frac_matmul",
             *(f"x_{p}" for p in PEERS)]
-    write_results("attention", out, meta, rows, cols, "Attention forward, TFLOP/s (bf16, H = 16)")
+    name = args.name or "attention"
+    write_results(name, out, meta, rows, cols, "Attention forward, TFLOP/s (bf16, H = 16)")
     _append_memory(out, memory)
     panels = []
     for head_dim in args.head_dims:
@@ -221,7 +223,7 @@ def run_bench(args) -> None:
             panels.append((f"attention fwd, D={head_dim}, causal={causal}", [r["L"] for r in sel], series, "TFLOP/s"))
     panels.append(("peak memory beyond inputs, D=128, non-causal", [r["L"] for r in memory],
                    {n: [r[f"{n}_MB"] for r in memory] for n in ("flashlite", "flash", "naive")}, "MB"))
-    plot_lines(os.path.join(out, "attention.png"), panels)
+    plot_lines(os.path.join(out, f"{name}.png"), panels)
     print_summary(rows)
 
 
@@ -310,7 +312,8 @@ def run_backward(args) -> None:
                             "flops": "bwd 2.5x fwd (4·B·H·L²·D, halved for causal); fwd+bwd 3.5x"}
     cols = ["D", "causal", "L", "B", *(f"{n}_bwd" for n in names), *(f"{n}_fwdbwd" for n in names),
             "frac_matmul_bwd", *(f"x_{p}_bwd" for p in BACKWARD_PEERS)]
-    write_results("attention_backward", out, meta, rows, cols, "Attention backward, TFLOP/s (bf16, H = 16)")
+    name = args.name or "attention_backward"
+    write_results(name, out, meta, rows, cols, "Attention backward, TFLOP/s (bf16, H = 16)")
     panels = []
     for head_dim in args.head_dims:
         for causal in (False, True):
@@ -318,7 +321,7 @@ def run_backward(args) -> None:
             for kind in ("bwd", "fwdbwd"):
                 panels.append((f"attention {kind}, D={head_dim}, causal={causal}", [r["L"] for r in sel],
                                {n: [r[f"{n}_{kind}"] for r in sel] for n in names}, "TFLOP/s"))
-    plot_lines(os.path.join(out, "attention_backward.png"), panels)
+    plot_lines(os.path.join(out, f"{name}.png"), panels)
 
 
 # ----------------------------------------------------------------------------- --tune
@@ -442,6 +445,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tune-length", type=int, default=4096, help="sequence length of --tune (default 4096)")
     parser.add_argument("--tune-wgmma", action="store_true", help="time the Hopper kernel's tile configs")
     parser.add_argument("--backward", action="store_true", help="time bwd and fwd+bwd instead of the forward")
+    parser.add_argument("--name", help="results' file stem (default attention, or attention_backward)")
     args = parser.parse_args(argv)
     if args.backward:
         run_backward(args)

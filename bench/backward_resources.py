@@ -1,6 +1,9 @@
-"""Resource report of the attention backward's dK/dV kernel, built for sm_90 on any machine (no GPU needed).
+"""Resource report of the attention backward's kernels, built for sm_90 on any machine (no GPU needed).
 
     python bench/backward_resources.py
+
+The Hopper (Gluon) kernels of ``backward_hopper`` on the table's tiles (and the candidates bench/backward_tune.py
+times), then the ``triton.language`` dK/dV kernel on its candidates.
 
 For each tile config: registers a thread and spill stores (ptxas -v, Triton's own ptxas), shared memory,
 the wgmma instructions in the PTX and the depths of their waits (``wgmma.wait_group N``: 0 means each product
@@ -24,7 +27,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashlite.attention import backward  # noqa: E402
+import torch  # noqa: E402
+
+from flashlite.attention import backward, backward_hopper, tuning  # noqa: E402
+from flashlite.attention.forward_hopper import gluon_descriptor  # noqa: E402
+from flashlite.attention.tuning import WgmmaBackwardConfig  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps, stages, padded head dim, one pass)
 CASES = [(32, 64, 4, 2, 128, False), (64, 128, 8, 2, 128, False), (64, 128, 8, 2, 128, True),
@@ -40,8 +47,10 @@ def kernel_fn():
 
 def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int, one_pass: bool) -> str:
     kernel = kernel_fn()
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PADDED=head_dim, IS_CAUSAL=False, HAS_MASK=False,
-                  MASK_IS_BOOL=False, MASK_PER_KEY=False, EVEN_D=True, UNITS=1.0, ATOMIC_DQ=one_pass,
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PADDED=head_dim, HEAD_DIM_V_PADDED=head_dim,
+                  IS_CAUSAL=False, HAS_MASK=False, MASK_IS_BOOL=False, MASK_PER_KEY=False, EVEN_D=True, EVEN_DV=True,
+                  UNITS=1.0, ATOMIC_DQ=one_pass, HAS_SOFTCAP=False, FAST_TANH=False, HAS_ALIBI=False,
+                  HAS_WINDOW=False, alibi_ptr=None,
                   DQ_BY_TMA=False, DOT_PRECISION="tf32", UPCAST_DOTS=False, mask_ptr=None, dq_desc=None)
     if not one_pass:
         consts["dq_ptr"] = None
@@ -58,6 +67,23 @@ def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int, o
     compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     ptx = compiled.asm["ptx"]
+    regs, spills = ptxas_report(ptx)
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+    return (f"| {head_dim} | {block_m} x {block_n} | {warps} | {stages} | {'yes' if one_pass else 'no'} | "
+            f"{regs} | {spills} | {compiled.metadata.shared} | "
+            f"{ptx.count('wgmma.mma_async')} | {', '.join(sorted(set(waits))) or '—'} |")
+
+
+# (padded head dim, kernel, one pass, config): the table's tiles, and the dK/dV candidates bench/backward_tune.py times.
+W = WgmmaBackwardConfig
+HOPPER_CASES = [(d, kernel, one_pass, tuning.WGMMA_BACKWARD_CONFIGS[d]) for d in (64, 128, 256)
+                for kernel, one_pass in (("dK/dV", False), ("dK/dV", True), ("dQ", False))]
+HOPPER_CASES += [(128, "dK/dV", False, W(64, 128, 2)), (128, "dK/dV", True, W(64, 128, 2)),
+                 (128, "dK/dV", False, W(64, 64, 2, split=2)), (256, "dQ", False, W(64, 64, 2, split=2, dq_block_n=32))]
+
+
+def ptxas_report(ptx: str) -> tuple[str, str]:
+    """(registers a thread, spill-store bytes) of a kernel's PTX, by Triton's own ptxas."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     ptxas = get_ptxas(90)
@@ -66,14 +92,56 @@ def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int, o
     os.unlink(f.name)
     regs = re.findall(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill stores", log)
-    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
-    return (f"| {head_dim} | {block_m} x {block_n} | {warps} | {stages} | {'yes' if one_pass else 'no'} | "
-            f"{regs[0] if regs else '?'} | {spills[0] if spills else '?'} | {compiled.metadata.shared} | "
-            f"{ptx.count('wgmma.mma_async')} | {', '.join(sorted(set(waits))) or '—'} |")
+    return regs[0] if regs else "?", spills[0] if spills else "?"
+
+
+def hopper_report(head_dim: int, kernel_name: str, one_pass: bool, config) -> str:
+    """One row of the Hopper kernels' table (non-causal, bf16, no variants)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    dq = kernel_name == "dQ"
+    rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
+    boxes = {"q_desc": rows, "do_desc": rows, "dq_desc": rows, "k_desc": keys, "v_desc": keys, "dk_desc": keys,
+             "dv_desc": keys}
+    kernel = backward_hopper._attention_bwd_dq_wgmma_kernel if dq else backward_hopper._attention_bwd_wgmma_kernel
+    meta = (backward_hopper.dq_kernel_meta(config, head_dim, head_dim, False) if dq
+            else backward_hopper.kernel_meta(config, head_dim, head_dim, False, one_pass))
+    constants = dict(meta, alibi_ptr=None)
+    signature = {}
+    for name in kernel.arg_names:
+        if name in boxes:
+            t = torch.randn(1, 1, 256, head_dim, dtype=torch.bfloat16)
+            signature[name] = mangle_type(gluon_descriptor(t, boxes[name], head_dim))
+        elif name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32"
+        else:
+            signature[name] = "fp32" if name in ("qk_scale", "scale", "softcap") else "i32"
+    compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": meta["num_warps"]})
+    ptx = compiled.asm["ptx"]
+    regs, spills = ptxas_report(ptx)
+    waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
+    atomics = len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx))
+    split = f", split {config.split}" if config.split > 1 and not dq else ""
+    stages = config.dq_stages if dq else config.stages
+    return (f"| {head_dim} | {kernel_name}{' one pass' if one_pass else ''} | {rows} x {keys}{split} | "
+            f"{meta['num_warps']} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
+            f"{ptx.count('wgmma.mma_async')} | {', '.join(waits)} | {atomics} |")
 
 
 def main() -> None:
     print(f"triton {triton.__version__}, sm_90\n")
+    print("Hopper (Gluon) kernels, `backward_hopper`: tiles are query rows x keys (a program's keys for dK/dV, its"
+          " query rows for dQ); atomics = fp32 atomic-add instructions a thread issues per tile\n")
+    print("| D | kernel | tiles | warps | buffers | registers | spill stores (B) | shared (B) | wgmma | wait depths |"
+          " atomics |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for case in HOPPER_CASES:
+        print(hopper_report(*case), flush=True)
+    print("\n`triton.language` dK/dV kernel, `backward`\n")
     print("| D | tiles | warps | stages | one pass | registers | spill stores (B) | shared (B) | wgmma | wait depths |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for case in CASES:

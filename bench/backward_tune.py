@@ -1,12 +1,17 @@
 """Tile sweep of attention for training: both backward paths at every head dim class, and the forward past D = 128.
 
     python bench/backward_tune.py [--head-dims 64 96 128 192 256] [--kinds ...] [--length 4096] [--jobs 12] [--out DIR]
+        [--name STEM]
+    python bench/backward_tune.py --profile [--head-dims ...]   # the default backward's time by kernel
 
 bf16, H = 16, B = 16384 // L, causal and not. For each head dim:
 
 * ``one_pass``: the backward's fast path (the dK/dV kernel adding dQ by atomic adds) on each candidate tile;
 * ``two_pass``: the deterministic path, its dK/dV kernel's candidates (dQ on the table's tiles), then its
   dQ kernel's (dK/dV on the best);
+* ``hopper_two_pass`` / ``hopper_one_pass``: the Hopper (Gluon) backward's candidates in two passes (its dK/dV
+  kernel, then its dQ kernel: the default), and the first in one pass (dQ by atomic adds);
+* ``tl_table``: the ``triton.language`` kernels' two passes on the table's tiles;
 * ``fwd_tl`` / ``fwd_hopper``: the ``triton.language`` forward's candidates and the Hopper (Gluon) forward's,
   whose boxes are padded to the next power of two (head dims 96 and 192 read 128 and 256 columns);
 * SDPA's FlashAttention-2 and cuDNN backends, forward and backward, on the same inputs.
@@ -36,8 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flashlite.attention.api import attention_forward  # noqa: E402
 from flashlite.attention.backward import attention_backward  # noqa: E402
 from flashlite.attention.forward_hopper import attention_forward_hopper  # noqa: E402
-from flashlite.attention.plan import default_backward_config, default_config, head_dim_padded  # noqa: E402
-from flashlite.attention.tuning import AttentionConfig, BackwardConfig, WgmmaConfig  # noqa: E402
+from flashlite.attention import tuning  # noqa: E402
+from flashlite.attention.plan import default_backward_config, head_dim_padded  # noqa: E402
+from flashlite.attention.tuning import AttentionConfig, BackwardConfig, WgmmaBackwardConfig, WgmmaConfig  # noqa: E402
 from common import environment, markdown_table, results_dir, tflops, time_ms, write_results  # noqa: E402
 
 HEADS = 16
@@ -57,6 +63,17 @@ DQ = {
     64: [(64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2)],
     128: [(128, 64, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2), (64, 128, 8, 2)],
     256: [(32, 32, 4, 1), (64, 32, 4, 1), (64, 64, 8, 1), (64, 32, 8, 2), (128, 32, 8, 1), (128, 64, 8, 1)],
+}
+# The Hopper (Gluon) backward (backward_hopper) by padded head dim, the first the table's. Timed in two passes
+# (its dK/dV and dQ kernels), the first also in one pass (dQ by atomic adds from the dK/dV kernel).
+W = WgmmaBackwardConfig
+HOPPER = {
+    64: [W(64, 64, 2), W(64, 128, 2), W(64, 64, 2, dq_block_n=128), W(64, 64, 2, dq_stages=3),
+         W(64, 64, 3, dq_block_m=128)],
+    128: [W(64, 64, 2), W(64, 128, 2), W(64, 64, 2, split=2), W(64, 64, 2, dq_stages=3),
+          W(64, 64, 2, dq_block_m=128), W(64, 64, 3)],
+    256: [W(64, 64, 2, split=2), W(64, 64, 2, split=2, dq_block_n=32), W(64, 64, 1, split=2, dq_block_n=32),
+          W(64, 64, 2, split=2, dq_block_n=32, dq_stages=3)],
 }
 FWD_TL = {
     256: [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 64, 8, 1)],
@@ -115,7 +132,8 @@ class Case:
         return fwd, lambda: torch.autograd.grad(out, inputs, self.do, retain_graph=True)
 
 
-KINDS = ("one_pass", "two_pass_dkdv", "two_pass_dq", "fwd_tl", "fwd_hopper")
+KINDS = ("one_pass", "two_pass_dkdv", "two_pass_dq", "fwd_tl", "fwd_hopper", "hopper_one_pass", "hopper_two_pass",
+         "tl_table")
 
 
 def variants(head_dim: int, dkdv_best: tuple | None = None, kinds=KINDS) -> list[tuple[str, object]]:
@@ -128,12 +146,23 @@ def variants(head_dim: int, dkdv_best: tuple | None = None, kinds=KINDS) -> list
     out += [("two_pass_dq", BackwardConfig(dkdv, tile(t))) for t in DQ[max(64, pad)]]
     out += [("fwd_tl", tile(t, tma=True)) for t in FWD_TL.get(pad, [])]
     out += [("fwd_hopper", c) for c in FWD_HOPPER.get(pad, [])]
+    out += [("hopper_one_pass", c) for c in HOPPER.get(pad, [])[:1]]
+    out += [("hopper_two_pass", c) for c in HOPPER.get(pad, [])]
+    out += [("tl_table", table)]
     return [(kind, config) for kind, config in out if kind in kinds]
 
 
 def run_variant(case: Case, kind: str, config):
+    if kind.startswith("hopper"):  # (attention_backward takes one pass when not deterministic and ONE_PASS_ON_GPU)
+        tuning.ONE_PASS_ON_GPU = kind == "hopper_one_pass"
+        try:
+            return case.backward(config, False)
+        finally:
+            tuning.ONE_PASS_ON_GPU = False
     if kind == "one_pass":
         return case.backward(config, False)
+    if kind == "tl_table":  # the triton.language kernels' two passes on the table's tiles
+        return case.backward(config, True)
     if kind.startswith("two_pass"):
         return case.backward(config, True)
     if kind == "fwd_tl":
@@ -153,6 +182,11 @@ def build(head_dim: int, causal: bool, length: int, items: list) -> None:
 
 
 def describe(kind: str, config) -> str:
+    if kind == "tl_table":
+        return "table"
+    if kind.startswith("hopper"):
+        return (f"{config.block_m}x{config.block_n} s{config.stages}" + (f" split{config.split}" if config.split > 1 else "")
+                + f" dq {config.dq_block_m}x{config.dq_block_n} s{config.dq_stages}")
     if kind == "fwd_hopper":
         return f"{config.block_m}x{config.block_n} w{config.num_warps} s{config.kv_stages}" + (
             " ws" if config.warp_specialized else "") + (" qreg" if config.q_in_registers else "")
@@ -170,7 +204,7 @@ def rel_err(got, want) -> float:
 
 def time_case(case: Case, items: list, peers: bool = True) -> list[dict]:
     rows = []
-    ref_bwd = case.backward(None, True)
+    ref_bwd = case.backward(default_backward_config(case.head_dim, torch.bfloat16, torch.device("cuda")), True)
     ref_fwd = case.o
     bwd_flops = flops(case.batch, case.length, case.head_dim, case.causal, True)
     fwd_flops = flops(case.batch, case.length, case.head_dim, case.causal, False)
@@ -196,6 +230,34 @@ def time_case(case: Case, items: list, peers: bool = True) -> list[dict]:
     return rows
 
 
+def profile(head_dims: list, length: int, out_dir: str | None) -> None:
+    """``--profile``: the default backward's time by kernel (torch.profiler, CUDA time of 5 calls), per shape."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    rows = []
+    for d in head_dims:
+        for causal in (False, True):
+            case = Case(d, causal, length)
+            case.backward(None, False)
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    case.backward(None, False)
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages() if e.device_time_total > 0]
+            total = sum(e.device_time_total for e in events)
+            for e in sorted(events, key=lambda e: -e.device_time_total):
+                rows.append(dict(D=d, causal=causal, L=length, kernel=e.key[:60], ms=e.device_time_total / 5e3,
+                                 share=e.device_time_total / total))
+                print(f"D={d} causal={causal!s:5} {e.key[:60]:60} {e.device_time_total / 5e3:7.3f} ms "
+                      f"{e.device_time_total / total:5.1%}", flush=True)
+            del case
+    meta = environment() | {"heads": HEADS, "tokens_per_batch": TOKENS, "dtype": "bfloat16", "length": length}
+    write_results("backward_profile", results_dir(out_dir), meta, rows, ["D", "causal", "L", "kernel", "ms", "share"],
+                  "The default backward's time by kernel (torch.profiler, bf16, H = 16)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128, 192, 256])
@@ -204,7 +266,12 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["one_pass", "two_pass_dkdv", "two_pass_dq", "fwd_tl", "fwd_hopper"],
                         help="which candidates to time (two_pass_dq pairs with the best two_pass_dkdv, or the table's)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--name", default="backward_tune", help="results' file stem")
+    parser.add_argument("--profile", action="store_true", help="time the default backward by kernel instead")
     args = parser.parse_args()
+    if args.profile:
+        profile(args.head_dims, args.length, args.out)
+        return
 
     shapes = [(d, c) for d in args.head_dims for c in (False, True)]
     if args.jobs > 1:
@@ -238,7 +305,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     out = results_dir(args.out)
     meta = environment() | {"heads": HEADS, "tokens_per_batch": TOKENS, "dtype": "bfloat16", "length": args.length}
-    write_results("backward_tune", out, meta, rows, ["D", "causal", "L", "B", "kind", "tiles", "tflops", "err", "error"],
+    write_results(args.name, out, meta, rows, ["D", "causal", "L", "B", "kind", "tiles", "tflops", "err", "error"],
                   "Attention tiles for training, TFLOP/s (bf16, H = 16)")
     print("\nbest per (D, causal, kind):")
     best = {}

@@ -58,13 +58,20 @@ def small_attention_tiles(monkeypatch):
     monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BackwardConfig(tiles, tiles))
 
 
-@pytest.fixture(params=["one_pass", "deterministic"])
+@pytest.fixture(params=["one_pass", "deterministic", "triton"])
 def backward_path(request, monkeypatch):
-    """Both paths of the attention backward: one pass (dQ by atomic adds; also on a GPU, where two passes are the
-    default) and two passes (taken under ``torch.use_deterministic_algorithms(True)``, bitwise repeatable)."""
+    """Every path of the attention backward: one pass (dQ by atomic adds: on Hopper the Gluon kernel where it
+    applies, else the tl kernel, which a GPU otherwise runs in two passes), two passes (taken under
+    ``torch.use_deterministic_algorithms(True)``, bitwise repeatable; on Hopper the Gluon dK/dV kernel and the tl
+    dQ kernel), and ``triton``: one pass of the tl kernels with the Gluon backward switched off (on CPU, the same
+    as one pass)."""
     from flashlite.attention import tuning
 
-    monkeypatch.setattr(tuning, "ONE_PASS_ON_GPU", request.param == "one_pass")
+    monkeypatch.setattr(tuning, "ONE_PASS_ON_GPU", request.param != "deterministic")
+    if request.param == "triton":
+        if not torch.cuda.is_available():
+            pytest.skip("off a GPU the tl kernels are the one-pass path")
+        monkeypatch.setenv("FLASHLITE_WGMMA_BACKWARD", "0")
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(request.param == "deterministic")
     yield request.param

@@ -133,7 +133,7 @@ def test_config_rules():
 
 def test_descriptor_matches_a_checked_one():
     t = torch.randn(2, 100, 4, 136, dtype=torch.float16)[..., :128].transpose(1, 2)  # padded rows, (B, L, H, D)
-    fast = fw._gluon_descriptor(t, 64, 128)
+    fast = fw.gluon_descriptor(t, 64, 128)
     box = [1, 1, 64, 128]
     checked = fw.GluonTensorDescriptor(t, list(t.shape), tiles.descriptor_strides(t), box, fw._box_layout(tuple(box), t.dtype))
     for field in dataclasses.fields(fw.GluonTensorDescriptor):
@@ -150,7 +150,7 @@ def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool,
     from triton.runtime.jit import mangle_type
 
     head_dim_v = head_dim_v or head_dim
-    descs = {name: fw._gluon_descriptor(torch.randn(1, 1, 256, width, dtype=torch.bfloat16), rows, width)
+    descs = {name: fw.gluon_descriptor(torch.randn(1, 1, 256, width, dtype=torch.bfloat16), rows, width)
              for name, rows, width in (("q_desc", config.block_m, head_dim), ("k_desc", config.block_n, head_dim),
                                        ("v_desc", config.block_n, head_dim_v), ("o_desc", config.block_m, head_dim_v))}
     kernel, meta = fw.kernel_for(config, head_dim, head_dim_v, causal, write_lse, variants)  # a launch's

@@ -95,8 +95,9 @@ from .forward import alibi_slope
 from .plan import (
     KV_LOOP_FLAGS, NATURAL_BIAS, default_backward_config, head_dim_padded, qk_scale_for, query_tile, variant_args,
 )
+from .backward_hopper import attention_backward_hopper, wgmma_backward_eligible
 from .reference import attention_backward_torch
-from .tuning import AttentionConfig, BackwardConfig
+from .tuning import AttentionConfig, BackwardConfig, WgmmaBackwardConfig
 
 
 @triton.jit
@@ -517,7 +518,8 @@ def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -
 def attention_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool,
-    mask_needs_grad: bool = False, config: BackwardConfig | None = None, row_stats: torch.Tensor | None = None,
+    mask_needs_grad: bool = False, config: BackwardConfig | WgmmaBackwardConfig | None = None,
+    row_stats: torch.Tensor | None = None,
     deterministic: bool | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
     alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -550,7 +552,9 @@ def attention_backward(
         causal, scale, mask, mask_is_bool: as given to ``attention_forward`` (``mask``
             broadcast to (B, H, Lq, Lk)).
         mask_needs_grad: also return the gradient of an additive mask.
-        config: forces the tiles (tests); by default ``default_backward_config``.
+        config: forces the tiles (tests, bench/backward_tune.py): a ``BackwardConfig`` runs the
+            ``triton.language`` kernels on it, a ``WgmmaBackwardConfig`` the Hopper kernel (where it applies);
+            by default the Hopper kernel where it applies, else ``default_backward_config``.
         deterministic: the path (above); None follows PyTorch's flag.
         softcap: the forward's logit softcap, or None.
         window: the forward's sliding window (``plan.visibility``), or None.
@@ -570,6 +574,11 @@ def attention_backward(
     batch, n_heads, seqlen_q, head_dim = q.shape
     seqlen_k, head_dim_v = k.shape[2], v.shape[3]
     hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+    hopper_config = config if isinstance(config, WgmmaBackwardConfig) else None
+    if hopper_config is not None:
+        config = None
+    hopper = (config is None or hopper_config is not None) and wgmma_backward_eligible(q, k, v, do, mask is not None,
+                                                                                        scale)
     if config is None:
         config = default_backward_config(max(head_dim, head_dim_v), q.dtype, q.device)
     bh = batch * n_heads
@@ -596,40 +605,42 @@ def attention_backward(
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     one_pass = not (deterministic or mask_needs_grad) and (not q.is_cuda or tuning.ONE_PASS_ON_GPU)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
     if not mask_needs_grad:  # δ = rowsum(dO ⊙ O) - dLSE (with a mask's gradient: the dQ kernel's pass, below)
         launch(
             _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, tuning.DELTA_BLOCK_M) * bh,),
             (o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim_v),
             BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=dv_pad,
         )
-    dsinks = None
-    if one_pass:  # fp32 sums of every key tile's share; rounded to q's dtype once, at the end
+    dq = ds = None
+    if hopper:  # the Gluon kernels (backward_hopper), in one pass or two as below
+        dq, dk, dv = attention_backward_hopper(do, q, k, v, stats, delta, causal, scale, one_pass, variant_scalars,
+                                               variant_meta, alibi, hopper_config)
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    if one_pass and not hopper:  # fp32 sums of every key tile's share; rounded to q's dtype once, at the end
         dq_acc = torch.zeros_like(q, dtype=torch.float32)  # q's memory order, so dQ has it too
         _launch_dkdv(config.one_pass, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, alibi, mask_strides, common,
                      meta)
-        if sinks is not None:
-            dsinks = sink_gradient(sinks, lse, delta)
-        return dq_acc.to(q.dtype), dk, dv, None, dsinks
-    dq = torch.empty_like(q)
-    c = config.dq
-    dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
-    dq_meta = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
-    dq_strides = (*_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dq))
-    if mask_needs_grad:
-        # δ = Σ_j P_ij dP_ij from the P the kernels below recompute (one more walk over the keys), so that the bias
-        # gradient's row sums Σ_j dS_ij = Σ_j P_ij dP_ij - δ_i come out 0 to fp32 rounding; rowsum(dO ⊙ O)
-        # differs from it by the forward's rounding of P (and of O) to the input dtype.
+        dq = dq_acc.to(q.dtype)
+    if dq is None:  # two passes: dQ summed in a fixed order by the dQ kernel
+        dq = torch.empty_like(q)
+        c = config.dq
+        dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
+        dq_meta = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
+        dq_strides = (*_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dq))
+        if mask_needs_grad:
+            # δ = Σ_j P_ij dP_ij from the P the kernels below recompute (one more walk over the keys), so that the
+            # bias gradient's row sums Σ_j dS_ij = Σ_j P_ij dP_ij - δ_i come out 0 to fp32 rounding; rowsum(dO ⊙ O)
+            # differs from it by the forward's rounding of P (and of O) to the input dtype.
+            launch(_attention_bwd_dq_kernel, dq_grid,
+                   (q, k, v, do, stats, delta, dlse, dq, None, mask, alibi, *dq_strides, *mask_strides, *common),
+                   DELTA_PASS=True, **dq_meta)
+            ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
+        if not hopper:
+            _launch_dkdv(config.dkdv, q, k, v, do, stats, delta, dk, dv, None, mask, alibi, mask_strides, common,
+                         meta)
         launch(_attention_bwd_dq_kernel, dq_grid,
-               (q, k, v, do, stats, delta, dlse, dq, None, mask, alibi, *dq_strides, *mask_strides, *common),
-               DELTA_PASS=True, **dq_meta)
-        ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
-    else:
-        ds = None
-    _launch_dkdv(config.dkdv, q, k, v, do, stats, delta, dk, dv, None, mask, alibi, mask_strides, common, meta)
-    launch(_attention_bwd_dq_kernel, dq_grid,
-           (q, k, v, do, stats, delta, None, dq, ds, mask, alibi, *dq_strides, *mask_strides, *common),
-           DELTA_PASS=False, **dq_meta)
-    if sinks is not None:
-        dsinks = sink_gradient(sinks, lse, delta)
+               (q, k, v, do, stats, delta, None, dq, ds, mask, alibi, *dq_strides, *mask_strides, *common),
+               DELTA_PASS=False, **dq_meta)
+    dsinks = sink_gradient(sinks, lse, delta) if sinks is not None else None
     return dq, dk, dv, ds, dsinks

@@ -73,10 +73,10 @@ try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
     # TMA copies: 3.6 names them async_copy_*, 3.9 only async_load / async_store.
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     # A barrier of the program's threads: thread_barrier in 3.6, barrier in 3.9.
-    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except ImportError:  # pragma: no cover - older Triton: the triton.language kernel serves every call
     gluon = None
 
@@ -96,7 +96,7 @@ WGMMA_CAPABILITY = (9, 0)
 if gluon is not None:
 
     @gluon.jit
-    def _issue_kv_load(desc, bars, smem, tile, b, h_kv, key_start, n_tiles,
+    def issue_kv_load(desc, bars, smem, tile, b, h_kv, key_start, n_tiles,
                        BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr):
         """Start the TMA copy of K (or V) tile ``tile`` (keys from ``key_start + tile · BLOCK_N``) into its slot,
         if the tile exists."""
@@ -104,7 +104,7 @@ if gluon is not None:
         exists = tile < n_tiles
         bar = bars.index(slot)
         mbarrier.expect(bar, desc.block_type.nbytes, pred=exists)
-        _tma_load(desc, [b, h_kv, key_start + tile * BLOCK_N, 0], bar, smem.index(slot), pred=exists)
+        tma_load(desc, [b, h_kv, key_start + tile * BLOCK_N, 0], bar, smem.index(slot), pred=exists)
 
     @gluon.jit
     def _release_kv_slot(desc, ready_bars, free_bars, smem, tile, b, h_kv, key_start, n_tiles,
@@ -120,11 +120,11 @@ if gluon is not None:
             mbarrier.arrive(free_bars.index(tile % KV_STAGES))
         else:
             if NUM_WARPS > 4:
-                _barrier()
-            _issue_kv_load(desc, ready_bars, smem, tile + KV_STAGES, b, h_kv, key_start, n_tiles, BLOCK_N, KV_STAGES)
+                thread_barrier()
+            issue_kv_load(desc, ready_bars, smem, tile + KV_STAGES, b, h_kv, key_start, n_tiles, BLOCK_N, KV_STAGES)
 
     @gluon.jit
-    def _wait_kv(bars, smem, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr):
+    def wait_kv(bars, smem, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr):
         """Wait for K (or V) tile ``tile`` and return its slot as a [BLOCK_N, HEAD_DIM] view."""
         slot = tile % KV_STAGES
         mbarrier.wait(bars.index(slot), (tile // KV_STAGES) & 1)
@@ -176,15 +176,15 @@ if gluon is not None:
         d = gl.zeros_like(m)
         if n_kv_tiles > 0:
             # Turn 0: S_0 alone (there is no P V to overlap yet).
-            k_tile = _wait_kv(k_ready, k_smem, 0, BLOCK_N, HEAD_DIM, KV_STAGES)
+            k_tile = wait_kv(k_ready, k_smem, 0, BLOCK_N, HEAD_DIM, KV_STAGES)
             s = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False)
             _release_kv_slot(k_desc, k_ready, k_free, k_smem, 0, b, h_kv, key_start, n_kv_tiles,
                              BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
             m, d, p, alpha = _fold_scores(s, m, d, 0, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k,
                                           qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, p_layout, dtype)
             for j in range(1, n_kv_tiles):
-                k_tile = _wait_kv(k_ready, k_smem, j, BLOCK_N, HEAD_DIM, KV_STAGES)
-                v_tile = _wait_kv(v_ready, v_smem, j - 1, BLOCK_N, HEAD_DIM_V, KV_STAGES)
+                k_tile = wait_kv(k_ready, k_smem, j, BLOCK_N, HEAD_DIM, KV_STAGES)
+                v_tile = wait_kv(v_ready, v_smem, j - 1, BLOCK_N, HEAD_DIM_V, KV_STAGES)
                 s_token = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc_token = warpgroup_mma(p, v_tile, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s_token,))  # S_j is ready; P V may still run
@@ -196,7 +196,7 @@ if gluon is not None:
                 _release_kv_slot(v_desc, v_ready, v_free, v_smem, j - 1, b, h_kv, key_start, n_kv_tiles,
                                  BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = _wait_kv(v_ready, v_smem, n_kv_tiles - 1, BLOCK_N, HEAD_DIM_V, KV_STAGES)
+            v_tile = wait_kv(v_ready, v_smem, n_kv_tiles - 1, BLOCK_N, HEAD_DIM_V, KV_STAGES)
             acc = warpgroup_mma(p, v_tile, acc)
             if LOAD_WARP:  # (without one, nothing is left to load into the slot)
                 _release_kv_slot(v_desc, v_ready, v_free, v_smem, n_kv_tiles - 1, b, h_kv, key_start, n_kv_tiles,
@@ -225,8 +225,8 @@ if gluon is not None:
         o = normalize(acc, gl.convert_layout(d, o_rows), True)
         o_tile.store(o.to(o_desc.dtype))
         fence_async_shared()
-        _barrier()  # every warp's part of O is written before the copy starts
-        _tma_store(o_desc, [b, h, row_start, 0], o_smem)
+        thread_barrier()  # every warp's part of O is written before the copy starts
+        tma_store(o_desc, [b, h, row_start, 0], o_smem)
         tma.store_wait(0)
 
     @gluon.jit
@@ -282,10 +282,10 @@ if gluon is not None:
             mbarrier.init(v_bars.index(i), count=1)
 
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
+        tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
         for i in gl.static_range(KV_STAGES):
-            _issue_kv_load(k_desc, k_bars, k_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
-            _issue_kv_load(v_desc, v_bars, v_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
+            issue_kv_load(k_desc, k_bars, k_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
+            issue_kv_load(v_desc, v_bars, v_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
 
         # Q, unscaled: kept in registers as the S products' first operand (Q_IN_REGISTERS: then only K is
         # read from shared memory by each product), or read by each product from shared memory.
@@ -330,14 +330,14 @@ if gluon is not None:
         KV_STAGES: gl.constexpr = k_smem.type.shape[0]
         for wg in gl.static_range(2):
             mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b, h, m_start + wg * BLOCK_M, 0], q_bars.index(wg), q_smem.index(wg))
+            tma_load(q_desc, [b, h, m_start + wg * BLOCK_M, 0], q_bars.index(wg), q_smem.index(wg))
         for tile in range(n_kv_tiles):
             slot = tile % KV_STAGES
             released = ((tile // KV_STAGES) & 1) ^ 1
             mbarrier.wait(k_free.index(slot), released)
-            _issue_kv_load(k_desc, k_ready, k_smem, tile, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
+            issue_kv_load(k_desc, k_ready, k_smem, tile, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
             mbarrier.wait(v_free.index(slot), released)
-            _issue_kv_load(v_desc, v_ready, v_smem, tile, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
+            issue_kv_load(v_desc, v_ready, v_smem, tile, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
 
     @gluon.jit
     def _ws_softmax_partition(
@@ -467,7 +467,7 @@ def _box_layout(box: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(box), gl.float16 if dtype == torch.float16 else gl.bfloat16)
 
 
-def _gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
+def gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
     """A (B, H, L, D) TMA descriptor of ``t`` loading [1, 1, block_rows, head_dim] boxes (zeros past L and D).
 
     Filled in directly: the dataclass's own checks (alignment, box shape) cost host time on every
@@ -514,7 +514,7 @@ def attention_forward_hopper(
     # the output's store, so a head dim that is not a power of two costs the padded tile's products, nothing more.
     hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
     descs = [
-        _gluon_descriptor(t, rows, width)
+        gluon_descriptor(t, rows, width)
         for t, rows, width in ((q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad),
                                (o, config.block_m, dv_pad))
     ]

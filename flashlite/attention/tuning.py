@@ -99,7 +99,7 @@ TUNE_CANDIDATES = {
 # Softcapping on a GPU (fp16/bf16) takes tanh from one tanh.approx.f32 instruction (core.masking.tanh_approx)
 # instead of an exp2 and a division: the exponentials' special-function unit is what a softcapped tile waits on.
 # fp32 keeps the exact formula (its tolerance is tighter than the approximation's 2^-11).
-# H200 2026-11-27, python bench/variants.py; TUNING.md#softcap
+# H200 2026-11-26, python bench/variants.py; TUNING.md#softcap
 SOFTCAP_FAST_TANH = True
 
 
@@ -212,6 +212,36 @@ BACKWARD_CONFIGS = {
 # takes one pass whenever it may (tests run both).
 # H200 2026-11-26, python bench/backward_tune.py --kinds one_pass two_pass_dq (bench/results/h200/backward_tune_one_pass.md); TUNING.md#backward-one-pass
 ONE_PASS_ON_GPU = False
+
+
+@dataclass(frozen=True)
+class WgmmaBackwardConfig:
+    """Tiles of the Hopper backward (``backward_hopper``). Its dK/dV kernel: ``block_n`` keys a program (16 a
+    warp, times ``split``, warps), ``block_m`` query rows a turn, ``stages`` Q/dO buffers in shared memory.
+    Its dQ kernel (two passes): ``dq_block_m`` query rows a program, ``dq_block_n`` keys a turn, ``dq_stages``
+    K/V buffers."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    split: int = 1  # warps sharing a key's row of Sᵀ, dK and dV (2: two warpgroups split the columns)
+    dq_block_m: int = 64  # the dQ kernel (two passes): query rows a program (64 a warpgroup)
+    dq_block_n: int = 64  # keys a K/V tile
+    dq_stages: int = 2  # K/V buffers
+
+
+# The Hopper backward's tiles by padded head dim (the larger of q/k's and v's). Up to 128: 64 keys a program on
+# one warpgroup (two programs a multiprocessor, one's products overlapping the other's softmax). 256: 64 keys on
+# two warpgroups that split the columns (dK and dV of 64 x 256 fp32 are 64 registers each a thread), its dQ
+# kernel on 32-key tiles (the 64 x 256 fp32 dQ is 128 registers a thread).
+# H200 2026-11-26, python bench/backward_tune.py --kinds hopper_one_pass hopper_two_pass tl_table (bench/results/h200/backward_tune_hopper.md); TUNING.md#backward-hopper
+WGMMA_BACKWARD_CONFIGS = {
+    16: WgmmaBackwardConfig(64, 64, 2),
+    32: WgmmaBackwardConfig(64, 64, 2),
+    64: WgmmaBackwardConfig(64, 64, 2),
+    128: WgmmaBackwardConfig(64, 64, 2),
+    256: WgmmaBackwardConfig(64, 64, 2, split=2),
+}
 
 
 # fp32: IEEE dots on the FMA units, small tiles (as the forward's fp32 table). Only run through the

@@ -1,0 +1,460 @@
+"""The attention backward on Hopper: dK and dV (and dQ by fp32 atomic adds) in one pass, wgmma kept in flight.
+
+``flashlite.attention.backward``'s kernels are written in ``triton.language``, where the compiler waits for
+each of the five products of a (key tile, query tile) pair before it issues the next and every tile config
+spills (bench/results/h200/TUNING.md#backward-configs). This module writes the dK/dV kernel in Gluon, as
+``forward_hopper`` writes the forward: a program is one key tile of one (batch, K/V head); its K and V tiles
+stay in shared memory, TMA streams the Q and dO tiles of every query head of its GQA group through a ring of
+``STAGES`` buffers (the next tiles arrive while this one is worked on), and each turn runs
+
+    issue  Sᵀ = K Qᵀ,  dPᵀ = V dOᵀ                    (async, keys on rows: P and dS come out as the
+    wait for Sᵀ;       Pᵀ = 2^(Sᵀ · c - m)               first operands of dV and dK, no transpose)
+    issue  dV += Pᵀ dO                                 (Pᵀ from registers)
+    wait for dPᵀ;      dSᵀ = Pᵀ ⊙ (dPᵀ - δ)             (while dV runs)
+    issue  dK += dSᵀ Q                                 (dSᵀ from registers)
+    issue  dQ  = dS K   (dSᵀ through shared memory)    then add dQ · scale to an fp32 workspace
+
+The notation and the P, δ, ``(m, d)`` conventions are ``backward``'s: P is recomputed from the forward's LSE
+(base-2 units: the row's final state is ``(LSE · log2 e, 1)``, ``core.online_softmax.safe_max`` for empty
+rows), δ comes from ``backward``'s preprocess kernel, the masks from ``core.masking`` (``query_ranges``
+chooses the query tiles a key tile meets; ``apply_masks`` runs on the causal diagonal, the window's edges and
+a ragged last key tile), and the score modifiers (softcap, ALiBi) are ``core.masking.modify_scores``.
+
+dQ. Every key tile's program adds its share ``dS K · scale`` of a query tile's dQ to an fp32 workspace of
+q's shape (``ATOMIC_DQ``, relaxed atomic adds, FlashAttention-2/3's scheme; Triton 3.6's Gluon has no TMA
+reduction): the order of the adds varies between runs, so dQ may differ in its last bits. Without
+``ATOMIC_DQ`` the kernel computes dK and dV only, and ``backward``'s dQ kernel sums dQ in a fixed order (the
+deterministic path, ``attention_backward``).
+
+Scope: fp16/bf16 on Hopper, no user mask, causal or not, sliding windows, softcap, ALiBi, GQA/MQA, any
+lengths, padded head dims up to ``tuning.WGMMA_BACKWARD_CONFIGS``' largest, tensors TMA accepts. Gluon has no
+interpreter: ``pytest -m gpu`` checks the kernel on the GPU against float64; on CPU
+tests/test_attention_wgmma.py builds it for sm_90 and checks its products stay in flight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges
+from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
+from ..core.runtime import device_info, launch
+from ..core.tiles import tma_usable
+from . import tuning
+from .forward import alibi_slope
+from .forward_hopper import WGMMA_CAPABILITY, gluon, gluon_descriptor
+from .plan import head_dim_padded, query_tile
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
+
+    from .forward_hopper import issue_kv_load, thread_barrier, tma_load, tma_store, wait_kv
+
+    @gluon.jit
+    def _load_query_tile(q_desc, do_desc, bars, q_smem, do_smem, it, n_items, b, h_first, query_start,
+                         n_query_tiles, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """Start the TMA copies of work item ``it``'s Q and dO tiles (query head ``h_first + it // n_query_tiles``,
+        rows from ``query_start + (it % n_query_tiles) · BLOCK_M``) into slot ``it % STAGES``, if it exists."""
+        slot = it % STAGES
+        exists = it < n_items
+        h = h_first + it // gl.maximum(n_query_tiles, 1)
+        start = query_start + (it % gl.maximum(n_query_tiles, 1)) * BLOCK_M
+        bar = bars.index(slot)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=exists)
+        tma_load(q_desc, [b, h, start, 0], bar, q_smem.index(slot), pred=exists)
+        tma_load(do_desc, [b, h, start, 0], bar, do_smem.index(slot), pred=exists)
+
+    @gluon.jit
+    def _attention_bwd_wgmma_kernel(
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, dq_ptr, alibi_ptr,
+        n_heads, kv_group, seqlen_q, seqlen_k, n_rows_padded, stride_alibi_b, qk_scale, scale, softcap, window_left,
+        window_right,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+        STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, ATOMIC_DQ: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_desc.dtype
+        # Key-row tiles (Sᵀ, dPᵀ, dK, dV): the warps split the keys, 16 rows a warp, and with more warps than
+        # that (SPLIT > 1: wide head dims) the columns too. dQ's [BLOCK_M, HEAD_DIM]: one warpgroup's rows, the
+        # warpgroups splitting the head dim.
+        KEY_WARPS: gl.constexpr = BLOCK_N // 16
+        SPLIT: gl.constexpr = num_warps // KEY_WARPS
+        DQ_WARPGROUPS: gl.constexpr = num_warps // 4
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[KEY_WARPS, SPLIT], instr_shape=[16, BLOCK_M // SPLIT, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[KEY_WARPS, SPLIT], instr_shape=[16, HEAD_DIM // SPLIT, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[KEY_WARPS, SPLIT], instr_shape=[16, HEAD_DIM_V // SPLIT, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, DQ_WARPGROUPS], instr_shape=[16, HEAD_DIM // DQ_WARPGROUPS, 16])
+        pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        dst_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+        key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        query_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        # Programs numbered per (batch, K/V head), key tile fastest: under causal the first key tiles meet
+        # the most query tiles, and they start first.
+        n_key_tiles = gl.cdiv(seqlen_k, BLOCK_N)
+        bh_kv = gl.program_id(0) // n_key_tiles
+        n_start = (gl.program_id(0) % n_key_tiles) * BLOCK_N
+        n_kv_heads = n_heads // kv_group
+        b = bh_kv // n_kv_heads
+        h_kv = bh_kv % n_kv_heads
+        h_first = h_kv * kv_group
+        MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
+
+        # The query tiles this key tile meets (the same for every head of the group): [full_start, full_end)
+        # see all its keys; the rest of [query_start, query_end) are masked. A ragged last key tile is masked
+        # whole: its rows past Lk are zeros, whose unmasked P could overflow.
+        query_start, full_start, full_end, query_end = query_ranges(
+            n_start, n_start + BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left, window_right,
+            HAS_WINDOW)
+        if n_start + BLOCK_N > seqlen_k:
+            full_start = query_end
+            full_end = query_end
+        n_query_tiles = gl.cdiv(query_end - query_start, BLOCK_M)
+        n_items = n_query_tiles * kv_group
+
+        k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_bars.index(i), count=1)
+        # Pᵀ and dSᵀ as the first operands of dV and dK: from registers when a warp holds whole rows of them,
+        # else (SPLIT > 1) through shared memory; dSᵀ there too for dQ = dS K (read transposed).
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        if SPLIT > 1:
+            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        if ATOMIC_DQ or SPLIT > 1:
+            ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma_load(k_desc, [b, h_kv, n_start, 0], kv_bar, k_smem)
+        tma_load(v_desc, [b, h_kv, n_start, 0], kv_bar, v_smem)
+        for i in gl.static_range(STAGES):
+            _load_query_tile(q_desc, do_desc, q_bars, q_smem, do_smem, i, n_items, b, h_first, query_start,
+                             n_query_tiles, BLOCK_M, STAGES)
+
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=dk_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM_V], gl.float32, layout=dv_layout)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+        k_idx = n_start + gl.arange(0, BLOCK_N, layout=key_rows)
+        cols = gl.arange(0, BLOCK_M, layout=query_cols)
+        stat_offsets = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+        mbarrier.wait(kv_bar, 0)
+        k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
+        v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM_V])
+
+        for it in range(n_items):
+            slot = it % STAGES
+            g = it // n_query_tiles
+            start = query_start + (it % n_query_tiles) * BLOCK_M
+            h = h_first + g
+            bh = (b * n_heads + h).to(gl.int64)
+            q_idx = start + cols
+            mbarrier.wait(q_bars.index(slot), (it // STAGES) & 1)
+            q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
+            s_token = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp_token = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # The rows' final states and δ load while the products run: a value a thread, then spread to the
+            # columns of Sᵀ through shared memory (loaded there directly, each thread would hold a pointer
+            # for each of its 16 columns).
+            stat_rows = start + stat_offsets
+            in_q = stat_rows < seqlen_q
+            row_m = safe_max(gl.load(lse_ptr + bh * seqlen_q + stat_rows, mask=in_q, other=0.0) * LOG2E)
+            row_m = gl.convert_layout(row_m, query_cols)
+            delta = gl.convert_layout(gl.load(delta_ptr + bh * seqlen_q + stat_rows, mask=in_q, other=0.0),
+                                      query_cols)
+            mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
+                    window_left, window_right)
+
+            s = warpgroup_mma_wait(1, deps=(s_token,))
+            masked = (start < full_start) | (start >= full_end)
+            if HAS_SOFTCAP or HAS_ALIBI:
+                s, tanh = modify_scores(s * qk_scale, k_idx, start, cols, seqlen_q, seqlen_k, mods, MODS, True)
+                if masked:
+                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False,
+                                    LOG2E, False, True, window_left, window_right, HAS_WINDOW)
+                p = gl.exp2(s - row_m[None, :])
+            else:
+                if masked:  # hidden scores -inf before the scale (scale > 0), as the forward
+                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False,
+                                    LOG2E, False, True, window_left, window_right, HAS_WINDOW)
+                p = gl.exp2(s * qk_scale - row_m[None, :])
+            if SPLIT > 1:
+                p_smem.store(p.to(dtype))
+                fence_async_shared()
+                thread_barrier()  # dV's rows of Pᵀ span both warpgroups' columns
+                dv_token = warpgroup_mma(p_smem, do_tile, dv, is_async=True)
+                p_op = p  # (kept alive with the products, as the register operand is below)
+            else:
+                p_op = gl.convert_layout(p.to(dtype), pt_layout)
+                dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+
+            dp = warpgroup_mma_wait(1, deps=(dp_token,))  # dV may still run
+            ds = p * (dp - delta[None, :])
+            if HAS_SOFTCAP:  # the gradient of the scaled scores: c · tanh(s / c)' = 1 - tanh²
+                ds = ds * (1.0 - tanh * tanh)
+            if ATOMIC_DQ or SPLIT > 1:  # dSᵀ through shared memory, where dK's (and dQ's) product reads it
+                ds_smem.store(ds.to(dtype))
+                fence_async_shared()
+                thread_barrier()  # every warp's part of dSᵀ is written before the products read it whole
+                dk_token = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
+            else:
+                dk_token = warpgroup_mma(gl.convert_layout(ds.to(dtype), dst_layout), q_tile, dk, is_async=True)
+            if ATOMIC_DQ:
+                dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+                dv, dk, dq, p_op = warpgroup_mma_wait(0, deps=(dv_token, dk_token, dq_token, p_op))
+            else:
+                dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv_token, dk_token, p_op))
+            if num_warps > 4:
+                thread_barrier()  # both warpgroups are done with the slot (and dSᵀ) before either reuses it
+            _load_query_tile(q_desc, do_desc, q_bars, q_smem, do_smem, it + STAGES, n_items, b, h_first,
+                             query_start, n_query_tiles, BLOCK_M, STAGES)
+            if ATOMIC_DQ:
+                # The workspace is (B, H, Lq rounded up to BLOCK_M, HEAD_DIM) fp32, contiguous: a tile is
+                # BLOCK_M · HEAD_DIM consecutive values, no bounds to check (rows past Lq add zeros: their dO
+                # and δ are 0), and each thread's offsets within it are constants.
+                dq_tile = dq_ptr + (bh * n_rows_padded + start) * HEAD_DIM
+                gl.atomic_add(dq_tile + (dq_rows[:, None] * HEAD_DIM + dq_cols[None, :]), dq * scale, sem="relaxed")
+
+        mbarrier.invalidate(kv_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(q_bars.index(i))
+        # dK and dV leave through the K and V buffers (no product reads them any more), clipped to Lk and D.
+        k_tile.store((dk * scale).to(dtype))
+        v_tile.store(dv.to(dtype))
+        fence_async_shared()
+        thread_barrier()
+        tma_store(dk_desc, [b, h_kv, n_start, 0], k_smem)
+        tma_store(dv_desc, [b, h_kv, n_start, 0], v_smem)
+        tma.store_wait(0)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _dq_scores_grads(s, dp, row_m, delta, tile, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k,
+                         qk_scale, mods, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, MODS: gl.constexpr,
+                         HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr):
+        """dS (fp32, the gradient of the scaled scores) of one query tile against K tile ``tile`` (keys from
+        ``key_start + tile · BLOCK_N``), queries on rows; masked unless the tile is one of ``[full_first,
+        full_stop)``, which every row sees whole. (``HAS_SOFTCAP``, ``HAS_ALIBI`` and ``HAS_WINDOW`` are
+        ``MODS``' own, passed apart: unpacked from the tuple here, Triton 3.9 takes them for run-time values.)"""
+        softcap, alibi, window_left, window_right = mods
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        tile_start = key_start + tile * BLOCK_N
+        masked = (tile < full_first) | (tile >= full_stop)
+        if HAS_SOFTCAP or HAS_ALIBI:
+            s, tanh = modify_scores(s * qk_scale, q_idx, tile_start, cols, seqlen_q, seqlen_k, mods, MODS)
+            if masked:
+                s = apply_masks(s, q_idx, tile_start + cols, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False,
+                                False, LOG2E, False, False, window_left, window_right, HAS_WINDOW)
+            p = gl.exp2(s - row_m[:, None])
+        else:
+            if masked:
+                s = apply_masks(s, q_idx, tile_start + cols, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False,
+                                False, LOG2E, False, False, window_left, window_right, HAS_WINDOW)
+            p = gl.exp2(s * qk_scale - row_m[:, None])
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - tanh * tanh)
+        return ds
+
+    @gluon.jit
+    def _attention_bwd_dq_wgmma_kernel(
+        q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, alibi_ptr,
+        n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+        STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # One program a (batch, head, query tile), numbered as the forward; Q and dO stay in shared memory, the
+        # K/V tiles stream through STAGES buffers. Turn j issues dQ += dS_j K_j, then S_{j+1} = Q K_{j+1}ᵀ and
+        # dP_{j+1} = dO V_{j+1}ᵀ, and works out dS_{j+1} while the last of them runs.
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+        bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, IS_CAUSAL)
+        b = bh // n_heads
+        h = bh % n_heads
+        h_kv = h // kv_group
+        mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
+                window_left, window_right)
+        MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
+        key_start, full_start, full_end, key_end = key_ranges(
+            m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
+            window_left, window_right, HAS_WINDOW)
+        n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
+        full_first = (full_start - key_start) // BLOCK_N
+        full_stop = (full_end - key_start) // BLOCK_N
+
+        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
+        tma_load(do_desc, [b, h, m_start, 0], q_bar, do_smem)
+        for i in gl.static_range(STAGES):
+            issue_kv_load(k_desc, k_bars, k_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, STAGES)
+            issue_kv_load(v_desc, v_bars, v_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, STAGES)
+
+        rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        q_idx = m_start + gl.arange(0, BLOCK_M, layout=rows)
+        in_q = q_idx < seqlen_q
+        row_m = safe_max(gl.load(lse_ptr + bh.to(gl.int64) * seqlen_q + q_idx, mask=in_q, other=0.0) * LOG2E)
+        delta = gl.load(delta_ptr + bh.to(gl.int64) * seqlen_q + q_idx, mask=in_q, other=0.0)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+        q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+        do_tile = do_smem.reshape([BLOCK_M, HEAD_DIM_V])
+        mbarrier.wait(q_bar, 0)
+        if n_kv_tiles > 0:
+            # Turn 0's scores and dP alone.
+            k_tile = wait_kv(k_bars, k_smem, 0, BLOCK_N, HEAD_DIM, STAGES)
+            v_tile = wait_kv(v_bars, v_smem, 0, BLOCK_N, HEAD_DIM_V, STAGES)
+            s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp_token = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s_token,))
+            dp = warpgroup_mma_wait(0, deps=(dp_token,))
+            ds = _dq_scores_grads(s, dp, row_m, delta, 0, key_start, full_first, full_stop, q_idx, seqlen_q,
+                                  seqlen_k, qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
+            issue_kv_load(v_desc, v_bars, v_smem, STAGES, b, h_kv, key_start, n_kv_tiles, BLOCK_N, STAGES)
+            for j in range(1, n_kv_tiles):
+                ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
+                dq_token = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+                k_tile = wait_kv(k_bars, k_smem, j, BLOCK_N, HEAD_DIM, STAGES)
+                v_tile = wait_kv(v_bars, v_smem, j, BLOCK_N, HEAD_DIM_V, STAGES)
+                s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dp_token = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dq, ds_op, s = warpgroup_mma_wait(1, deps=(dq_token, ds_op, s_token))  # dP_j may still run
+                if num_warps > 4:
+                    thread_barrier()
+                issue_kv_load(k_desc, k_bars, k_smem, j - 1 + STAGES, b, h_kv, key_start, n_kv_tiles, BLOCK_N,
+                              STAGES)
+                dp = warpgroup_mma_wait(0, deps=(dp_token,))
+                if num_warps > 4:
+                    thread_barrier()
+                issue_kv_load(v_desc, v_bars, v_smem, j + STAGES, b, h_kv, key_start, n_kv_tiles, BLOCK_N, STAGES)
+                ds = _dq_scores_grads(s, dp, row_m, delta, j, key_start, full_first, full_stop, q_idx, seqlen_q,
+                                      seqlen_k, qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, dq)
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+        # dQ leaves through Q's buffer (clipped to Lq and D by the copy).
+        q_tile.store((dq * scale).to(dtype))
+        fence_async_shared()
+        thread_barrier()
+        tma_store(dq_desc, [b, h, m_start, 0], q_smem)
+        tma.store_wait(0)
+
+
+def wgmma_backward_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                            has_mask: bool, scale: float) -> bool:
+    """True when this kernel takes the dK/dV (and one-pass dQ) work of a backward call: Gluon present, a Hopper
+    GPU, fp16/bf16, padded head dims (q/k's and v's) in ``tuning.WGMMA_BACKWARD_CONFIGS``, no user mask,
+    ``scale > 0``, non-empty, TMA-aligned q, k, v and dO. ``FLASHLITE_WGMMA_BACKWARD=0`` turns it off (A/B)."""
+    return (
+        gluon is not None and not has_mask and scale > 0 and q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and max(head_dim_padded(q.shape[3]), head_dim_padded(v.shape[3])) in tuning.WGMMA_BACKWARD_CONFIGS
+        and q.shape[2] > 0 and k.shape[2] > 0
+        and device_info(q.device).capability == WGMMA_CAPABILITY
+        and os.environ.get("FLASHLITE_WGMMA_BACKWARD", "1") != "0"
+        and tma_usable(q, k, v, do)
+    )
+
+
+def _variant_switches(variant_meta: dict | None) -> dict:
+    """``plan.variant_args``' switches without the sinks (their gradient is ``backward.sink_gradient``'s)."""
+    variants = dict(HAS_SOFTCAP=False, FAST_TANH=False, HAS_ALIBI=False, HAS_WINDOW=False)
+    variants.update({name: value for name, value in (variant_meta or {}).items() if name != "HAS_SINKS"})
+    return variants
+
+
+def dq_kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
+                   variant_meta: dict | None = None) -> dict:
+    """The launch keywords of the dQ kernel (two passes) on ``config``'s tiles (as ``kernel_meta``)."""
+    return dict(BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                STAGES=config.dq_stages, IS_CAUSAL=causal, num_warps=config.dq_block_m // 16,
+                **_variant_switches(variant_meta))
+
+
+def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
+                atomic_dq: bool, variant_meta: dict | None = None) -> dict:
+    """The launch keywords (constexprs and ``num_warps``) of a call on ``config``'s tiles; ``variant_meta``:
+    ``plan.variant_args``' switches (no sinks: their gradient is ``backward.sink_gradient``'s)."""
+    return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                STAGES=config.stages, IS_CAUSAL=causal, ATOMIC_DQ=atomic_dq,
+                num_warps=config.block_n // 16 * config.split, **_variant_switches(variant_meta))
+
+
+def attention_backward_hopper(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    causal: bool, scale: float, one_pass: bool, variant_scalars: tuple, variant_meta: dict,
+    alibi: torch.Tensor | None = None, config: tuning.WgmmaBackwardConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of a backward call ``wgmma_backward_eligible`` accepted, on (B, H, L, D) tensors (v and
+    dO of head dim Dv), from the forward's natural-log ``lse`` and ``backward``'s ``delta`` (both (B, H, Lq)
+    fp32, contiguous). ``one_pass``: the dK/dV programs also add dQ, in fp32, to a workspace (atomic adds: its
+    last bits vary between runs); else a second kernel sums each query tile's dQ in a fixed order. dq is in
+    q's dtype and memory order. ``variant_scalars``/``variant_meta``: ``plan.variant_args``' (the softcap in
+    base-2 units); ``alibi`` the (B, H) slopes."""
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+    hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+    config = config or tuning.WGMMA_BACKWARD_CONFIGS[max(hd_pad, dv_pad)]
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    descs = [gluon_descriptor(t, rows, width) for t, rows, width in (
+        (q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad),
+        (do, config.block_m, dv_pad), (dk, config.block_n, hd_pad), (dv, config.block_n, dv_pad))]
+    rows_padded = triton.cdiv(seqlen_q, config.block_m) * config.block_m
+    dq_acc = None
+    if one_pass:  # whole tiles, padded head dim: the kernel adds without bounds checks (see its comment)
+        dq_acc = torch.zeros((batch, n_heads, rows_padded, hd_pad), dtype=torch.float32, device=q.device)
+    softcap, window_left, window_right = variant_scalars
+    variants = (alibi.stride(0) if alibi is not None else 0, scale * LOG2E.value, scale, softcap, window_left,
+                window_right)
+    launch(_attention_bwd_wgmma_kernel, (triton.cdiv(seqlen_k, config.block_n) * batch * k.shape[1],),
+           (*descs, lse, delta, dq_acc if one_pass else lse, alibi, n_heads, n_heads // k.shape[1], seqlen_q,
+            seqlen_k, rows_padded, *variants), **kernel_meta(config, hd_pad, dv_pad, causal, one_pass, variant_meta))
+    dq = torch.empty_like(q)
+    if one_pass:
+        dq.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
+        return dq, dk, dv
+    descs = [gluon_descriptor(t, rows, width) for t, rows, width in (
+        (q, config.dq_block_m, hd_pad), (k, config.dq_block_n, hd_pad), (v, config.dq_block_n, dv_pad),
+        (do, config.dq_block_m, dv_pad), (dq, config.dq_block_m, hd_pad))]
+    launch(_attention_bwd_dq_wgmma_kernel, (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,),
+           (*descs, lse, delta, alibi, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, *variants),
+           **dq_kernel_meta(config, hd_pad, dv_pad, causal, variant_meta))
+    return dq, dk, dv

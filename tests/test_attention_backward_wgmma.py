@@ -1,0 +1,164 @@
+"""The Hopper backward (flashlite.attention.backward_hopper): which calls it takes, and that it builds as designed.
+
+Gluon has no interpreter, so its gradients are checked on the GPU only (``pytest -m gpu``:
+tests/test_gpu_attention.py runs FlashAttention's matrix on every backward path, tests/test_gpu_backward.py the
+bitwise repeatability of the two-pass path). Here, on CPU: the dispatch rules, and both kernels compiled for
+sm_90 (no GPU needed) keep a product in flight while the softmax-like work runs (``wgmma.wait_group 1``), move
+tiles by TMA, and add dQ by atomics in the one-pass build only.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashlite.attention import backward, backward_hopper, tuning
+from flashlite.attention import forward_hopper as fw
+from flashlite.core import tiles
+
+from .test_attention_wgmma import HOPPER, ROOT, _on_hopper, _qkv
+
+pytestmark = pytest.mark.skipif(not fw.wgmma_available(), reason="this Triton has no Gluon Hopper API")
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    for module in (tiles, backward_hopper):
+        monkeypatch.setattr(module, "device_info", lambda device: HOPPER)
+    monkeypatch.delenv("FLASHLITE_WGMMA_BACKWARD", raising=False)
+
+
+def test_eligible_calls(hopper):
+    # Head dims 16 to 256, padded to a table entry (40 -> 64, 96 -> 128, 192 -> 256); v's may differ.
+    for head_dim in (16, 40, 64, 96, 128, 160, 192, 256):
+        for dtype in (torch.float16, torch.bfloat16):
+            q, k, v = map(_on_hopper, _qkv(head_dim, dtype))
+            assert backward_hopper.wgmma_backward_eligible(q, k, v, q, has_mask=False, scale=0.1)
+    q, k, _ = map(_on_hopper, _qkv(192))
+    v = _on_hopper(torch.randn(2, 2, 130, 128, dtype=torch.bfloat16))
+    assert backward_hopper.wgmma_backward_eligible(q, k, v, _on_hopper(torch.randn(2, 4, 100, 128)).bfloat16(),
+                                                   has_mask=False, scale=0.1)
+
+
+@pytest.mark.parametrize("case", ["cpu", "mask", "fp32", "head_dim_59", "empty_q", "empty_k", "misaligned_do",
+                                  "broadcast_do", "switched_off", "zero_scale"])
+def test_calls_left_to_the_tl_kernels(hopper, monkeypatch, case):
+    # dO as autograd may hand it: a zero-stride expanded gradient (of a sum) has strides TMA cannot take.
+    q, k, v = _qkv(59 if case == "head_dim_59" else 128, torch.float32 if case == "fp32" else torch.bfloat16,
+                   seqlen_q=0 if case == "empty_q" else 100, seqlen_k=0 if case == "empty_k" else 130)
+    do = torch.randn_like(q)
+    if case == "misaligned_do":
+        do = torch.randn(2, 4, 100, 129, dtype=q.dtype)[..., :128]
+    if case == "broadcast_do":
+        do = torch.ones(1, 1, 1, 1, dtype=q.dtype).expand(q.shape)
+    if case != "cpu":
+        q, k, v, do = map(_on_hopper, (q, k, v, do))
+    if case == "switched_off":
+        monkeypatch.setenv("FLASHLITE_WGMMA_BACKWARD", "0")
+    scale = 0.0 if case == "zero_scale" else 0.1
+    assert not backward_hopper.wgmma_backward_eligible(q, k, v, do, has_mask=case == "mask", scale=scale)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_attention_backward_dispatch(monkeypatch, deterministic):
+    """Eligible calls go to the Hopper kernels in one pass unless deterministic (off a GPU one pass is the default,
+    on a GPU two unless ``ONE_PASS_ON_GPU``), with the forced Hopper tiles; forced tl tiles never do."""
+    calls = []
+    monkeypatch.setattr(backward, "wgmma_backward_eligible", lambda q, k, v, do, has_mask, scale: not has_mask)
+
+    def fake(do, q, k, v, lse, delta, causal, scale, one_pass, variant_scalars, variant_meta, alibi, config):
+        calls.append((one_pass, config))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(backward, "attention_backward_hopper", fake)
+    q, k, v = _qkv(64, torch.float32, 17, 33, kv_heads=4)
+    o, lse, do = torch.randn_like(q), torch.randn(2, 4, 17), torch.randn_like(q)
+    forced = tuning.WgmmaBackwardConfig(64, 64, 3)
+    for config in (None, forced):
+        backward.attention_backward(do, q, k, v, o, lse, None, True, 0.5, None, False, config=config,
+                                    deterministic=deterministic)
+    assert calls == [(not deterministic, None), (not deterministic, forced)]
+    backward.attention_backward(do, q, k, v, o, lse, None, True, 0.5, None, False,
+                                config=tuning.BACKWARD_INTERPRETER_CONFIG, deterministic=deterministic)
+    assert len(calls) == 2  # forced tl tiles: the tl kernels
+
+
+def test_config_rules():
+    # Every padded head dim from 16 to 256 has tiles; a program's warps hold 16 keys each (times the split), and
+    # the column split divides the tiles' widths.
+    assert set(tuning.WGMMA_BACKWARD_CONFIGS) == {16, 32, 64, 128, 256}
+    for head_dim, c in tuning.WGMMA_BACKWARD_CONFIGS.items():
+        meta = backward_hopper.kernel_meta(c, head_dim, head_dim, True, False)
+        assert meta["num_warps"] in (4, 8) and meta["num_warps"] == c.block_n // 16 * c.split
+        assert c.block_m % c.split == 0 and head_dim % c.split == 0
+        assert backward_hopper.dq_kernel_meta(c, head_dim, head_dim, True)["num_warps"] == c.dq_block_m // 16
+
+
+def _compile_for_hopper(kernel_name: str, config, head_dim: int, causal: bool, one_pass: bool, variants: dict):
+    """One of the two kernels, built for sm_90 from CPU with the types a launch on Hopper would give."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    import triton
+
+    dq = kernel_name == "dq"
+    rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
+    boxes = {"q_desc": rows, "do_desc": rows, "dq_desc": rows, "k_desc": keys, "v_desc": keys, "dk_desc": keys,
+             "dv_desc": keys}
+    kernel = backward_hopper._attention_bwd_dq_wgmma_kernel if dq else backward_hopper._attention_bwd_wgmma_kernel
+    meta = (backward_hopper.dq_kernel_meta(config, head_dim, head_dim, causal, variants) if dq
+            else backward_hopper.kernel_meta(config, head_dim, head_dim, causal, one_pass, variants))
+    constants = dict(meta)  # (num_warps too: the kernels read it as a constexpr)
+    if not variants.get("HAS_ALIBI"):
+        constants["alibi_ptr"] = None
+    signature = {}
+    for name in kernel.arg_names:
+        if name in boxes:
+            t = torch.randn(1, 1, 256, head_dim, dtype=torch.bfloat16)
+            signature[name] = mangle_type(fw.gluon_descriptor(t, boxes[name], head_dim))
+        elif name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32"
+        else:
+            signature[name] = "fp32" if name in ("qk_scale", "scale", "softcap") else "i32"
+    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": meta["num_warps"]})
+
+
+def _build_report(cases: list) -> dict:
+    """For each (kernel, head_dim, causal, one_pass, variants): the PTX's wgmma, TMA, atomics and wait depths."""
+    report = {}
+    for kernel_name, head_dim, causal, one_pass, variants in cases:
+        config = tuning.WGMMA_BACKWARD_CONFIGS[head_dim]
+        switches = dict(HAS_SOFTCAP=True, FAST_TANH=True, HAS_ALIBI=True, HAS_WINDOW=True) if variants else {}
+        ptx = _compile_for_hopper(kernel_name, config, head_dim, causal, one_pass, switches).asm["ptx"]
+        name = f"{kernel_name}-{head_dim}-{causal}" + ("-one_pass" if one_pass else "") + ("-variants" if variants else "")
+        report[name] = dict(
+            wgmma="wgmma.mma_async" in ptx, tma_load="cp.async.bulk.tensor" in ptx,
+            atomics=len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx)), tanh="tanh.approx.f32" in ptx,
+            waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}))
+    return report
+
+
+def test_kernels_build_with_products_in_flight():
+    """Built for sm_90 in a fresh process (the interpreter, on in this one, would stand in for the jit helpers)."""
+    cases = [("dkdv", 64, False, False, False), ("dkdv", 128, True, False, False), ("dkdv", 256, True, False, False),
+             ("dkdv", 128, True, True, False), ("dkdv", 256, False, True, False), ("dkdv", 64, True, False, True),
+             ("dq", 64, True, False, False), ("dq", 128, False, False, False), ("dq", 256, True, False, False),
+             ("dq", 128, True, False, True)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"import json; from tests.test_attention_backward_wgmma import _build_report; "
+            f"print(json.dumps(_build_report({cases})))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, built in report.items():
+        assert built["wgmma"] and built["tma_load"], case
+        assert 1 in built["waits"], f"{case}: no product left in flight (waits {built['waits']})"
+        assert (built["atomics"] > 0) == ("one_pass" in case), case  # dQ by atomic adds in one pass only
+        assert built["tanh"] == ("variants" in case), case
