@@ -107,7 +107,8 @@ def hopper_report(head_dim: int, kernel_name: str, one_pass: bool, config) -> st
     kernel = backward_hopper._attention_bwd_dq_wgmma_kernel if dq else backward_hopper._attention_bwd_wgmma_kernel
     meta = (backward_hopper.dq_kernel_meta(config, head_dim, head_dim, False) if dq
             else backward_hopper.kernel_meta(config, head_dim, head_dim, False, one_pass))
-    constants = dict(meta, alibi_ptr=None)
+    options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
+    constants = dict(meta, alibi_ptr=None, num_warps=options["num_warps"])
     signature = {}
     for name in kernel.arg_names:
         if name in boxes:
@@ -120,7 +121,7 @@ def hopper_report(head_dim: int, kernel_name: str, one_pass: bool, config) -> st
         else:
             signature[name] = "fp32" if name in ("qk_scale", "scale", "softcap") else "i32"
     compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": meta["num_warps"]})
+                              options=options)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_report(ptx)
     waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
@@ -128,7 +129,7 @@ def hopper_report(head_dim: int, kernel_name: str, one_pass: bool, config) -> st
     split = f", split {config.split}" if config.split > 1 and not dq else ""
     stages = config.dq_stages if dq else config.stages
     return (f"| {head_dim} | {kernel_name}{' one pass' if one_pass else ''} | {rows} x {keys}{split} | "
-            f"{meta['num_warps']} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
+            f"{options['num_warps']} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
             f"{ptx.count('wgmma.mma_async')} | {', '.join(waits)} | {atomics} |")
 
 

@@ -69,7 +69,8 @@ DQ = {
 W = WgmmaBackwardConfig
 HOPPER = {
     64: [W(64, 64, 2), W(64, 128, 2), W(64, 64, 2, dq_block_n=128), W(64, 64, 2, dq_stages=3),
-         W(64, 64, 3, dq_block_m=128)],
+         W(64, 64, 3, dq_block_m=128), W(64, 64, 2, max_registers=168), W(128, 64, 2),
+         W(64, 64, 3, max_registers=168)],
     128: [W(64, 64, 2), W(64, 128, 2), W(64, 64, 2, split=2), W(64, 64, 2, dq_stages=3),
           W(64, 64, 2, dq_block_m=128), W(64, 64, 3)],
     256: [W(64, 64, 2, split=2), W(64, 64, 2, split=2, dq_block_n=32), W(64, 64, 1, split=2, dq_block_n=32),
@@ -186,6 +187,7 @@ def describe(kind: str, config) -> str:
         return "table"
     if kind.startswith("hopper"):
         return (f"{config.block_m}x{config.block_n} s{config.stages}" + (f" split{config.split}" if config.split > 1 else "")
+                + (f" maxnreg {config.max_registers}" if config.max_registers else "")
                 + f" dq {config.dq_block_m}x{config.dq_block_n} s{config.dq_stages}")
     if kind == "fwd_hopper":
         return f"{config.block_m}x{config.block_n} w{config.num_warps} s{config.kv_stages}" + (

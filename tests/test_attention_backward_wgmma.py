@@ -112,7 +112,8 @@ def _compile_for_hopper(kernel_name: str, config, head_dim: int, causal: bool, o
     kernel = backward_hopper._attention_bwd_dq_wgmma_kernel if dq else backward_hopper._attention_bwd_wgmma_kernel
     meta = (backward_hopper.dq_kernel_meta(config, head_dim, head_dim, causal, variants) if dq
             else backward_hopper.kernel_meta(config, head_dim, head_dim, causal, one_pass, variants))
-    constants = dict(meta)  # (num_warps too: the kernels read it as a constexpr)
+    options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
+    constants = dict(meta, num_warps=options["num_warps"])  # (the kernels read num_warps as a constexpr)
     if not variants.get("HAS_ALIBI"):
         constants["alibi_ptr"] = None
     signature = {}
@@ -127,7 +128,7 @@ def _compile_for_hopper(kernel_name: str, config, head_dim: int, causal: bool, o
         else:
             signature[name] = "fp32" if name in ("qk_scale", "scale", "softcap") else "i32"
     return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": meta["num_warps"]})
+                          options=options)
 
 
 def _build_report(cases: list) -> dict:

@@ -411,11 +411,14 @@ def dq_kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v
 
 def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
                 atomic_dq: bool, variant_meta: dict | None = None) -> dict:
-    """The launch keywords (constexprs and ``num_warps``) of a call on ``config``'s tiles; ``variant_meta``:
+    """The launch keywords (constexprs, ``num_warps`` and, if capped, ``maxnreg``) of a call on ``config``'s tiles; ``variant_meta``:
     ``plan.variant_args``' switches (no sinks: their gradient is ``backward.sink_gradient``'s)."""
-    return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+    meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                 STAGES=config.stages, IS_CAUSAL=causal, ATOMIC_DQ=atomic_dq,
                 num_warps=config.block_n // 16 * config.split, **_variant_switches(variant_meta))
+    if config.max_registers:
+        meta["maxnreg"] = config.max_registers
+    return meta
 
 
 def attention_backward_hopper(

@@ -205,12 +205,12 @@ BACKWARD_CONFIGS = {
 }
 
 
-# Whether a CUDA backward outside deterministic mode takes one pass (dQ by TMA reductions) instead of two.
-# Two passes are as fast or faster at every head dim, and deterministic: at L = 4096, bf16, one pass against
-# two, TFLOP/s: D = 64 330 / 331 (causal 305 / 302), D = 128 334 / 352 (313 / 325), D = 256 144 / 237
-# (117 / 208). (One pass by single-element atomic adds was slower still: 281, 302, 118.) The interpreter
-# takes one pass whenever it may (tests run both).
-# H200 2026-11-26, python bench/backward_tune.py --kinds one_pass two_pass_dq (bench/results/h200/backward_tune_one_pass.md); TUNING.md#backward-one-pass
+# Whether a CUDA backward outside deterministic mode takes one pass (dQ added by the dK/dV kernel) instead of two.
+# Two passes are as fast or faster at every head dim, and deterministic. The Hopper kernels at L = 4096, bf16,
+# one pass against two, TFLOP/s: D = 64 255 / 351 (causal 244 / 320), D = 128 301 / 421 (280 / 396), D = 256
+# 252 / 375 (249 / 341): the one pass's fp32 atomic adds. The tl kernels: D = 64 330 / 331, D = 128 334 / 352,
+# D = 256 144 / 237. The interpreter takes one pass whenever it may (tests run both).
+# H200 2026-11-26, python bench/backward_tune.py --kinds hopper_one_pass hopper_two_pass tl_table (bench/results/h200/backward_tune_hopper.md), --kinds one_pass two_pass_dq (backward_tune_one_pass.md); TUNING.md#backward-hopper
 ONE_PASS_ON_GPU = False
 
 
@@ -225,20 +225,21 @@ class WgmmaBackwardConfig:
     block_n: int
     stages: int
     split: int = 1  # warps sharing a key's row of Sᵀ, dK and dV (2: two warpgroups split the columns)
+    max_registers: int | None = None  # the dK/dV kernel's register cap a thread (ptxas' maxnreg), or its own count
     dq_block_m: int = 64  # the dQ kernel (two passes): query rows a program (64 a warpgroup)
     dq_block_n: int = 64  # keys a K/V tile
     dq_stages: int = 2  # K/V buffers
 
 
 # The Hopper backward's tiles by padded head dim (the larger of q/k's and v's). Up to 128: 64 keys a program on
-# one warpgroup (two programs a multiprocessor, one's products overlapping the other's softmax). 256: 64 keys on
-# two warpgroups that split the columns (dK and dV of 64 x 256 fp32 are 64 registers each a thread), its dQ
-# kernel on 32-key tiles (the 64 x 256 fp32 dQ is 128 registers a thread).
-# H200 2026-11-26, python bench/backward_tune.py --kinds hopper_one_pass hopper_two_pass tl_table (bench/results/h200/backward_tune_hopper.md); TUNING.md#backward-hopper
+# one warpgroup, two programs a multiprocessor (one's products overlap the other's softmax); up to 64 the dK/dV
+# kernel is capped at 168 registers (12 B of spills), so that three fit: 377 against 353 TFLOP/s. 256: 64 keys on
+# two warpgroups that split the columns (dK and dV of 64 x 256 fp32 are 64 registers each a thread).
+# H200 2026-11-26, python bench/backward_tune.py --kinds hopper_one_pass hopper_two_pass tl_table (bench/results/h200/backward_tune_hopper.md, backward_tune_hopper_d64.md); TUNING.md#backward-hopper
 WGMMA_BACKWARD_CONFIGS = {
-    16: WgmmaBackwardConfig(64, 64, 2),
-    32: WgmmaBackwardConfig(64, 64, 2),
-    64: WgmmaBackwardConfig(64, 64, 2),
+    16: WgmmaBackwardConfig(64, 64, 2, max_registers=168),
+    32: WgmmaBackwardConfig(64, 64, 2, max_registers=168),
+    64: WgmmaBackwardConfig(64, 64, 2, max_registers=168),
     128: WgmmaBackwardConfig(64, 64, 2),
     256: WgmmaBackwardConfig(64, 64, 2, split=2),
 }
