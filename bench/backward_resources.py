@@ -27,10 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import torch  # noqa: E402
-
 from flashlite.attention import backward, backward_hopper, tuning  # noqa: E402
-from flashlite.attention.forward_hopper import gluon_descriptor  # noqa: E402
 from flashlite.attention.tuning import WgmmaBackwardConfig  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps, stages, padded head dim, one pass)
@@ -97,31 +94,9 @@ def ptxas_report(ptx: str) -> tuple[str, str]:
 
 def hopper_report(head_dim: int, kernel_name: str, one_pass: bool, config) -> str:
     """One row of the Hopper kernels' table (non-causal, bf16, no variants)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     dq = kernel_name == "dQ"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
-    boxes = {"q_desc": rows, "do_desc": rows, "dq_desc": rows, "k_desc": keys, "v_desc": keys, "dk_desc": keys,
-             "dv_desc": keys}
-    kernel = backward_hopper._attention_bwd_dq_wgmma_kernel if dq else backward_hopper._attention_bwd_wgmma_kernel
-    meta = (backward_hopper.dq_kernel_meta(config, head_dim, head_dim, False) if dq
-            else backward_hopper.kernel_meta(config, head_dim, head_dim, False, one_pass))
-    options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
-    constants = dict(meta, alibi_ptr=None, num_warps=options["num_warps"])
-    signature = {}
-    for name in kernel.arg_names:
-        if name in boxes:
-            t = torch.randn(1, 1, 256, head_dim, dtype=torch.bfloat16)
-            signature[name] = mangle_type(gluon_descriptor(t, boxes[name], head_dim))
-        elif name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = "*fp32"
-        else:
-            signature[name] = "fp32" if name in ("qk_scale", "scale", "softcap") else "i32"
-    compiled = triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=options)
+    compiled = backward_hopper.build_for_sm90("dq" if dq else "dkdv", config, head_dim, False, one_pass)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_report(ptx)
     waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
@@ -129,7 +104,7 @@ def hopper_report(head_dim: int, kernel_name: str, one_pass: bool, config) -> st
     split = f", split {config.split}" if config.split > 1 and not dq else ""
     stages = config.dq_stages if dq else config.stages
     return (f"| {head_dim} | {kernel_name}{' one pass' if one_pass else ''} | {rows} x {keys}{split} | "
-            f"{options['num_warps']} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
+            f"{compiled.metadata.num_warps} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
             f"{ptx.count('wgmma.mma_async')} | {', '.join(waits)} | {atomics} |")
 
 

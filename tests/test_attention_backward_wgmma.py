@@ -98,46 +98,13 @@ def test_config_rules():
         assert backward_hopper.dq_kernel_meta(c, head_dim, head_dim, True)["num_warps"] == c.dq_block_m // 16
 
 
-def _compile_for_hopper(kernel_name: str, config, head_dim: int, causal: bool, one_pass: bool, variants: dict):
-    """One of the two kernels, built for sm_90 from CPU with the types a launch on Hopper would give."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-    import triton
-
-    dq = kernel_name == "dq"
-    rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
-    boxes = {"q_desc": rows, "do_desc": rows, "dq_desc": rows, "k_desc": keys, "v_desc": keys, "dk_desc": keys,
-             "dv_desc": keys}
-    kernel = backward_hopper._attention_bwd_dq_wgmma_kernel if dq else backward_hopper._attention_bwd_wgmma_kernel
-    meta = (backward_hopper.dq_kernel_meta(config, head_dim, head_dim, causal, variants) if dq
-            else backward_hopper.kernel_meta(config, head_dim, head_dim, causal, one_pass, variants))
-    options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
-    constants = dict(meta, num_warps=options["num_warps"])  # (the kernels read num_warps as a constexpr)
-    if not variants.get("HAS_ALIBI"):
-        constants["alibi_ptr"] = None
-    signature = {}
-    for name in kernel.arg_names:
-        if name in boxes:
-            t = torch.randn(1, 1, 256, head_dim, dtype=torch.bfloat16)
-            signature[name] = mangle_type(fw.gluon_descriptor(t, boxes[name], head_dim))
-        elif name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = "*fp32"
-        else:
-            signature[name] = "fp32" if name in ("qk_scale", "scale", "softcap") else "i32"
-    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options=options)
-
-
 def _build_report(cases: list) -> dict:
     """For each (kernel, head_dim, causal, one_pass, variants): the PTX's wgmma, TMA, atomics and wait depths."""
     report = {}
     for kernel_name, head_dim, causal, one_pass, variants in cases:
         config = tuning.WGMMA_BACKWARD_CONFIGS[head_dim]
         switches = dict(HAS_SOFTCAP=True, FAST_TANH=True, HAS_ALIBI=True, HAS_WINDOW=True) if variants else {}
-        ptx = _compile_for_hopper(kernel_name, config, head_dim, causal, one_pass, switches).asm["ptx"]
+        ptx = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, one_pass, switches).asm["ptx"]
         name = f"{kernel_name}-{head_dim}-{causal}" + ("-one_pass" if one_pass else "") + ("-variants" if variants else "")
         report[name] = dict(
             wgmma="wgmma.mma_async" in ptx, tma_load="cp.async.bulk.tensor" in ptx,

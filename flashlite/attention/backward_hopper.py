@@ -1,35 +1,43 @@
-"""The attention backward on Hopper: dK and dV (and dQ by fp32 atomic adds) in one pass, wgmma kept in flight.
+"""The attention backward on Hopper: two Gluon kernels with TMA tiles and their products kept in flight.
 
 ``flashlite.attention.backward``'s kernels are written in ``triton.language``, where the compiler waits for
-each of the five products of a (key tile, query tile) pair before it issues the next and every tile config
-spills (bench/results/h200/TUNING.md#backward-configs). This module writes the dK/dV kernel in Gluon, as
-``forward_hopper`` writes the forward: a program is one key tile of one (batch, K/V head); its K and V tiles
-stay in shared memory, TMA streams the Q and dO tiles of every query head of its GQA group through a ring of
-``STAGES`` buffers (the next tiles arrive while this one is worked on), and each turn runs
+each product of a (key tile, query tile) pair before it issues the next and every tile config spills
+(bench/results/h200/TUNING.md#backward-configs). This module writes the same two passes in Gluon, as
+``forward_hopper`` writes the forward.
+
+The dK/dV kernel (``_attention_bwd_wgmma_kernel``). A program is one key tile of one (batch, K/V head): its K
+and V tiles stay in shared memory, and TMA streams the Q and dO tiles of every query head of its GQA group
+through ``STAGES`` buffers (the next tiles arrive while this one is worked on). Each turn runs
 
     issue  Sᵀ = K Qᵀ,  dPᵀ = V dOᵀ                    (async, keys on rows: P and dS come out as the
     wait for Sᵀ;       Pᵀ = 2^(Sᵀ · c - m)               first operands of dV and dK, no transpose)
-    issue  dV += Pᵀ dO                                 (Pᵀ from registers)
+    issue  dV += Pᵀ dO
     wait for dPᵀ;      dSᵀ = Pᵀ ⊙ (dPᵀ - δ)             (while dV runs)
-    issue  dK += dSᵀ Q                                 (dSᵀ from registers)
-    issue  dQ  = dS K   (dSᵀ through shared memory)    then add dQ · scale to an fp32 workspace
+    issue  dK += dSᵀ Q
+
+with Pᵀ and dSᵀ in registers, or, when two warpgroups split the columns (``split``: head dims above 128),
+through shared memory. One pass (``ATOMIC_DQ``) also issues ``dQ = dS K`` (dSᵀ through shared memory, read
+transposed) and adds ``dQ · scale`` to an fp32 workspace by relaxed atomic adds (FlashAttention-2's scheme;
+Triton 3.6's Gluon has no TMA reduction): the order of the adds varies between runs, so dQ may differ in its
+last bits.
+
+The dQ kernel (``_attention_bwd_dq_wgmma_kernel``, two passes). A program is one query tile; Q and dO stay in
+shared memory, K/V tiles stream through ``STAGES`` buffers, and turn j issues ``dQ += dS_j K_j`` (dS from
+registers), then ``S_{j+1} = Q K_{j+1}ᵀ`` and ``dP_{j+1} = dO V_{j+1}ᵀ``, and works out ``dS_{j+1}`` while the
+last of them runs. It sums dQ in a fixed order: two passes give bitwise-equal gradients run to run, and they
+are the faster path on the H200 (``tuning.ONE_PASS_ON_GPU``).
 
 The notation and the P, δ, ``(m, d)`` conventions are ``backward``'s: P is recomputed from the forward's LSE
 (base-2 units: the row's final state is ``(LSE · log2 e, 1)``, ``core.online_softmax.safe_max`` for empty
-rows), δ comes from ``backward``'s preprocess kernel, the masks from ``core.masking`` (``query_ranges``
-chooses the query tiles a key tile meets; ``apply_masks`` runs on the causal diagonal, the window's edges and
-a ragged last key tile), and the score modifiers (softcap, ALiBi) are ``core.masking.modify_scores``.
-
-dQ. Every key tile's program adds its share ``dS K · scale`` of a query tile's dQ to an fp32 workspace of
-q's shape (``ATOMIC_DQ``, relaxed atomic adds, FlashAttention-2/3's scheme; Triton 3.6's Gluon has no TMA
-reduction): the order of the adds varies between runs, so dQ may differ in its last bits. Without
-``ATOMIC_DQ`` the kernel computes dK and dV only, and ``backward``'s dQ kernel sums dQ in a fixed order (the
-deterministic path, ``attention_backward``).
+rows), δ comes from ``backward``'s preprocess kernel, the masks from ``core.masking`` (``query_ranges`` and
+``key_ranges`` choose the tiles a tile meets; ``apply_masks`` runs on the causal diagonal, the window's edges
+and ragged last tiles), and the score modifiers (softcap, ALiBi) are ``core.masking.modify_scores``.
 
 Scope: fp16/bf16 on Hopper, no user mask, causal or not, sliding windows, softcap, ALiBi, GQA/MQA, any
-lengths, padded head dims up to ``tuning.WGMMA_BACKWARD_CONFIGS``' largest, tensors TMA accepts. Gluon has no
-interpreter: ``pytest -m gpu`` checks the kernel on the GPU against float64; on CPU
-tests/test_attention_wgmma.py builds it for sm_90 and checks its products stay in flight.
+lengths, head dims 16 to 256 (tiles as wide as the next power of two, TMA zero-filling past D; v's may
+differ), tensors TMA accepts. Gluon has no interpreter: ``pytest -m gpu`` checks both kernels on the GPU
+against float64 (tests/test_gpu_attention.py, every path); on CPU tests/test_attention_backward_wgmma.py
+builds them for sm_90 and checks that their products stay in flight.
 """
 
 from __future__ import annotations
@@ -461,3 +469,38 @@ def attention_backward_hopper(
            (*descs, lse, delta, alibi, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, *variants),
            **dq_kernel_meta(config, hd_pad, dv_pad, causal, variant_meta))
     return dq, dk, dv
+
+
+def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_dim: int, causal: bool,
+                   one_pass: bool = False, variant_meta: dict | None = None):
+    """One of the two kernels (``kernel_name`` "dkdv" or "dq") built for sm_90 on any machine, no GPU needed, with
+    the argument types a bf16 launch on Hopper gives (head dim ``head_dim`` for q, k and v): Triton's compiled
+    kernel, whose ``asm["ptx"]`` the CPU build test and bench/backward_resources.py read."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    dq = kernel_name == "dq"
+    rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
+    boxes = {"q_desc": rows, "do_desc": rows, "dq_desc": rows, "k_desc": keys, "v_desc": keys, "dk_desc": keys,
+             "dv_desc": keys}
+    kernel = _attention_bwd_dq_wgmma_kernel if dq else _attention_bwd_wgmma_kernel
+    meta = (dq_kernel_meta(config, head_dim, head_dim, causal, variant_meta) if dq
+            else kernel_meta(config, head_dim, head_dim, causal, one_pass, variant_meta))
+    options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
+    constants = dict(meta, num_warps=options["num_warps"])  # (the kernels read num_warps as a constexpr)
+    if not meta["HAS_ALIBI"]:
+        constants["alibi_ptr"] = None
+    signature = {}
+    for name in kernel.arg_names:
+        if name in boxes:
+            box_source = torch.empty(1, 1, 256, head_dim, dtype=torch.bfloat16)
+            signature[name] = mangle_type(gluon_descriptor(box_source, boxes[name], head_dim))
+        elif name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32"
+        else:
+            signature[name] = "fp32" if name in ("qk_scale", "scale", "softcap") else "i32"
+    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options=options)
