@@ -94,11 +94,11 @@ from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.runtime import launch
 from ..core.tiles import add_tile, dot, load_tile, store_tile, tensor_descriptor, tma_usable
 from . import tuning
+from .backward_hopper import attention_backward_hopper, wgmma_backward_eligible
 from .forward import alibi_slope
 from .plan import (
     KV_LOOP_FLAGS, NATURAL_BIAS, default_backward_config, head_dim_padded, qk_scale_for, query_tile, variant_args,
 )
-from .backward_hopper import attention_backward_hopper, wgmma_backward_eligible
 from .reference import attention_backward_torch
 from .tuning import AttentionConfig, BackwardConfig, WgmmaBackwardConfig
 
@@ -616,19 +616,18 @@ def attention_backward(
             (o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim_v),
             BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=dv_pad,
         )
-    dq = ds = None
+    ds = None
     if hopper:  # the Gluon kernels (backward_hopper), in one pass or two as below
         dq, dk, dv = attention_backward_hopper(do, q, k, v, stats, delta, causal, scale, one_pass, variant_scalars,
                                                variant_meta, alibi, hopper_config)
-    else:
+    elif one_pass:  # fp32 sums of every key tile's share; rounded to q's dtype once, at the end
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-    if one_pass and not hopper:  # fp32 sums of every key tile's share; rounded to q's dtype once, at the end
         dq_acc = torch.zeros_like(q, dtype=torch.float32)  # q's memory order, so dQ has it too
         _launch_dkdv(config.one_pass, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, alibi, mask_strides, common,
                      meta)
         dq = dq_acc.to(q.dtype)
-    if dq is None:  # two passes: dQ summed in a fixed order by the dQ kernel
-        dq = torch.empty_like(q)
+    else:  # two passes: dK/dV, then dQ summed in a fixed order by the dQ kernel
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         c = config.dq
         dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
         dq_meta = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
@@ -641,9 +640,7 @@ def attention_backward(
                    (q, k, v, do, stats, delta, dlse, dq, None, mask, alibi, *dq_strides, *mask_strides, *common),
                    DELTA_PASS=True, **dq_meta)
             ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
-        if not hopper:
-            _launch_dkdv(config.dkdv, q, k, v, do, stats, delta, dk, dv, None, mask, alibi, mask_strides, common,
-                         meta)
+        _launch_dkdv(config.dkdv, q, k, v, do, stats, delta, dk, dv, None, mask, alibi, mask_strides, common, meta)
         launch(_attention_bwd_dq_kernel, dq_grid,
                (q, k, v, do, stats, delta, None, dq, ds, mask, alibi, *dq_strides, *mask_strides, *common),
                DELTA_PASS=False, **dq_meta)
