@@ -113,7 +113,7 @@ def test_attention_forward_dispatch(monkeypatch):
 def test_config_rules():
     assert plan.wgmma_config(128, False, 4096) == tuning.WGMMA_CONFIGS[128]
     assert plan.wgmma_config(128, False, 512) == tuning.WGMMA_CONFIGS[128]
-    assert plan.wgmma_config(128, True, 1024) == tuning.WGMMA_CONFIGS[128]
+    assert plan.wgmma_config(128, True, 2048) == tuning.WGMMA_CONFIGS[128]
     assert plan.wgmma_config(64, False, 1024) == tuning.WGMMA_CONFIGS[64]
     for head_dim, (max_keys, short) in tuning.WGMMA_SHORT_CAUSAL.items():
         assert plan.wgmma_config(head_dim, True, max_keys) == short

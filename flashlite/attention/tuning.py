@@ -150,11 +150,12 @@ WGMMA_CAUSAL_CONFIGS = {
 
 
 # Causal with few keys: each query tile has little work, so smaller programs, more of them
-# (by head dim: up to how many keys, and the tiles).
-# H100 2026-11-23, python bench/attention.py --tune-wgmma (bench/results/h100/attention_wgmma_tune.log); TUNING.md#wgmma-configs
+# (by head dim: up to how many keys, and the tiles). D = 128 on the H200: 394 against the warp-specialized
+# kernel's 378 TFLOP/s at 1024 keys, 443 against 468 at 2048.
+# H100 2026-11-23 (D = 64), H200 2026-11-26 (D = 128), python bench/attention.py --tune-wgmma (bench/results/h200/attention_wgmma_tune.log); TUNING.md#wgmma-configs
 WGMMA_SHORT_CAUSAL = {
     64: (2048, WgmmaConfig(64, 64, 4, 2)),
-    128: (512, WgmmaConfig(64, 64, 4, 2, q_in_registers=True)),
+    128: (1024, WgmmaConfig(64, 64, 4, 2, q_in_registers=True)),
 }
 
 
