@@ -72,11 +72,12 @@ def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int, o
 
 
 # (padded head dim, kernel, one pass, config): the table's tiles, and the dK/dV candidates bench/backward_tune.py times.
-W = WgmmaBackwardConfig
+Tiles = WgmmaBackwardConfig
 HOPPER_CASES = [(d, kernel, one_pass, tuning.WGMMA_BACKWARD_CONFIGS[d]) for d in (64, 128, 256)
                 for kernel, one_pass in (("dK/dV", False), ("dK/dV", True), ("dQ", False))]
-HOPPER_CASES += [(128, "dK/dV", False, W(64, 128, 2)), (128, "dK/dV", True, W(64, 128, 2)),
-                 (128, "dK/dV", False, W(64, 64, 2, split=2)), (256, "dQ", False, W(64, 64, 2, split=2, dq_block_n=32))]
+HOPPER_CASES += [(128, "dK/dV", False, Tiles(64, 128, 2)), (128, "dK/dV", True, Tiles(64, 128, 2)),
+                 (128, "dK/dV", False, Tiles(64, 64, 2, split=2)),
+                 (256, "dQ", False, Tiles(64, 64, 2, split=2, dq_block_n=32))]
 
 
 def ptxas_report(ptx: str) -> tuple[str, str]:

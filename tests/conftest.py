@@ -62,9 +62,9 @@ def small_attention_tiles(monkeypatch):
 def backward_path(request, monkeypatch):
     """Every path of the attention backward: one pass (dQ by atomic adds: on Hopper the Gluon kernel where it
     applies, else the tl kernel, which a GPU otherwise runs in two passes), two passes (taken under
-    ``torch.use_deterministic_algorithms(True)``, bitwise repeatable; on Hopper the Gluon dK/dV kernel and the tl
-    dQ kernel), and ``triton``: one pass of the tl kernels with the Gluon backward switched off (on CPU, the same
-    as one pass)."""
+    ``torch.use_deterministic_algorithms(True)``, bitwise repeatable; on Hopper the Gluon dK/dV and dQ kernels), and
+    ``triton``: one pass of the tl kernels with the Gluon backward switched off (skipped on CPU, where it is the
+    one-pass case). The tl kernels' two passes run in tests/test_gpu_backward.py (masks, bitwise repeatability)."""
     from flashlite.attention import tuning
 
     monkeypatch.setattr(tuning, "ONE_PASS_ON_GPU", request.param != "deterministic")

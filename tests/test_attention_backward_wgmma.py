@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from flashlite.attention import backward, backward_hopper, tuning
-from flashlite.attention import forward_hopper as fw
+from flashlite.attention import gluon_tiles
 from flashlite.core import tiles
 
-from .test_attention_wgmma import HOPPER, ROOT, _on_hopper, _qkv
+from .test_attention_wgmma import ROOT
+from .utils import HOPPER, hopper_qkv, on_hopper
 
-pytestmark = pytest.mark.skipif(not fw.wgmma_available(), reason="this Triton has no Gluon Hopper API")
+pytestmark = pytest.mark.skipif(not gluon_tiles.wgmma_available(), reason="this Triton has no Gluon Hopper API")
 
 
 @pytest.fixture
@@ -33,30 +34,35 @@ def hopper(monkeypatch):
 
 
 def test_eligible_calls(hopper):
-    # Head dims 16 to 256, padded to a table entry (40 -> 64, 96 -> 128, 192 -> 256); v's may differ.
-    for head_dim in (16, 40, 64, 96, 128, 160, 192, 256):
+    # Head dims 32 to 256, padded to a table entry (40 -> 64, 96 -> 128, 192 -> 256); v's may differ.
+    for head_dim in (32, 40, 64, 96, 128, 160, 192, 256):
         for dtype in (torch.float16, torch.bfloat16):
-            q, k, v = map(_on_hopper, _qkv(head_dim, dtype))
+            q, k, v = map(on_hopper, hopper_qkv(head_dim, dtype))
             assert backward_hopper.wgmma_backward_eligible(q, k, v, q, has_mask=False, scale=0.1)
-    q, k, _ = map(_on_hopper, _qkv(192))
-    v = _on_hopper(torch.randn(2, 2, 130, 128, dtype=torch.bfloat16))
-    assert backward_hopper.wgmma_backward_eligible(q, k, v, _on_hopper(torch.randn(2, 4, 100, 128)).bfloat16(),
+    q, k, _ = map(on_hopper, hopper_qkv(192))
+    v = on_hopper(torch.randn(2, 2, 130, 128, dtype=torch.bfloat16))
+    assert backward_hopper.wgmma_backward_eligible(q, k, v, on_hopper(torch.randn(2, 4, 100, 128)).bfloat16(),
                                                    has_mask=False, scale=0.1)
 
 
-@pytest.mark.parametrize("case", ["cpu", "mask", "fp32", "head_dim_59", "empty_q", "empty_k", "misaligned_do",
-                                  "broadcast_do", "switched_off", "zero_scale"])
+@pytest.mark.parametrize("case", ["cpu", "mask", "fp32", "head_dim_16", "head_dim_59", "empty_q", "empty_k",
+                                  "misaligned_do", "broadcast_do", "sliced_head_dim", "switched_off", "zero_scale"])
 def test_calls_left_to_the_tl_kernels(hopper, monkeypatch, case):
-    # dO as autograd may hand it: a zero-stride expanded gradient (of a sum) has strides TMA cannot take.
-    q, k, v = _qkv(59 if case == "head_dim_59" else 128, torch.float32 if case == "fp32" else torch.bfloat16,
-                   seqlen_q=0 if case == "empty_q" else 100, seqlen_k=0 if case == "empty_k" else 130)
+    # dO as autograd may hand it: a zero-stride expanded gradient (of a sum) has strides TMA cannot take. Head dim
+    # 16: under the table's smallest tiles (not GPU-tested). A head dim of 100 sliced from rows of 104: q passes,
+    # but dq (dense) would have 200-byte rows, which TMA cannot step.
+    head_dim = {"head_dim_16": 16, "head_dim_59": 59}.get(case, 128)
+    q, k, v = hopper_qkv(head_dim, torch.float32 if case == "fp32" else torch.bfloat16,
+                         seqlen_q=0 if case == "empty_q" else 100, seqlen_k=0 if case == "empty_k" else 130)
     do = torch.randn_like(q)
+    if case == "sliced_head_dim":
+        q, k, v, do = (torch.randn(*t.shape[:3], 104, dtype=t.dtype)[..., :100] for t in (q, k, v, do))
     if case == "misaligned_do":
         do = torch.randn(2, 4, 100, 129, dtype=q.dtype)[..., :128]
     if case == "broadcast_do":
         do = torch.ones(1, 1, 1, 1, dtype=q.dtype).expand(q.shape)
     if case != "cpu":
-        q, k, v, do = map(_on_hopper, (q, k, v, do))
+        q, k, v, do = map(on_hopper, (q, k, v, do))
     if case == "switched_off":
         monkeypatch.setenv("FLASHLITE_WGMMA_BACKWARD", "0")
     scale = 0.0 if case == "zero_scale" else 0.1
@@ -75,7 +81,7 @@ def test_attention_backward_dispatch(monkeypatch, deterministic):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(backward, "attention_backward_hopper", fake)
-    q, k, v = _qkv(64, torch.float32, 17, 33, kv_heads=4)
+    q, k, v = hopper_qkv(64, torch.float32, 17, 33, kv_heads=4)
     o, lse, do = torch.randn_like(q), torch.randn(2, 4, 17), torch.randn_like(q)
     forced = tuning.WgmmaBackwardConfig(64, 64, 3)
     for config in (None, forced):
@@ -88,9 +94,12 @@ def test_attention_backward_dispatch(monkeypatch, deterministic):
 
 
 def test_config_rules():
-    # Every padded head dim from 16 to 256 has tiles; a program's warps hold 16 keys each (times the split), and
-    # the column split divides the tiles' widths.
-    assert set(tuning.WGMMA_BACKWARD_CONFIGS) == {16, 32, 64, 128, 256}
+    # Every padded head dim from 32 to 256 has tiles; a program's warps hold 16 keys each (times the split), and
+    # the column split divides the tiles' widths. Tiles the kernels cannot run are refused.
+    assert set(tuning.WGMMA_BACKWARD_CONFIGS) == {32, 64, 128, 256}
+    for bad in (dict(dq_stages=1), dict(split=3), dict(block_n=48), dict(dq_block_m=96)):
+        with pytest.raises(ValueError, match="WgmmaBackwardConfig"):
+            tuning.WgmmaBackwardConfig(**{**dict(block_m=64, block_n=64, stages=2), **bad})
     for head_dim, c in tuning.WGMMA_BACKWARD_CONFIGS.items():
         meta = backward_hopper.kernel_meta(c, head_dim, head_dim, True, False)
         assert meta["num_warps"] in (4, 8) and meta["num_warps"] == c.block_n // 16 * c.split
@@ -105,7 +114,8 @@ def _build_report(cases: list) -> dict:
         config = tuning.WGMMA_BACKWARD_CONFIGS[head_dim]
         switches = dict(HAS_SOFTCAP=True, FAST_TANH=True, HAS_ALIBI=True, HAS_WINDOW=True) if variants else {}
         ptx = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, one_pass, switches).asm["ptx"]
-        name = f"{kernel_name}-{head_dim}-{causal}" + ("-one_pass" if one_pass else "") + ("-variants" if variants else "")
+        name = (f"{kernel_name}-{head_dim}-{causal}" + ("-one_pass" if one_pass else "")
+                + ("-variants" if variants else ""))
         report[name] = dict(
             wgmma="wgmma.mma_async" in ptx, tma_load="cp.async.bulk.tensor" in ptx,
             atomics=len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx)), tanh="tanh.approx.f32" in ptx,

@@ -24,26 +24,13 @@ import triton
 
 from flashlite.attention import api, plan, tuning
 from flashlite.attention import forward_hopper as fw
+from flashlite.attention import gluon_tiles
 from flashlite.core import tiles
-from flashlite.core.runtime import DeviceInfo
+
+from .utils import HOPPER, hopper_qkv, on_hopper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.skipif(not fw.wgmma_available(), reason="this Triton has no Gluon Hopper API")
-
-HOPPER = DeviceInfo(num_sms=132, regs_per_sm=65536, smem_per_sm=232448, max_warps_per_sm=64, capability=(9, 0))
-
-
-class _OnHopper(torch.Tensor):
-    """A CPU tensor that says it is on a CUDA device (the rules read ``is_cuda`` and the device's capability)."""
-
-    @property
-    def is_cuda(self):
-        return True
-
-
-def _on_hopper(t: torch.Tensor) -> torch.Tensor:
-    return torch.Tensor._make_subclass(_OnHopper, t)
-
+pytestmark = pytest.mark.skipif(not gluon_tiles.wgmma_available(), reason="this Triton has no Gluon Hopper API")
 
 @pytest.fixture
 def hopper(monkeypatch):
@@ -52,20 +39,14 @@ def hopper(monkeypatch):
     monkeypatch.delenv("FLASHLITE_WGMMA", raising=False)
 
 
-def _qkv(head_dim=128, dtype=torch.bfloat16, seqlen_q=100, seqlen_k=130, kv_heads=2):
-    q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype)
-    k, v = (torch.randn(2, kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
-    return q, k, v
-
-
 def test_eligible_calls(hopper):
     # Every head dim padded to a table entry: 40 and 64 (64), 80, 96 and 128 (128), 160, 192 and 256 (256).
     for head_dim in (40, 64, 80, 96, 128, 160, 192, 256):
         for dtype in (torch.float16, torch.bfloat16):
-            q, k, v = map(_on_hopper, _qkv(head_dim, dtype))
+            q, k, v = map(on_hopper, hopper_qkv(head_dim, dtype))
             assert fw.wgmma_eligible(q, k, v, has_mask=False, scale=0.1)
     # A (B, L, H, D) tensor viewed as (B, H, L, D): strides TMA accepts, no copy needed.
-    q = _on_hopper(torch.randn(2, 100, 4, 128, dtype=torch.bfloat16).transpose(1, 2))
+    q = on_hopper(torch.randn(2, 100, 4, 128, dtype=torch.bfloat16).transpose(1, 2))
     assert fw.wgmma_eligible(q, q, q, has_mask=False, scale=0.1)
 
 
@@ -76,11 +57,11 @@ def test_calls_left_to_the_tl_kernel(hopper, monkeypatch, case):
     # cannot step.
     head_dim = {"head_dim_32": 32, "head_dim_59": 59}.get(case, 128)
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
-    q, k, v = _qkv(head_dim, dtype, seqlen_q=0 if case == "empty_q" else 100, seqlen_k=0 if case == "empty_k" else 130)
+    q, k, v = hopper_qkv(head_dim, dtype, seqlen_q=0 if case == "empty_q" else 100, seqlen_k=0 if case == "empty_k" else 130)
     if case == "misaligned":  # a row stride of 129 elements: not 16-byte aligned
         q = torch.randn(2, 4, 100, 129, dtype=dtype)[..., :128]
     if case != "cpu":
-        q, k, v = map(_on_hopper, (q, k, v))
+        q, k, v = map(on_hopper, (q, k, v))
     if case == "not_hopper":  # Blackwell has no wgmma
         blackwell = dataclasses.replace(HOPPER, capability=(10, 0))
         for module in (tiles, fw):
@@ -97,7 +78,7 @@ def test_attention_forward_dispatch(monkeypatch):
     monkeypatch.setattr(api, "wgmma_eligible", lambda q, k, v, has_mask, scale: not has_mask)
     monkeypatch.setattr(api, "attention_forward_hopper",
                         lambda *args, **kw: calls.append((*args, kw["window"], kw["softcap"])) or ("o", "lse"))
-    q, k, v = _qkv(64, torch.float32, 17, 33, kv_heads=4)
+    q, k, v = hopper_qkv(64, torch.float32, 17, 33, kv_heads=4)
     assert api.attention_forward(q, k, v, True, 0.5, None, False, True) == ("o", "lse")
     assert calls == [(q, k, v, True, 0.5, True, None, None)]
     api.attention_forward(q, k, v, False, 0.5, None, False, True, window=(8, 0), softcap=3.0)  # these go there too
@@ -133,10 +114,10 @@ def test_config_rules():
 
 def test_descriptor_matches_a_checked_one():
     t = torch.randn(2, 100, 4, 136, dtype=torch.float16)[..., :128].transpose(1, 2)  # padded rows, (B, L, H, D)
-    fast = fw.gluon_descriptor(t, 64, 128)
+    fast = gluon_tiles.gluon_descriptor(t, 64, 128)
     box = [1, 1, 64, 128]
-    checked = fw.GluonTensorDescriptor(t, list(t.shape), tiles.descriptor_strides(t), box, fw._box_layout(tuple(box), t.dtype))
-    for field in dataclasses.fields(fw.GluonTensorDescriptor):
+    checked = gluon_tiles.GluonTensorDescriptor(t, list(t.shape), tiles.descriptor_strides(t), box, gluon_tiles.box_layout(tuple(box), t.dtype))
+    for field in dataclasses.fields(gluon_tiles.GluonTensorDescriptor):
         mine, theirs = getattr(fast, field.name), getattr(checked, field.name)
         assert mine is theirs if field.name == "base" else mine == theirs, field.name
 
@@ -150,7 +131,7 @@ def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool,
     from triton.runtime.jit import mangle_type
 
     head_dim_v = head_dim_v or head_dim
-    descs = {name: fw.gluon_descriptor(torch.randn(1, 1, 256, width, dtype=torch.bfloat16), rows, width)
+    descs = {name: gluon_tiles.gluon_descriptor(torch.randn(1, 1, 256, width, dtype=torch.bfloat16), rows, width)
              for name, rows, width in (("q_desc", config.block_m, head_dim), ("k_desc", config.block_n, head_dim),
                                        ("v_desc", config.block_n, head_dim_v), ("o_desc", config.block_m, head_dim_v))}
     kernel, meta = fw.kernel_for(config, head_dim, head_dim_v, causal, write_lse, variants)  # a launch's

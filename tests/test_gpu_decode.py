@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import flashlite
-from flashlite.attention import api, forward_hopper, plan, tuning
+from flashlite.attention import api, forward_hopper, gluon_tiles, plan, tuning
 from flashlite.core.runtime import device_info
 from flashlite.core.tiles import tma_usable
 
@@ -273,9 +273,9 @@ def test_forward_128k_tokens(causal):
 
 
 def require_hopper() -> None:
-    if not forward_hopper.wgmma_available():
+    if not gluon_tiles.wgmma_available():
         pytest.skip("this Triton has no Gluon Hopper API")
-    if device_info(torch.device("cuda")).capability != forward_hopper.WGMMA_CAPABILITY:
+    if device_info(torch.device("cuda")).capability != gluon_tiles.WGMMA_CAPABILITY:
         pytest.skip("the Hopper kernels need sm_90")
     if os.environ.get("FLASHLITE_WGMMA", "1") == "0":
         pytest.skip("FLASHLITE_WGMMA=0 turns the Hopper kernels off")

@@ -230,3 +230,27 @@ def need_memory(n_bytes: int) -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     if total < n_bytes + (8 << 30):
         pytest.skip(f"needs {(n_bytes + (8 << 30)) / 2**30:.0f} GiB of GPU memory, the GPU has {total / 2**30:.0f}")
+
+
+# A Hopper GPU as the dispatch rules see it (tests/test_attention_wgmma.py, test_attention_backward_wgmma.py).
+HOPPER = DeviceInfo(num_sms=132, regs_per_sm=65536, smem_per_sm=232448, max_warps_per_sm=64, capability=(9, 0))
+
+
+class OnHopper(torch.Tensor):
+    """A CPU tensor that says it is on a CUDA device (the rules read ``is_cuda`` and the device's capability)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def on_hopper(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an ``OnHopper`` tensor (same data)."""
+    return torch.Tensor._make_subclass(OnHopper, t)
+
+
+def hopper_qkv(head_dim=128, dtype=torch.bfloat16, seqlen_q=100, seqlen_k=130, kv_heads=2):
+    """CPU (B, H, L, D) q, k, v of 4 query heads for the dispatch rules' tests."""
+    q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype)
+    k, v = (torch.randn(2, kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
+    return q, k, v

@@ -26,8 +26,8 @@ Three kernels, FlashAttention-2 style:
 
 One pass instead (``attention_backward``'s first path): the dK/dV kernel also
 computes each query tile's ``dS K`` and adds it to an fp32 dQ workspace
-(``core.tiles.add_tile``: TMA reductions on Hopper, atomic adds elsewhere), and
-kernel 3 is not launched. Faster on paper (five products instead of seven);
+(``core.tiles.add_tile``: TMA reductions where TMA applies, atomic adds elsewhere),
+and kernel 3 is not launched. Faster on paper (five products instead of seven);
 on the H200 no faster than two passes (bench/results/h200/TUNING.md#backward-one-pass),
 so CUDA takes two passes unless ``tuning.ONE_PASS_ON_GPU``.
 
@@ -532,8 +532,9 @@ def attention_backward(
     Two paths:
 
     * one pass: one program per key tile computes dK and dV and adds each
-      query tile's ``dS K`` to an fp32 dQ workspace (TMA reductions on Hopper,
-      else atomic adds). The order of those adds varies from run to run, so dQ
+      query tile's ``dS K`` to an fp32 dQ workspace (the Hopper kernels by
+      atomic adds; the tl kernel by TMA reductions where TMA applies, else
+      atomic adds). The order of those adds varies from run to run, so dQ
       may differ in its last bits between runs (dK and dV do not).
     * two passes (deterministic): dK/dV as above, then one program per query
       tile recomputes P and dS over the keys and sums dQ in a fixed order;
@@ -543,7 +544,7 @@ def attention_backward(
     ``torch.are_deterministic_algorithms_enabled()``), for the gradient of an
     additive mask (``mask_needs_grad``: they write dS), and on CUDA unless
     ``tuning.ONE_PASS_ON_GPU``: on the H200 they are faster than one pass
-    (0.67–0.81× on the Hopper kernels: their dQ atomic adds; the tl kernel does
+    (0.67–0.76× on the Hopper kernels: their dQ atomic adds; the tl kernel does
     not overlap the fifth product with the others); one pass otherwise (the
     interpreter). On Hopper, fp16/bf16 calls without a mask run either path on
     ``backward_hopper``'s kernels (``backward_hopper.wgmma_backward_eligible``).
@@ -582,8 +583,7 @@ def attention_backward(
     hopper_config = config if isinstance(config, WgmmaBackwardConfig) else None
     if hopper_config is not None:
         config = None
-    hopper = (config is None or hopper_config is not None) and wgmma_backward_eligible(q, k, v, do, mask is not None,
-                                                                                        scale)
+    hopper = config is None and wgmma_backward_eligible(q, k, v, do, mask is not None, scale)
     if config is None:
         config = default_backward_config(max(head_dim, head_dim_v), q.dtype, q.device)
     bh = batch * n_heads

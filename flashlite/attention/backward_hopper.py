@@ -34,7 +34,7 @@ rows), δ comes from ``backward``'s preprocess kernel, the masks from ``core.mas
 and ragged last tiles), and the score modifiers (softcap, ALiBi) are ``core.masking.modify_scores``.
 
 Scope: fp16/bf16 on Hopper, no user mask, causal or not, sliding windows, softcap, ALiBi, GQA/MQA, any
-lengths, head dims 16 to 256 (tiles as wide as the next power of two, TMA zero-filling past D; v's may
+lengths, head dims 17 to 256 (tiles as wide as the next power of two, TMA zero-filling past D; v's may
 differ), tensors TMA accepts. Gluon has no interpreter: ``pytest -m gpu`` checks both kernels on the GPU
 against float64 (tests/test_gpu_attention.py, every path); on CPU tests/test_attention_backward_wgmma.py
 builds them for sm_90 and checks that their products stay in flight.
@@ -53,7 +53,9 @@ from ..core.runtime import device_info, launch
 from ..core.tiles import tma_usable
 from . import tuning
 from .forward import alibi_slope
-from .forward_hopper import WGMMA_CAPABILITY, gluon, gluon_descriptor
+from .gluon_tiles import (
+    WGMMA_CAPABILITY, gluon, gluon_descriptor, issue_kv_load, thread_barrier, tma_load, tma_store, wait_kv,
+)
 from .plan import head_dim_padded, query_tile
 
 if gluon is not None:
@@ -61,8 +63,6 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
     )
-
-    from .forward_hopper import issue_kv_load, thread_barrier, tma_load, tma_store, wait_kv
 
     @gluon.jit
     def _load_query_tile(q_desc, do_desc, bars, q_smem, do_smem, it, n_items, b, h_first, query_start,
@@ -254,8 +254,6 @@ if gluon is not None:
         tma.store_wait(0)
 
 
-if gluon is not None:
-
     @gluon.jit
     def _dq_scores_grads(s, dp, row_m, delta, tile, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k,
                          qk_scale, mods, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, MODS: gl.constexpr,
@@ -352,7 +350,8 @@ if gluon is not None:
             s = warpgroup_mma_wait(1, deps=(s_token,))
             dp = warpgroup_mma_wait(0, deps=(dp_token,))
             ds = _dq_scores_grads(s, dp, row_m, delta, 0, key_start, full_first, full_stop, q_idx, seqlen_q,
-                                  seqlen_k, qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
+                                  seqlen_k, qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, HAS_SOFTCAP, HAS_ALIBI,
+                                  HAS_WINDOW)
             issue_kv_load(v_desc, v_bars, v_smem, STAGES, b, h_kv, key_start, n_kv_tiles, BLOCK_N, STAGES)
             for j in range(1, n_kv_tiles):
                 ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
@@ -371,7 +370,8 @@ if gluon is not None:
                     thread_barrier()
                 issue_kv_load(v_desc, v_bars, v_smem, j + STAGES, b, h_kv, key_start, n_kv_tiles, BLOCK_N, STAGES)
                 ds = _dq_scores_grads(s, dp, row_m, delta, j, key_start, full_first, full_stop, q_idx, seqlen_q,
-                                      seqlen_k, qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
+                                      seqlen_k, qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, HAS_SOFTCAP, HAS_ALIBI,
+                                  HAS_WINDOW)
             dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, dq)
 
         mbarrier.invalidate(q_bar)
@@ -388,13 +388,16 @@ if gluon is not None:
 
 def wgmma_backward_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
                             has_mask: bool, scale: float) -> bool:
-    """True when this kernel takes the dK/dV (and one-pass dQ) work of a backward call: Gluon present, a Hopper
-    GPU, fp16/bf16, padded head dims (q/k's and v's) in ``tuning.WGMMA_BACKWARD_CONFIGS``, no user mask,
-    ``scale > 0``, non-empty, TMA-aligned q, k, v and dO. ``FLASHLITE_WGMMA_BACKWARD=0`` turns it off (A/B)."""
+    """True when these kernels take a backward call: Gluon present, a Hopper GPU, fp16/bf16, padded head dims
+    (q/k's and v's) in ``tuning.WGMMA_BACKWARD_CONFIGS``, no user mask, ``scale > 0``, non-empty, TMA-aligned
+    q, k, v and dO, and head dims whose rows are whole 16-byte units (so that dq, dk and dv, dense when q, k
+    and v are not, are TMA-aligned too). ``FLASHLITE_WGMMA_BACKWARD=0`` turns it off (A/B runs)."""
     return (
         gluon is not None and not has_mask and scale > 0 and q.is_cuda
         and q.dtype in (torch.float16, torch.bfloat16)
         and max(head_dim_padded(q.shape[3]), head_dim_padded(v.shape[3])) in tuning.WGMMA_BACKWARD_CONFIGS
+        and min(head_dim_padded(q.shape[3]), head_dim_padded(v.shape[3])) >= min(tuning.WGMMA_BACKWARD_CONFIGS)
+        and q.shape[3] * q.element_size() % 16 == 0 and v.shape[3] * v.element_size() % 16 == 0
         and q.shape[2] > 0 and k.shape[2] > 0
         and device_info(q.device).capability == WGMMA_CAPABILITY
         and os.environ.get("FLASHLITE_WGMMA_BACKWARD", "1") != "0"
@@ -419,8 +422,9 @@ def dq_kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v
 
 def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
                 atomic_dq: bool, variant_meta: dict | None = None) -> dict:
-    """The launch keywords (constexprs, ``num_warps`` and, if capped, ``maxnreg``) of a call on ``config``'s tiles; ``variant_meta``:
-    ``plan.variant_args``' switches (no sinks: their gradient is ``backward.sink_gradient``'s)."""
+    """The dK/dV kernel's launch keywords (constexprs, ``num_warps`` and, if capped, ``maxnreg``) on ``config``'s
+    tiles; ``variant_meta``: ``plan.variant_args``' switches (sinks dropped: their gradient is
+    ``backward.sink_gradient``'s)."""
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                 STAGES=config.stages, IS_CAUSAL=causal, ATOMIC_DQ=atomic_dq,
                 num_warps=config.block_n // 16 * config.split, **_variant_switches(variant_meta))
@@ -472,7 +476,7 @@ def attention_backward_hopper(
 
 
 def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_dim: int, causal: bool,
-                   one_pass: bool = False, variant_meta: dict | None = None):
+                   one_pass: bool = False, variant_meta: dict | None = None) -> "triton.compiler.CompiledKernel":
     """One of the two kernels (``kernel_name`` "dkdv" or "dq") built for sm_90 on any machine, no GPU needed, with
     the argument types a bf16 launch on Hopper gives (head dim ``head_dim`` for q, k and v): Triton's compiled
     kernel, whose ``asm["ptx"]`` the CPU build test and bench/backward_resources.py read."""

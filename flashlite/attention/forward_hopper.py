@@ -59,52 +59,28 @@ Speed against the ``triton.language`` kernel and SDPA: bench/results/h200/attent
 
 from __future__ import annotations
 
-import functools
 import os
+
 import torch
 import triton
-
-try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-
-    # TMA copies: 3.6 names them async_copy_*, 3.9 only async_load / async_store.
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    # A barrier of the program's threads: thread_barrier in 3.6, barrier in 3.9.
-    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-except ImportError:  # pragma: no cover - older Triton: the triton.language kernel serves every call
-    gluon = None
 
 from ..core.masking import apply_masks, key_ranges, modified_scores_scaled
 from ..core.online_softmax import BASE2_UNITS, LOG2E, merge_sink, normalize, online_update_scaled, state_logsumexp
 from ..core.runtime import device_info, launch
-from ..core.tiles import descriptor_strides, tma_usable
+from ..core.tiles import tma_usable
 from . import tuning
 from .forward import alibi_slope
+from .gluon_tiles import (
+    WGMMA_CAPABILITY, gluon, gluon_descriptor, issue_kv_load, thread_barrier, tma_load, tma_store, wait_kv,
+)
 from .plan import head_dim_padded, output_like, query_tile, variant_args, wgmma_config
 from .tuning import WgmmaConfig
 
-# wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
-WGMMA_CAPABILITY = (9, 0)
-
-
 if gluon is not None:
-
-    @gluon.jit
-    def issue_kv_load(desc, bars, smem, tile, b, h_kv, key_start, n_tiles,
-                       BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr):
-        """Start the TMA copy of K (or V) tile ``tile`` (keys from ``key_start + tile · BLOCK_N``) into its slot,
-        if the tile exists."""
-        slot = tile % KV_STAGES
-        exists = tile < n_tiles
-        bar = bars.index(slot)
-        mbarrier.expect(bar, desc.block_type.nbytes, pred=exists)
-        tma_load(desc, [b, h_kv, key_start + tile * BLOCK_N, 0], bar, smem.index(slot), pred=exists)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
 
     @gluon.jit
     def _release_kv_slot(desc, ready_bars, free_bars, smem, tile, b, h_kv, key_start, n_tiles,
@@ -122,13 +98,6 @@ if gluon is not None:
             if NUM_WARPS > 4:
                 thread_barrier()
             issue_kv_load(desc, ready_bars, smem, tile + KV_STAGES, b, h_kv, key_start, n_tiles, BLOCK_N, KV_STAGES)
-
-    @gluon.jit
-    def wait_kv(bars, smem, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr):
-        """Wait for K (or V) tile ``tile`` and return its slot as a [BLOCK_N, HEAD_DIM] view."""
-        slot = tile % KV_STAGES
-        mbarrier.wait(bars.index(slot), (tile // KV_STAGES) & 1)
-        return smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
 
     @gluon.jit
     def _fold_scores(s, m, d, tile, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k, qk_scale, mods,
@@ -441,11 +410,6 @@ if gluon is not None:
             [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
 
 
-def wgmma_available() -> bool:
-    """True when this Triton has Gluon's Hopper API (the GPU image's 3.6 and CI's 3.9 do)."""
-    return gluon is not None
-
-
 def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: bool, scale: float) -> bool:
     """True when this kernel takes the call: Gluon present, a Hopper GPU, fp16/bf16, head dims (q/k's and v's)
     padded to one of ``tuning.WGMMA_CONFIGS``' (33 to 256), no user mask, ``scale > 0`` (masked scores stay
@@ -459,26 +423,6 @@ def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: 
         and os.environ.get("FLASHLITE_WGMMA", "1") != "0"
         and tma_usable(q, k, v)
     )
-
-
-@functools.lru_cache(maxsize=None)
-def _box_layout(box: tuple, dtype: torch.dtype):
-    """The shared-memory layout (swizzled for TMA and wgmma) of one [1, 1, rows, head_dim] box."""
-    return gl.NVMMASharedLayout.get_default_for(list(box), gl.float16 if dtype == torch.float16 else gl.bfloat16)
-
-
-def gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
-    """A (B, H, L, D) TMA descriptor of ``t`` loading [1, 1, block_rows, head_dim] boxes (zeros past L and D).
-
-    Filled in directly: the dataclass's own checks (alignment, box shape) cost host time on every
-    call, four descriptors a call, and ``wgmma_eligible`` / the fixed configs already ensure them
-    (TUNING.md#host-cost).
-    """
-    box = (1, 1, block_rows, head_dim)
-    desc = object.__new__(GluonTensorDescriptor)
-    desc.__dict__.update(base=t, shape=list(t.shape), strides=descriptor_strides(t), block_shape=list(box),
-                         layout=_box_layout(box, t.dtype), padding="zero")
-    return desc
 
 
 def kernel_for(config: WgmmaConfig, head_dim: int, head_dim_v: int, causal: bool, write_lse: bool,

@@ -231,14 +231,25 @@ class WgmmaBackwardConfig:
     dq_block_n: int = 64  # keys a K/V tile
     dq_stages: int = 2  # K/V buffers
 
+    def __post_init__(self):
+        # The kernels' shapes: one or two warpgroups, 16 keys a warp; the dQ kernel waits for K/V tile j before
+        # it refills tile j - 1's buffer, so it needs two buffers at least.
+        if self.block_n % 16 or self.block_n // 16 * self.split not in (4, 8) or self.block_m % (8 * self.split):
+            raise ValueError(f"WgmmaBackwardConfig: block_n {self.block_n} and split {self.split} must give 4 or 8 "
+                             f"warps, block_m {self.block_m} a multiple of 8 · split")
+        if self.dq_block_m not in (64, 128) or self.dq_block_n % 16 or self.stages < 1 or self.dq_stages < 2:
+            raise ValueError(f"WgmmaBackwardConfig: dq_block_m {self.dq_block_m} must be 64 or 128, dq_block_n "
+                             f"{self.dq_block_n} a multiple of 16, stages {self.stages} >= 1, dq_stages "
+                             f"{self.dq_stages} >= 2")
 
-# The Hopper backward's tiles by padded head dim (the larger of q/k's and v's). Up to 128: 64 keys a program on
-# one warpgroup, two programs a multiprocessor (one's products overlap the other's softmax); up to 64 the dK/dV
-# kernel is capped at 168 registers (12 B of spills), so that three fit: 377 against 353 TFLOP/s. 256: 64 keys on
-# two warpgroups that split the columns (dK and dV of 64 x 256 fp32 are 64 registers each a thread).
+
+# The Hopper backward's tiles by padded head dim (the larger of q/k's and v's; 32 to 256, the GPU tests' range).
+# Up to 128: 64 keys a program on one warpgroup, two programs a multiprocessor (one's products overlap the other's
+# softmax); up to 64 the dK/dV kernel is capped at 168 registers (12 B of spills), so that three fit: 377 against
+# 353 TFLOP/s. 256: 64 keys on two warpgroups that split the columns (dK and dV of 64 x 256 fp32 are 64
+# registers each a thread).
 # H200 2026-11-26, python bench/backward_tune.py --kinds hopper_one_pass hopper_two_pass tl_table (bench/results/h200/backward_tune_hopper.md, backward_tune_hopper_d64.md); TUNING.md#backward-hopper
 WGMMA_BACKWARD_CONFIGS = {
-    16: WgmmaBackwardConfig(64, 64, 2, max_registers=168),
     32: WgmmaBackwardConfig(64, 64, 2, max_registers=168),
     64: WgmmaBackwardConfig(64, 64, 2, max_registers=168),
     128: WgmmaBackwardConfig(64, 64, 2),
