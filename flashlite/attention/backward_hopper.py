@@ -253,7 +253,6 @@ if gluon is not None:
         tma_store(dv_desc, [b, h_kv, n_start, 0], v_smem)
         tma.store_wait(0)
 
-
     @gluon.jit
     def _dq_scores_grads(s, dp, row_m, delta, tile, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k,
                          qk_scale, mods, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, MODS: gl.constexpr,
