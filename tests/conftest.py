@@ -58,6 +58,21 @@ def small_attention_tiles(monkeypatch):
     monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BackwardConfig(tiles, tiles))
 
 
+@pytest.fixture
+def hopper(monkeypatch):
+    """The dispatch rules of the Hopper kernels (forward and backward) see a Hopper GPU (``tests.utils.HOPPER``), with
+    neither kernel switched off by the environment; tensors claim CUDA through ``tests.utils.on_hopper``."""
+    from flashlite.attention import backward_hopper, forward_hopper
+    from flashlite.core import tiles
+
+    from .utils import HOPPER
+
+    for module in (tiles, forward_hopper, backward_hopper):
+        monkeypatch.setattr(module, "device_info", lambda device: HOPPER)
+    monkeypatch.delenv("FLASHLITE_WGMMA", raising=False)
+    monkeypatch.delenv("FLASHLITE_WGMMA_BACKWARD", raising=False)
+
+
 @pytest.fixture(params=["one_pass", "deterministic", "triton"])
 def backward_path(request, monkeypatch):
     """Every path of the attention backward: one pass (dQ by atomic adds: on Hopper the Gluon kernel where it

@@ -18,19 +18,11 @@ import torch
 
 from flashlite.attention import backward, backward_hopper, tuning
 from flashlite.attention import gluon_tiles
-from flashlite.core import tiles
 
 from .test_attention_wgmma import ROOT
-from .utils import HOPPER, hopper_qkv, on_hopper
+from .utils import hopper_qkv, on_hopper
 
 pytestmark = pytest.mark.skipif(not gluon_tiles.wgmma_available(), reason="this Triton has no Gluon Hopper API")
-
-
-@pytest.fixture
-def hopper(monkeypatch):
-    for module in (tiles, backward_hopper):
-        monkeypatch.setattr(module, "device_info", lambda device: HOPPER)
-    monkeypatch.delenv("FLASHLITE_WGMMA_BACKWARD", raising=False)
 
 
 def test_eligible_calls(hopper):

@@ -32,13 +32,6 @@ from .utils import HOPPER, hopper_qkv, on_hopper
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not gluon_tiles.wgmma_available(), reason="this Triton has no Gluon Hopper API")
 
-@pytest.fixture
-def hopper(monkeypatch):
-    for module in (tiles, fw):
-        monkeypatch.setattr(module, "device_info", lambda device: HOPPER)
-    monkeypatch.delenv("FLASHLITE_WGMMA", raising=False)
-
-
 def test_eligible_calls(hopper):
     # Every head dim padded to a table entry: 40 and 64 (64), 80, 96 and 128 (128), 160, 192 and 256 (256).
     for head_dim in (40, 64, 80, 96, 128, 160, 192, 256):

@@ -56,7 +56,7 @@ from .forward import alibi_slope
 from .gluon_tiles import (
     WGMMA_CAPABILITY, gluon, gluon_descriptor, issue_kv_load, thread_barrier, tma_load, tma_store, wait_kv,
 )
-from .plan import head_dim_padded, query_tile
+from .plan import NO_VARIANTS, head_dim_padded, query_tile
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -406,8 +406,8 @@ def wgmma_backward_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
 
 def _variant_switches(variant_meta: dict | None) -> dict:
     """``plan.variant_args``' switches without the sinks (their gradient is ``backward.sink_gradient``'s)."""
-    variants = dict(HAS_SOFTCAP=False, FAST_TANH=False, HAS_ALIBI=False, HAS_WINDOW=False)
-    variants.update({name: value for name, value in (variant_meta or {}).items() if name != "HAS_SINKS"})
+    variants = {**NO_VARIANTS, **(variant_meta or {})}
+    del variants["HAS_SINKS"]
     return variants
 
 

@@ -73,7 +73,7 @@ from .forward import alibi_slope
 from .gluon_tiles import (
     WGMMA_CAPABILITY, gluon, gluon_descriptor, issue_kv_load, thread_barrier, tma_load, tma_store, wait_kv,
 )
-from .plan import head_dim_padded, output_like, query_tile, variant_args, wgmma_config
+from .plan import NO_VARIANTS, head_dim_padded, output_like, query_tile, variant_args, wgmma_config
 from .tuning import WgmmaConfig
 
 if gluon is not None:
@@ -429,8 +429,7 @@ def kernel_for(config: WgmmaConfig, head_dim: int, head_dim_v: int, causal: bool
                variant_meta: dict | None = None) -> tuple:
     """``(kernel, launch keywords)`` of a call: its constexprs (``variant_meta``: ``plan.variant_args``' switches,
     none by default), ``num_warps`` and, warp-specialized, ``maxnreg``."""
-    variants = dict(HAS_SOFTCAP=False, FAST_TANH=False, HAS_ALIBI=False, HAS_WINDOW=False, HAS_SINKS=False)
-    variants.update(variant_meta or {})
+    variants = {**NO_VARIANTS, **(variant_meta or {})}
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                 KV_STAGES=config.kv_stages, IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps,
                 **variants)

@@ -99,6 +99,10 @@ def window_bounds(window: tuple[int, int] | None, seqlen_q: int, seqlen_k: int) 
     return tuple(unbounded if side == -1 else min(side, unbounded) for side in window)
 
 
+# ``variant_args``' switches for a call with no variant (what a kernel's launch takes by default).
+NO_VARIANTS = dict(HAS_SOFTCAP=False, FAST_TANH=False, HAS_ALIBI=False, HAS_WINDOW=False, HAS_SINKS=False)
+
+
 def variant_args(q: torch.Tensor, additive_mask: bool, softcap: float | None, window: tuple[int, int] | None,
                  has_alibi: bool, has_sinks: bool, seqlen_q: int, seqlen_k: int) -> tuple[tuple, dict]:
     """The variants' kernel arguments: the run-time ``(softcap, window_left, window_right)`` (the softcap in the
