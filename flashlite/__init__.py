@@ -1,7 +1,7 @@
 """flashlite: Triton kernels built on the online-softmax rescaling of a running maximum and denominator.
 
 Layers, each importing only those below it (``.importlinter`` holds this):
-``cli``; ``nn``, ``study``, ``integrations``, ``ops``, ``distributed``; ``attention``,
+``cli``; ``nn``, ``study``, ``integrations``, ``distributed``; ``attention``,
 ``masked_softmax``; ``softmax``, ``textbook``; ``core``.
 """
 
@@ -9,7 +9,6 @@ from .attention import flash_attention, merge_attention_states
 from .masked_softmax import masked_softmax
 from .softmax import logsumexp, softmax
 from . import nn, study, textbook  # noqa: E402,I001  (after the functions: flashlite.softmax is the function)
-from . import ops  # noqa: E402,I001  registers torch.ops.flashlite.* (torch.compile), after the op modules
 from . import distributed  # noqa: E402,I001  ring attention over torch.distributed (touches no process group here)
 
 __all__ = ["softmax", "logsumexp", "masked_softmax", "flash_attention", "merge_attention_states", "study", "nn",

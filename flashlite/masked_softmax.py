@@ -71,7 +71,7 @@ from .core.online_softmax import (
 from .core.partials import BOTH_PASSES, FINAL_PASS, PARTIAL_PASS, work_item
 from .core.runtime import is_compiling, launch_persistent, runs_kernels
 from .core.tiles import tile_rows
-from .softmax.api import as_rows
+from .softmax.api import as_rows, from_rows, softmax_grad_torch
 from .softmax.online import launch_online
 from .softmax.plan import ALGORITHMS, SoftmaxPlan, fused_warps, plan_softmax
 
@@ -475,32 +475,101 @@ def forward_keys_last(x: torch.Tensor, mask_view: torch.Tensor | None, scale: fl
     return masked_softmax_forward(x, mask_view, scale, causal, algorithm)
 
 
+# One op for eager and compiled code: ``flashlite::masked_softmax`` and ``flashlite::masked_softmax_backward``,
+# torch.library custom ops with fake implementations and one autograd rule (``_masked_softmax_setup`` /
+# ``_masked_softmax_gradient``). While torch.compile traces, ``masked_softmax`` calls the op; eager calls run
+# the same implementation, under ``_MaskedSoftmax`` when a gradient is needed (an autograd.Function that
+# applies the same rule), without the dispatcher's host cost.
+
+
+def _masked_softmax_impl(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool, dim: int,
+                         algorithm: str) -> torch.Tensor:
+    if x.numel() == 0 or not runs_kernels(x):
+        out = torch.empty(x.movedim(dim, -1).shape, dtype=x.dtype, device=x.device).movedim(-1, dim)
+        return out if x.numel() == 0 else out.copy_(masked_softmax_torch(x, mask, scale, causal, dim))
+    mask_view = None if mask is None else broadcast_mask(mask, x.shape)[0]
+    return forward_keys_last(x, mask_view, scale, causal, dim, algorithm).movedim(-1, dim)
+
+
+@torch.library.custom_op(
+    "flashlite::masked_softmax", mutates_args=(),
+    schema="(Tensor x, Tensor? mask, float scale, bool causal, int dim, str algorithm) -> Tensor",
+)
+def _masked_softmax_op(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool, dim: int,
+                       algorithm: str) -> torch.Tensor:
+    return _masked_softmax_impl(x, mask, scale, causal, dim, algorithm)
+
+
+@_masked_softmax_op.register_fake
+def _(x, mask, scale, causal, dim, algorithm):
+    return torch.empty(x.movedim(dim, -1).shape, dtype=x.dtype, device=x.device).movedim(-1, dim)
+
+
+def _masked_softmax_backward_impl(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool, dim: int,
+                                  algorithm: str, dx_dtype: torch.dtype) -> torch.Tensor:
+    if y.numel() == 0 or not runs_kernels(y):
+        out = torch.empty(y.movedim(dim, -1).shape, dtype=dx_dtype, device=y.device).movedim(-1, dim)
+        return out.copy_(softmax_grad_torch(y, dy, dim, scale, True))
+    y_keys_last = y.movedim(dim, -1).contiguous()  # (..., Lq, Lk), as the forward wrote it
+    seqlen_q = y_keys_last.shape[-2] if y.dim() > 1 else 1
+    dy2d = as_rows(dy, dim)  # (rows, Lk); copies only if dy is not row-strided
+    dx2d = masked_softmax_backward(y_keys_last.view(dy2d.shape), dy2d, seqlen_q, scale, causal, dx_dtype, algorithm)
+    return from_rows(dx2d, y, dim)
+
+
+@torch.library.custom_op(
+    "flashlite::masked_softmax_backward", mutates_args=(),
+    schema="(Tensor y, Tensor dy, float scale, bool causal, int dim, str algorithm, ScalarType dx_dtype) -> Tensor",
+)
+def _masked_softmax_backward_op(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool, dim: int,
+                                algorithm: str, dx_dtype: torch.dtype) -> torch.Tensor:
+    return _masked_softmax_backward_impl(y, dy, scale, causal, dim, algorithm, dx_dtype)
+
+
+@_masked_softmax_backward_op.register_fake
+def _(y, dy, scale, causal, dim, algorithm, dx_dtype):
+    return torch.empty(y.movedim(dim, -1).shape, dtype=dx_dtype, device=y.device).movedim(-1, dim)
+
+
+def _masked_softmax_setup(ctx, inputs, output) -> None:
+    _, mask, ctx.scale, ctx.causal, ctx.dim, ctx.algorithm = inputs
+    ctx.mask_shape, ctx.mask_dtype = (None, None) if mask is None else (mask.shape, mask.dtype)
+    ctx.save_for_backward(output)
+
+
+def _masked_softmax_gradient(ctx, dy, run_backward) -> tuple:
+    """``(dx, dmask, None, ...)``; ``run_backward``: the backward op, or its implementation (eager)."""
+    (y,) = ctx.saved_tensors
+    dx = dmask = None
+    if ctx.needs_input_grad[1]:
+        # d/d(bias) is the unscaled softmax gradient: one pass in fp32 with scale 1, then scaled for x.
+        g = run_backward(y, dy, 1.0, ctx.causal, ctx.dim, ctx.algorithm, torch.float32)
+        dmask = g.sum_to_size(ctx.mask_shape).to(ctx.mask_dtype)
+        if ctx.needs_input_grad[0]:
+            dx = (g * ctx.scale).to(y.dtype)
+    elif ctx.needs_input_grad[0]:
+        dx = run_backward(y, dy, ctx.scale, ctx.causal, ctx.dim, ctx.algorithm, y.dtype)
+    return dx, dmask, None, None, None, None
+
+
+_masked_softmax_op.register_autograd(
+    lambda ctx, dy: _masked_softmax_gradient(ctx, dy, torch.ops.flashlite.masked_softmax_backward),
+    setup_context=_masked_softmax_setup)
+
+
 class _MaskedSoftmax(torch.autograd.Function):
+    """The op's eager fast path: its implementation and autograd rule, without the dispatcher."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mask: torch.Tensor | None, mask_view: torch.Tensor | None, scale: float,
-                causal: bool, dim: int, algorithm: str) -> torch.Tensor:
-        y = forward_keys_last(x, mask_view, scale, causal, dim, algorithm)
-        ctx.save_for_backward(y)
-        ctx.scale, ctx.causal, ctx.dim, ctx.algorithm = scale, causal, dim, algorithm
-        ctx.mask_shape, ctx.mask_dtype = (None, None) if mask is None else (mask.shape, mask.dtype)
-        return y.movedim(-1, dim)
+    def forward(ctx, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool, dim: int,
+                algorithm: str) -> torch.Tensor:
+        y = _masked_softmax_impl(x, mask, scale, causal, dim, algorithm)
+        _masked_softmax_setup(ctx, (x, mask, scale, causal, dim, algorithm), y)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        (y,) = ctx.saved_tensors  # (..., Lq, Lk), or (Lk,) for one row
-        seqlen_q = y.shape[-2] if y.dim() > 1 else 1
-        dy2d = as_rows(dy, ctx.dim)  # (rows, Lk); copies only if dy is not row-strided
-        y2d = y.view(dy2d.shape)
-        grad_mask = None
-        if ctx.needs_input_grad[1]:
-            # d/d(bias) is the unscaled softmax gradient: one kernel pass in fp32 with scale 1, then scale it for x.
-            g2d = masked_softmax_backward(y2d, dy2d, seqlen_q, 1.0, ctx.causal, torch.float32, ctx.algorithm)
-            grad_mask = g2d.view(y.shape).movedim(-1, ctx.dim).sum_to_size(ctx.mask_shape).to(ctx.mask_dtype)
-            dx2d = (g2d * ctx.scale).to(y.dtype) if ctx.needs_input_grad[0] else None
-        else:
-            dx2d = masked_softmax_backward(y2d, dy2d, seqlen_q, ctx.scale, ctx.causal, y.dtype, ctx.algorithm)
-        dx = None if dx2d is None else dx2d.view(y.shape).movedim(-1, ctx.dim)
-        return dx, grad_mask, None, None, None, None, None
+        return _masked_softmax_gradient(ctx, dy, _masked_softmax_backward_impl)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -542,14 +611,10 @@ def masked_softmax(
         to ``x``, lives on another device, or ``causal`` without a (Lq, Lk) last pair.
     """
     dim, scale = _check_args(x, mask, scale, causal, dim, algorithm)
-    mask_view = None if mask is None else broadcast_mask(mask, x.shape)[0]  # stride 0 on broadcast dims; bool as uint8
-    if is_compiling():  # one node of the graph (flashlite.ops)
+    if mask is not None:
+        broadcast_mask(mask, x.shape)  # checks its dtype and shape (stride 0 on broadcast dims: never expanded)
+    if is_compiling():  # one node of the graph: the op
         return torch.ops.flashlite.masked_softmax(x, mask, scale, causal, dim, algorithm)
-    if x.numel() == 0:
-        return torch.empty_like(x)
-    if not runs_kernels(x):
-        return masked_softmax_torch(x, mask, scale, causal, dim)
     if torch.is_grad_enabled() and (x.requires_grad or (mask is not None and mask.requires_grad)):
-        return _MaskedSoftmax.apply(x, mask, mask_view, scale, causal, dim, algorithm)
-    y = forward_keys_last(x, mask_view, scale, causal, dim, algorithm)
-    return y if dim == x.dim() - 1 else y.movedim(-1, dim)
+        return _MaskedSoftmax.apply(x, mask, scale, causal, dim, algorithm)
+    return _masked_softmax_impl(x, mask, scale, causal, dim, algorithm)

@@ -80,7 +80,8 @@ def test_pytorch_path_agrees(monkeypatch):
 
 def test_compiled_op_takes_softcap():
     q, k, v = (randn(1, 2, 20, 16, scale=2.0) for _ in range(3))
-    o, lse, _ = torch.ops.flashlite.flash_attention(q, k, v, True, 0.25, None, 1, None, 2.0)
+    o, lse, _ = torch.ops.flashlite.flash_attention(q, k, v, None, None, None, None, True, 0.25, 2.0, None, 1, True,
+                                                   False)
     torch.testing.assert_close(o.double(), attention_ref(q, k, v, causal=True, scale=0.25, softcap=2.0),
                                atol=1e-5, rtol=1e-5)
 

@@ -131,7 +131,8 @@ def test_pytorch_path_agrees(monkeypatch):
 
 def test_compiled_op_takes_a_window():
     q, k, v = (randn(1, 2, 30, 16) for _ in range(3))
-    o, _, _ = torch.ops.flashlite.flash_attention(q, k, v, False, 0.25, None, 1, None, None, [5, 0])
+    o, _, _ = torch.ops.flashlite.flash_attention(q, k, v, None, None, None, None, False, 0.25, None, [5, 0], 1,
+                                                 False, False)
     torch.testing.assert_close(o.double(), attention_ref(q, k, v, scale=0.25, window_size=(5, 0)),
                                atol=1e-5, rtol=1e-5)
 

@@ -25,6 +25,7 @@ except ImportError:  # older layout
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite.core import runtime as _runtime
+from flashlite.core import triton_compat
 from flashlite.core.online_softmax import LOG2E
 
 
@@ -106,7 +107,7 @@ class _Kernel:
 
 def _stand_in_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(_runtime, "current_stream", lambda device: "stream")
+    monkeypatch.setattr(triton_compat, "current_stream", lambda device: "stream")
     monkeypatch.setattr(_runtime, "_COMPILED", {})
 
 

@@ -1,11 +1,14 @@
-"""``flashlite.flash_attention``: argument checks, routing between the kernels, autograd.
+"""``flashlite.flash_attention``: the interface. Argument checks, the call's route, one custom op and its autograd.
 
-``attention_forward`` sends a checked call to the Hopper kernel
-(``forward_hopper``) where it applies, else to the ``triton.language`` kernel
-(``forward``); decoding calls (``num_splits``, ``cache_seqlens``) go to
-``split_kv``; training calls keep what the backward (``backward``) needs
-(``forward_for_backward``). Tensors the kernels do not run on take
-``reference``.
+One op serves eager and compiled code: ``flashlite::flash_attention`` (forward: ``(o, lse, row_stats)``) and
+``flashlite::flash_attention_backward``, each a ``torch.library`` custom op with its fake (meta)
+implementation, and one autograd rule (``_save_for_backward``, ``_gradients``) registered on the op.
+``flash_attention`` checks its arguments and finds the call's ``route.Route`` (planned at a signature's first
+call, kept by ``call_key``); while ``torch.compile`` traces, it calls the op, whose implementation finds the
+route again from the op's arguments (``op_route``). Eager calls run the op's implementation directly, under
+``_Attention`` when a gradient is needed: an ``autograd.Function`` that applies the same rule. The
+dispatcher costs 10–16 µs a call on the host (a custom op with autograd against a Function, measured on the
+CI machine), which a short training call cannot afford (``bench/call_path.py``).
 """
 
 from __future__ import annotations
@@ -19,38 +22,12 @@ from ..core.checks import (
 )
 from ..core.masking import broadcast_mask
 from ..core.runtime import is_compiling, runs_kernels
-from .backward import attention_backward
-from .forward import attention_forward_tl
-from .forward_hopper import attention_forward_hopper, wgmma_eligible
-from .reference import attention_torch
-from .split_kv import SplitLaunch, auto_num_splits, check_split_args
-from .plan import alibi_view, visibility
-from .tuning import AttentionConfig, MAX_HEAD_DIM, MIN_HEAD_DIM
+from .plan import alibi_view, output_like, visibility
+from .route import SPLIT_HAS_NO_BACKWARD, Route, attention_forward
+from .split_kv import auto_num_splits, check_split_args
+from .tuning import MAX_HEAD_DIM, MIN_HEAD_DIM
 
-
-def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-    mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool, config: AttentionConfig | None = None,
-    *, row_stats: torch.Tensor | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
-    alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The forward of checked (B, H, L, D) tensors whose head dim has stride 1, on the kernel that serves it.
-
-    ``mask`` is broadcast to (B, H, Lq, Lk) already (``broadcast_mask``). ``config``
-    forces the ``triton.language`` kernel (``forward``) and its tiles (tests use
-    small ones to cover the multi-tile paths). Without it, calls the Hopper kernel
-    takes (``wgmma_eligible``) go there; the rest run ``forward``. For the backward
-    of an additive mask ``row_stats``, a (2, B, H, Lq) fp32 tensor, is filled with
-    each row's ``(m, log d)``. The variants: ``softcap`` (Gemma-2's logit softcapping), ``window`` (a sliding
-    window as ``plan.visibility`` gives it, causal folded in), ``alibi`` ((B, H) fp32 slopes,
-    ``plan.alibi_view``), ``sinks`` ((H,)); None for each that is not used.
-    Returns ``(o, lse)``: o (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 natural-log, or None.
-    """
-    if config is None and row_stats is None and wgmma_eligible(q, k, v, mask is not None, scale):
-        return attention_forward_hopper(q, k, v, causal, scale, write_lse, window=window, softcap=softcap,
-                                        alibi=alibi, sinks=sinks)
-    return attention_forward_tl(q, k, v, causal, scale, mask, mask_is_bool, write_lse, config, row_stats=row_stats,
-                                softcap=softcap, window=window, alibi=alibi, sinks=sinks)
+__all__ = ["flash_attention", "attention_forward", "clear_routes", "SPLIT_HAS_NO_BACKWARD"]
 
 
 def check_inputs(
@@ -93,137 +70,254 @@ def unit_stride_head_dim(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(3) == 1 or t.shape[3] == 1 else t.contiguous()
 
 
-SPLIT_HAS_NO_BACKWARD = (
-    "flashlite.flash_attention has no backward pass for split-K/V attention (num_splits > 1 or "
-    "cache_seqlens given); call it with num_splits=1 and without cache_seqlens to train"
-)
+def unit_stride_head_dim(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its head dim has stride 1 (any other strides are fine), else one contiguous copy."""
+    return t if t.stride(3) == 1 or t.shape[3] == 1 else t.contiguous()
 
 
-# Routes of repeated inference calls (``repeat_key``), kept up to this many signatures.
+# ----------------------------------------------------------------------------- routes by signature
+
+
+# Routes kept, up to this many signatures (then forgotten all at once).
 ROUTES_KEPT = 256
 
 
 _ROUTES: dict = {}
 
 
-def repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_seqlens, softcap=None,
-               window_size=None, alibi_slopes=None, sinks=None) -> tuple | None:
-    """The signature under which ``_ROUTES`` keeps the route of an inference call, or None (not kept).
-
-    Kept: eager calls on plain tensors that flashlite's kernels run, no mask, no
-    gradient to record, arguments of the exact types the checks accept
-    (``bool`` flags, a ``float`` or None scale, an ``int`` or None ``num_splits``)
-    and ``cache_seqlens`` None or on a GPU (on CPU its values are checked every
-    call). Everything the checks and the plan read is in the key: shapes,
-    strides, dtypes, devices, addresses modulo 16, and the options' values; of ``alibi_slopes`` and
-    ``sinks`` (tensors passed to each call's kernels) what their checks read.
-    """
-    if (attn_mask is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor
-            or type(v) is not torch.Tensor or type(causal) is not bool or type(return_lse) is not bool
-            or (scale is not None and type(scale) is not float) or (num_splits is not None and type(num_splits) is not int)
-            or (softcap is not None and type(softcap) is not float)
-            or (window_size is not None and (type(window_size) is not tuple or len(window_size) != 2
-                                             or any(type(side) is not int for side in window_size)))
-            or is_compiling() or not runs_kernels(q)):
-        return None
-    tensors = []
-    for t in (alibi_slopes, sinks):
-        if t is not None:
-            if type(t) is not torch.Tensor:
-                return None
-            tensors.append((t.dtype, t.shape, t.device))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (sinks is not None and sinks.requires_grad)):
-        return None
-    lengths = None
-    if cache_seqlens is not None:
-        if type(cache_seqlens) is not torch.Tensor or not cache_seqlens.is_cuda:
-            return None
-        lengths = (cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.device,
-                   cache_seqlens.data_ptr() % 16)
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
-            causal, scale, return_lse, num_splits, lengths, softcap, window_size, alibi_slopes is None, sinks is None,
-            *tensors)
-
-
-def forward_route(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, mask_is_bool: bool, causal: bool,
-    scale: float, write_lse: bool, num_splits: int, has_cache_seqlens: bool, softcap: float | None = None,
-    window: tuple[int, int] | None = None, has_alibi: bool = False, has_sinks: bool = False,
-):
-    """``f(q, k, v, mask, cache_seqlens, alibi, sinks) -> (o, lse)``: the forward of a call of this signature,
-    planned once: split-K/V (``SplitLaunch``) for ``num_splits`` > 1 or a cache with lengths, else
-    ``attention_forward``. ``alibi`` is ``plan.alibi_view``'s (B, H)."""
-    if num_splits == 1 and not has_cache_seqlens:
-        def forward(q, k, v, mask, cache_seqlens, alibi, sinks):
-            return attention_forward(q, k, v, causal, scale, mask, mask_is_bool, write_lse, softcap=softcap,
-                                     window=window, alibi=alibi, sinks=sinks)
-        return forward
-    return SplitLaunch(q, k, v, mask, causal, scale, mask_is_bool, write_lse, num_splits, has_cache_seqlens,
-                       softcap=softcap, window=window, has_alibi=has_alibi, has_sinks=has_sinks)
-
-
 def clear_routes() -> None:
-    """Forget the routes of repeated calls, after changing a tuning constant (tests and benchmarks do)."""
+    """Forget every planned route, after changing a tuning constant or a ``FLASHLITE_*`` switch (tests and
+    benchmarks do)."""
     _ROUTES.clear()
 
 
-def forward_for_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, mask: torch.Tensor | None,
-    mask_is_bool: bool, softcap: float | None = None, window: tuple[int, int] | None = None,
-    alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(o, lse, row_stats)``: the forward a backward will follow.
+def _keep(key: tuple, route: Route) -> None:
+    if len(_ROUTES) >= ROUTES_KEPT:
+        _ROUTES.clear()
+    _ROUTES[key] = route
 
-    Without an additive mask ``row_stats`` is None: the backward recomputes P
-    from the LSE. Under one, each row's ``(m, log d)`` is kept apart
-    (``row_stats``, (2, B, H, Lq)): a bias of -1e9 leaves no room for ``log d``
-    in the LSE's fp32, and P recomputed from it would sum to the key count.
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a route reads off an optional tensor argument: None, or its type, shape, strides, dtype, device and
+    address modulo 16 (Triton compiles apart for 16-byte alignment)."""
+    if t is None:
+        return None
+    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def call_key(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse, num_splits,
+             cache_seqlens, training) -> tuple | None:
+    """The signature under which ``flash_attention`` keeps an eager call's route, or None (not kept: checked and
+    planned every time).
+
+    Kept: plain tensors that flashlite's kernels run, arguments of the exact types the checks accept (``bool``
+    flags, a ``float`` or None scale and softcap, an ``int`` or None ``num_splits``, a tuple of two ints or
+    None for the window) and ``cache_seqlens`` None or on a GPU (on CPU its values are checked every call).
+    Everything the checks and the route read is in the key: the tensors' shapes, strides, dtypes, devices and
+    addresses modulo 16 (``_tensor_key``), the options' values, and whether a gradient is needed.
     """
-    variants = dict(softcap=softcap, window=window, alibi=alibi, sinks=sinks)
-    if mask is None or mask_is_bool:
-        o, lse = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, True, **variants)
-        return o, lse, None
-    row_stats = torch.empty((2, *q.shape[:3]), dtype=torch.float32, device=q.device)
-    o, _ = attention_forward(q, k, v, causal, scale, mask, mask_is_bool, False, row_stats=row_stats, **variants)
-    return o, row_stats[0] + row_stats[1], row_stats
+    if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
+            or type(causal) is not bool or type(return_lse) is not bool
+            or (scale is not None and type(scale) is not float) or (num_splits is not None and type(num_splits) is not int)
+            or (softcap is not None and type(softcap) is not float)
+            or (window_size is not None and (type(window_size) is not tuple or len(window_size) != 2
+                                             or type(window_size[0]) is not int or type(window_size[1]) is not int))
+            or (cache_seqlens is not None and (type(cache_seqlens) is not torch.Tensor or not cache_seqlens.is_cuda))
+            or not runs_kernels(q)):
+        return None
+    for t in (attn_mask, alibi_slopes, sinks):
+        if t is not None and not isinstance(t, torch.Tensor):
+            return None
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
+            causal, scale, return_lse, num_splits, softcap, window_size, training, _tensor_key(attn_mask),
+            _tensor_key(alibi_slopes), _tensor_key(sinks), _tensor_key(cache_seqlens))
 
 
-class _FlashAttention(torch.autograd.Function):
-    """``(o, lse)`` of ``flash_attention``; differentiable in q, k, v, an additive mask, the sinks and through lse
-    (backward: ``flashlite.attention.backward``, not for the split-K/V path). ``attn_mask`` is the user's mask,
-    ``mask`` its (B, H, Lq, Lk) view: the mask's gradient is summed to ``attn_mask``'s shape in fp32, before
-    it is rounded to its dtype (rounding each of its Lk terms first would leave their rounding in the sum)."""
+def op_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+             cache_seqlens: torch.Tensor | None, alibi: torch.Tensor | None, sinks: torch.Tensor | None,
+             causal: bool, scale: float, softcap: float | None, window: list[int] | None, num_splits: int | None,
+             write_lse: bool, training: bool) -> tuple[Route, torch.Tensor | None]:
+    """``(route, mask)`` of a call of the op from its (checked) arguments, and the mask broadcast as the kernels
+    read it. Routes are kept by the op's signature, as ``call_key`` keeps the eager calls'."""
+    mask, mask_is_bool = _mask_view(attn_mask, q, k)
+    key = ("op", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+           q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal, scale, softcap,
+           None if window is None else tuple(window), num_splits, write_lse, training, _tensor_key(attn_mask),
+           _tensor_key(alibi), _tensor_key(sinks), _tensor_key(cache_seqlens))
+    route = _ROUTES.get(key)
+    if route is None:
+        if num_splits is None:
+            num_splits = auto_num_splits(q, k, mask) if runs_kernels(q) else 1
+        route = Route(q, k, v, mask, mask_is_bool, causal, scale, softcap, None if window is None else tuple(window),
+                      alibi is not None, sinks is not None, write_lse, training, num_splits, cache_seqlens is not None)
+        _keep(key, route)
+    return route, mask
+
+
+def _mask_view(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """``attn_mask`` viewed as the kernels read it: broadcast to (B, H, Lq, Lk), bool as uint8."""
+    if attn_mask is None:
+        return None, False
+    return broadcast_mask(attn_mask, (*q.shape[:3], k.shape[2]), "attn_mask")
+
+
+# ----------------------------------------------------------------------------- the op and its autograd rule
+
+
+@torch.library.custom_op(
+    "flashlite::flash_attention", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cache_seqlens, Tensor? alibi, Tensor? sinks, "
+           "bool causal, float scale, float? softcap, int[]? window, int? num_splits, bool write_lse, "
+           "bool training) -> (Tensor, Tensor, Tensor)",
+)
+def _flash_attention_op(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window, num_splits,
+                        write_lse, training):
+    """``(o, lse, row_stats)`` (``Route.forward``'s; an LSE not written and row_stats not kept are empty)."""
+    route, mask = op_route(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window,
+                           num_splits, write_lse, training)
+    o, lse, row_stats = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks)
+    empty = q.new_empty((0,), dtype=torch.float32)  # an output not written (outputs may not alias each other)
+    return o, lse if lse is not None else empty, row_stats if row_stats is not None else empty.clone()
+
+
+def _keeps_row_stats(attn_mask, num_splits, cache_seqlens, training) -> bool:
+    """``Route.keeps_row_stats`` from the op's arguments (the fake's outputs depend on it)."""
+    split = num_splits not in (None, 1) or cache_seqlens is not None
+    return training and attn_mask is not None and attn_mask.dtype != torch.bool and not split
+
+
+@_flash_attention_op.register_fake
+def _(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window, num_splits, write_lse,
+      training):
+    o = output_like(q, v.shape[3])  # q's memory order, as the launches allocate it
+    lse = q.new_empty(q.shape[:3] if write_lse or training else (0,), dtype=torch.float32)
+    keeps = _keeps_row_stats(attn_mask, num_splits, cache_seqlens, training)
+    return o, lse, q.new_empty((2, *q.shape[:3]) if keeps else (0,), dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "flashlite::flash_attention_backward", mutates_args=(),
+    schema="(Tensor do, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor row_stats, "
+           "Tensor? attn_mask, Tensor? cache_seqlens, Tensor? alibi, Tensor? sinks, bool causal, float scale, "
+           "float? softcap, int[]? window, int? num_splits, bool write_lse, bool training, "
+           "bool mask_needs_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _flash_attention_backward_op(do, dlse, q, k, v, o, lse, row_stats, attn_mask, cache_seqlens, alibi, sinks,
+                                 causal, scale, softcap, window, num_splits, write_lse, training, mask_needs_grad):
+    """``(dq, dk, dv, dmask, dsinks)``: dmask the fp32 gradient of ``attn_mask`` in its shape (empty when not
+    asked), dsinks fp32 (empty without sinks). The route is the forward's (``op_route``)."""
+    route, mask = op_route(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window,
+                           num_splits, write_lse, training)
+    grads = route.backward(unit_stride_head_dim(do), dlse, q, k, v, o, lse,
+                           row_stats if row_stats.numel() else None, mask, alibi, sinks, mask_needs_grad)
+    dq, dk, dv, dmask, dsinks = (g.clone() if g is not None and g._base is not None else g for g in grads)
+    empty = q.new_empty((0,), dtype=torch.float32)  # a gradient not asked for (outputs may not alias each other)
+    dmask = dmask.sum_to_size(attn_mask.shape).float().contiguous() if dmask is not None else empty
+    return dq, dk, dv, dmask, dsinks.float().clone() if dsinks is not None else empty.clone()
+
+
+@_flash_attention_backward_op.register_fake
+def _(do, dlse, q, k, v, o, lse, row_stats, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap,
+      window, num_splits, write_lse, training, mask_needs_grad):
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    dmask = q.new_empty(attn_mask.shape if mask_needs_grad else (0,), dtype=torch.float32)
+    return dq, dk, dv, dmask, q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
+
+
+def _save_for_backward(ctx, q, k, v, attn_mask, alibi, sinks, o, lse, row_stats, mask_index: int) -> None:
+    """The autograd rule's forward half: what the backward reads. ``mask_index``: ``attn_mask``'s position among
+    the inputs (its ``needs_input_grad``)."""
+    ctx.save_for_backward(q, k, v, o, lse, row_stats, attn_mask, alibi, sinks)
+    ctx.mask_index = mask_index
+
+
+def _gradients(ctx, do, dlse, run_backward) -> tuple:
+    """The autograd rule's backward half: ``(dq, dk, dv, dmask, dsinks)`` in the inputs' dtypes and shapes (None
+    where no gradient is asked), from ``run_backward(do, dlse, q, k, v, o, lse, row_stats, attn_mask, alibi,
+    sinks, mask_needs_grad)``: the op's backward, or its implementation (eager)."""
+    q, k, v, o, lse, row_stats, attn_mask, alibi, sinks = ctx.saved_tensors
+    mask_needs_grad = attn_mask is not None and ctx.needs_input_grad[ctx.mask_index]
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv, dmask, dsinks = run_backward(do, dlse, q, k, v, o, lse, row_stats, attn_mask, alibi, sinks,
+                                             mask_needs_grad)
+    dmask = dmask.to(attn_mask.dtype) if mask_needs_grad else None
+    dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
+    return dq, dk, dv, dmask, dsinks
+
+
+def _setup_op(ctx, inputs, output) -> None:
+    (q, k, v, attn_mask, cache_seqlens, alibi, sinks, *options) = inputs
+    ctx.op_options = (cache_seqlens, *options)
+    _save_for_backward(ctx, q, k, v, attn_mask, alibi, sinks, *output, mask_index=3)
+
+
+def _op_gradients(ctx, do, dlse, _drow_stats):
+    def run(do, dlse, q, k, v, o, lse, row_stats, attn_mask, alibi, sinks, mask_needs_grad):
+        cache_seqlens, *options = ctx.op_options
+        return torch.ops.flashlite.flash_attention_backward(
+            do, dlse, q, k, v, o, lse, row_stats, attn_mask, cache_seqlens, alibi, sinks, *options, mask_needs_grad)
+
+    dq, dk, dv, dmask, dsinks = _gradients(ctx, do, dlse, run)
+    return dq, dk, dv, dmask, None, None, dsinks, None, None, None, None, None, None, None
+
+
+_flash_attention_op.register_autograd(_op_gradients, setup_context=_setup_op)
+
+
+class _Attention(torch.autograd.Function):
+    """The op's eager fast path: its implementation (``Route.forward``) and autograd rule, without the dispatcher."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, attn_mask, mask, mask_is_bool, write_lse, num_splits, cache_seqlens,
-                softcap, window, alibi, sinks):
-        ctx.split = num_splits != 1 or cache_seqlens is not None
-        if ctx.split:
-            route = forward_route(q, k, v, mask, mask_is_bool, causal, scale, write_lse, num_splits,
-                                  cache_seqlens is not None, softcap, window, alibi is not None, sinks is not None)
-            return route(q, k, v, mask, cache_seqlens, alibi, sinks)
-        o, lse, row_stats = forward_for_backward(q, k, v, causal, scale, mask, mask_is_bool, softcap, window, alibi,
-                                                 sinks)
-        ctx.save_for_backward(q, k, v, o, lse, row_stats, mask, alibi, sinks)
-        ctx.causal, ctx.scale, ctx.mask_is_bool, ctx.softcap, ctx.window = causal, scale, mask_is_bool, softcap, window
-        ctx.mask_shape = None if attn_mask is None else attn_mask.shape
+    def forward(ctx, route, q, k, v, attn_mask, mask, cache_seqlens, alibi, sinks):
+        ctx.set_materialize_grads(False)
+        o, lse, row_stats = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks)
+        ctx.route = route
+        _save_for_backward(ctx, q, k, v, attn_mask, alibi, sinks, o, lse, row_stats, mask_index=4)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        if ctx.split:
-            raise NotImplementedError(SPLIT_HAS_NO_BACKWARD)
-        q, k, v, o, lse, row_stats, mask, alibi, sinks = ctx.saved_tensors
-        dq, dk, dv, dmask, dsinks = attention_backward(
-            unit_stride_head_dim(do), q, k, v, o, lse, dlse, ctx.causal, ctx.scale, mask, ctx.mask_is_bool,
-            mask_needs_grad=ctx.needs_input_grad[5], row_stats=row_stats, softcap=ctx.softcap, window=ctx.window,
-            alibi=alibi, sinks=sinks,
-        )
-        if dmask is not None:
-            dmask = dmask.sum_to_size(ctx.mask_shape).to(mask.dtype)
-        return dq, dk, dv, None, None, dmask, None, None, None, None, None, None, None, None, dsinks
+        route = ctx.route
+
+        def run(do, dlse, q, k, v, o, lse, row_stats, attn_mask, alibi, sinks, mask_needs_grad):
+            mask = _mask_view(attn_mask, q, k)[0]
+            dq, dk, dv, dmask, dsinks = route.backward(unit_stride_head_dim(do), dlse, q, k, v, o, lse, row_stats,
+                                                       mask, alibi, sinks, mask_needs_grad)
+            if dmask is not None:
+                dmask = dmask.sum_to_size(attn_mask.shape)
+            return dq, dk, dv, dmask, dsinks
+
+        dq, dk, dv, dmask, dsinks = _gradients(ctx, do, dlse, run)
+        return None, dq, dk, dv, dmask, None, None, None, dsinks
+
+
+# ----------------------------------------------------------------------------- the public function
+
+
+class _Call:
+    """A checked eager call's route and the normalised options it was planned with (kept by ``call_key``)."""
+
+    __slots__ = ("route", "write_lse")
+
+    def __init__(self, route: Route, write_lse: bool):
+        self.route, self.write_lse = route, write_lse
+
+
+def _check_call(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse,
+                num_splits, cache_seqlens):
+    """Every argument checked (errors name the argument), returned normalised: ``(mask, mask_is_bool, causal,
+    scale, softcap, window, return_lse)``."""
+    mask, mask_is_bool = check_inputs(q, k, v, attn_mask)
+    causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
+    check_split_args(num_splits, cache_seqlens, q, k)
+    check_alibi_slopes(alibi_slopes, q)
+    check_sinks(sinks, q)
+    scale = check_scale(scale, 1.0 / math.sqrt(q.shape[3]))
+    softcap = check_softcap(softcap)
+    causal, window = visibility(causal, check_window_size(window_size))
+    return mask, mask_is_bool, causal, scale, softcap, window, return_lse
 
 
 def flash_attention(
@@ -302,77 +396,71 @@ def flash_attention(
         sees no key at all gives zeros and ``lse = -inf`` (the sink, with sinks).
 
     Decoding (Lq = 1..16 against a long cache) is what ``cache_seqlens`` and
-    ``num_splits`` are for. A repeated inference call without a mask (the same
-    shapes, strides, dtypes, devices, 16-byte alignments and options as an
-    earlier one) skips the checks and the plan: it replays the route planned at
-    its first call (``repeat_key``), a decoding step's host cost.
+    ``num_splits`` are for. A repeated call (the same shapes, strides, dtypes,
+    devices, 16-byte alignments, options and need for gradients as an earlier
+    one) skips the checks and the planning: it replays the route planned at its
+    first call (``route.Route``, kept by ``call_key``), forward and backward.
 
     fp16/bf16 compute in fp32 with P rounded to the input dtype, like
     FlashAttention; fp32 uses IEEE fp32 dots (slow, accurate to ~1e-6).
 
-    Differentiable (``flashlite.attention.backward``, FlashAttention-2 style; on a
-    GPU two passes, bitwise repeatable, see ``attention_backward``): gradients of q, k, v (dk/dv summed over each GQA group), of
+    Differentiable (``flashlite.attention.backward``, FlashAttention-2 style: two
+    passes, bitwise repeatable): gradients of q, k, v (dk/dv summed over each GQA group), of
     a float ``attn_mask`` that requires grad (summed over its broadcast dims;
     this materialises one (B, H, Lq, Lk) fp32 buffer), and through the returned
     ``lse``, and of ``sinks``. A boolean mask has no gradient. The split-K/V path (``num_splits``
     > 1, ``cache_seqlens``) has no backward: it raises NotImplementedError. CPU
     tensors run the Triton kernels through the interpreter under
-    ``TRITON_INTERPRET=1``, else a PyTorch fp32 path (plain autograd) that
-    materialises the scores.
+    ``TRITON_INTERPRET=1``, else a PyTorch fp32 path that materialises the
+    scores. Eager and compiled calls run one op (``torch.ops.flashlite.flash_attention``,
+    its backward ``flash_attention_backward``); eager calls reach its implementation
+    and autograd rule through ``_Attention``, without the dispatcher's host cost.
     """
-    key = repeat_key(q, k, v, causal, scale, attn_mask, return_lse, num_splits, cache_seqlens, softcap, window_size,
-                     alibi_slopes, sinks)
-    route = _ROUTES.get(key) if key is not None else None
-    if route is not None:  # a repeated inference call: checked and planned when first seen
-        o, lse = route(q, k, v, None, cache_seqlens, alibi_view(alibi_slopes, q.shape[0]),
-                       None if sinks is None else sinks.contiguous())
-        return (o, lse) if return_lse else o
-    mask, mask_is_bool = check_inputs(q, k, v, attn_mask)
-    causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
-    check_split_args(num_splits, cache_seqlens, q, k)
-    check_alibi_slopes(alibi_slopes, q)
-    check_sinks(sinks, q)
-    batch, n_heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
-    scale = check_scale(scale, 1.0 / math.sqrt(head_dim))
-    softcap = check_softcap(softcap)
-    causal, window = visibility(causal, check_window_size(window_size))
-    alibi = alibi_view(alibi_slopes, batch)
-    sinks = None if sinks is None else sinks.contiguous()  # the kernels read one per head (differentiable)
-    if is_compiling():  # one node of the graph (flashlite.ops); training keeps the forward kernel, as below
-        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, attn_mask, sinks) if t is not None)
-        splits = 1 if num_splits is None and grads else num_splits
-        o, lse, _ = torch.ops.flashlite.flash_attention(q, k, v, causal, scale, attn_mask, splits, cache_seqlens,
-                                                        softcap, None if window is None else list(window), alibi,
-                                                        sinks)
-        return (o, lse) if return_lse else o
-    if not runs_kernels(q):
-        o, lse = attention_torch(q, k, v, causal, scale, attn_mask, cache_seqlens, softcap, window, alibi, sinks)
-    elif batch * n_heads * seqlen_q == 0 or seqlen_k == 0:  # nothing to launch; no key means empty rows
-        # Zeros that stay in the autograd graph (gradient 0 for q), whatever q holds (NaN included); the LSE is the
-        # sink's where there is one.
-        o = torch.where(torch.zeros_like(q[..., :1], dtype=torch.bool), q[..., :1], 0.0).expand(
-            *q.shape[:3], v.shape[3]).contiguous()
-        lse = torch.full((batch, n_heads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
-        if sinks is not None:
-            lse = sinks.float().view(1, -1, 1).expand(batch, n_heads, seqlen_q).contiguous()
-    else:
-        inputs = (q, k, v)
-        q, k, v = (unit_stride_head_dim(t) for t in inputs)
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k, v, attn_mask, sinks) if t is not None)
+    training = torch.is_grad_enabled() and (
+        getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)
+        or getattr(attn_mask, "requires_grad", False) or getattr(sinks, "requires_grad", False))
+    if is_compiling():
+        return _compiled_call(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks,
+                              return_lse, num_splits, cache_seqlens, training)
+    key = call_key(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse,
+                   num_splits, cache_seqlens, training)
+    call = _ROUTES.get(key) if key is not None else None
+    if call is None:  # checked and planned once per signature
+        mask, mask_is_bool, causal_, scale_, softcap_, window, return_lse_ = _check_call(
+            q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse, num_splits,
+            cache_seqlens)
+        qu, ku, vu = (unit_stride_head_dim(t) for t in (q, k, v))
         if num_splits is None:  # training keeps the forward kernel: the split path has no backward
-            num_splits = 1 if needs_grad else auto_num_splits(q, k, mask)
-        if needs_grad:
-            o, lse = _FlashAttention.apply(q, k, v, causal, scale, attn_mask, mask, mask_is_bool, return_lse,
-                                           num_splits, cache_seqlens, softcap, window, alibi, sinks)
-        else:  # inference: no autograd node to build (its host cost shows on short calls)
-            route = forward_route(q, k, v, mask, mask_is_bool, causal, scale, return_lse, num_splits,
-                                  cache_seqlens is not None, softcap, window, alibi is not None, sinks is not None)
-            o, lse = route(q, k, v, mask, cache_seqlens, alibi, sinks)
-            # Kept for repeats when the key says so (no mask, among others) and the inputs were used in place.
-            if key is not None and all(a is b for a, b in zip((q, k, v), inputs)):
-                if len(_ROUTES) >= ROUTES_KEPT:
-                    _ROUTES.clear()
-                _ROUTES[key] = route
+            num_splits = 1 if training or not runs_kernels(q) else auto_num_splits(qu, ku, mask)
+        call = _Call(Route(qu, ku, vu, mask, mask_is_bool, causal_, scale_, softcap_, window, alibi_slopes is not None,
+                           sinks is not None, return_lse_, training, num_splits, cache_seqlens is not None),
+                     return_lse_)
+        if key is not None:
+            _keep(key, call)
+    q, k, v = unit_stride_head_dim(q), unit_stride_head_dim(k), unit_stride_head_dim(v)
+    mask = None if attn_mask is None else _mask_view(attn_mask, q, k)[0]
+    alibi = None if alibi_slopes is None else alibi_view(alibi_slopes, q.shape[0])
+    if sinks is not None:
+        sinks = sinks.contiguous()  # the kernels read one per head (differentiable)
+    if training:
+        o, lse = _Attention.apply(call.route, q, k, v, attn_mask, mask, cache_seqlens, alibi, sinks)
+    else:  # inference: no autograd node to build
+        o, lse, _ = call.route.forward(q, k, v, mask, cache_seqlens, alibi, sinks)
+    return (o, lse) if call.write_lse else o
+
+
+def _compiled_call(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse,
+                   num_splits, cache_seqlens, training):
+    """``flash_attention`` while ``torch.compile`` traces: checked, then one node of the graph (the op)."""
+    _, _, causal, scale, softcap, window, return_lse = _check_call(
+        q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse, num_splits,
+        cache_seqlens)
+    q, k, v = (unit_stride_head_dim(t) for t in (q, k, v))
+    if num_splits is None and training:
+        num_splits = 1
+    alibi = alibi_view(alibi_slopes, q.shape[0])
+    sinks = None if sinks is None else sinks.contiguous()
+    o, lse, _ = torch.ops.flashlite.flash_attention(
+        q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap,
+        None if window is None else list(window), num_splits, return_lse, training)
     return (o, lse) if return_lse else o

@@ -91,13 +91,13 @@ import triton.language as tl
 
 from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges, range_part
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
-from ..core.runtime import launch
-from ..core.tiles import add_tile, dot, load_tile, store_tile, tensor_descriptor, tma_usable
+from ..core.runtime import KernelLaunch
+from ..core.tiles import add_tile, dot, load_tile, store_tile
 from . import tuning
-from .backward_hopper import attention_backward_hopper, wgmma_backward_eligible
+from .backward_hopper import HopperBackwardLaunch, wgmma_backward_eligible
 from .forward import alibi_slope
 from .plan import (
-    KV_LOOP_FLAGS, NATURAL_BIAS, default_backward_config, head_dim_padded, qk_scale_for, query_tile, variant_args,
+    NATURAL_BIAS, default_backward_config, head_dim_padded, kv_loop_flags, qk_scale_for, query_tile, variant_args,
 )
 from .reference import attention_backward_torch
 from .tuning import AttentionConfig, BackwardConfig, WgmmaBackwardConfig
@@ -276,10 +276,6 @@ def _dq_over_key_tiles(
     return dq
 
 
-@triton.heuristics({
-    "EVEN_D": lambda args: args["head_dim"] == args["HEAD_DIM_PADDED"],
-    "HAS_DLSE": lambda args: args["dlse_ptr"] is not None,
-})
 @triton.jit
 def _attention_bwd_preprocess_kernel(
     o_ptr, do_ptr, dlse_ptr, delta_ptr,
@@ -306,7 +302,6 @@ def _attention_bwd_preprocess_kernel(
     tl.store(delta_ptr + rows, delta, mask=ok)
 
 
-@triton.heuristics(KV_LOOP_FLAGS)
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, dq_desc, mask_ptr, alibi_ptr,
@@ -389,8 +384,6 @@ def _attention_bwd_dkdv_kernel(
     store_tile(dv_dst, dv.to(v.dtype), n_start, seqlen_k, stride_dvn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, EVEN_DV)
 
 
-@triton.heuristics({**KV_LOOP_FLAGS, "STORE_DS": lambda args: args["ds_ptr"] is not None,
-                    "HAS_DLSE": lambda args: args["dlse_ptr"] is not None})
 @triton.jit
 def _attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dlse_ptr, dq_ptr, ds_ptr, mask_ptr, alibi_ptr,
@@ -492,24 +485,6 @@ def _bhl_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _launch_dkdv(c: AttentionConfig, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, alibi, mask_strides, common,
-                 meta):
-    """The dK/dV kernel on ``c``'s tiles; with an fp32 ``dq_acc`` it also adds dQ there (the one-pass path), by
-    TMA reductions on a GPU where the workspace allows them, else by atomic adds of single elements."""
-    dq_desc = None
-    if dq_acc is not None and dq_acc.is_cuda and tma_usable(dq_acc):
-        dq_desc = tensor_descriptor(dq_acc, c.block_m, meta["HEAD_DIM_PADDED"])
-    launch(
-        _attention_bwd_dkdv_kernel, (triton.cdiv(k.shape[2], c.block_n) * k.shape[0] * k.shape[1],),
-        (q, k, v, do, stats, delta, dk, dv, dq_acc, dq_desc, mask, alibi,
-         *_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do),
-         *_bhl_strides(dk), *_bhl_strides(dv), *(_bhl_strides(dq_acc) if dq_acc is not None else (0, 0, 0)),
-         *mask_strides, *common),
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
-        ATOMIC_DQ=dq_acc is not None, DQ_BY_TMA=dq_desc is not None, **meta,
-    )
-
-
 def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """The gradient of attention sinks (H,) from the rows' LSE (the sink included) and δ (B, H, Lq): the sink is
     one more logit of every row with ``dP = 0`` (its value vector is zeros), so its ``dS`` is ``p_sink · (0 -
@@ -518,131 +493,164 @@ def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -
     return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
 
 
+class BackwardLaunch:
+    """The backward of one call signature, planned once: δ's kernel, then the two passes, on ``backward_hopper``'s
+    kernels where they apply (``wgmma_backward_eligible``) or this module's; every grid, tile, descriptor box
+    and constexpr worked out here, so that a call binds its tensors and launches (``core.runtime.KernelLaunch``).
+
+    Built from the call's (B, H, L, D) tensors whose head dim has stride 1 (v and do of v's head dim Dv), used
+    for their shapes, strides, dtypes and alignments: every call must bring tensors of the same signature.
+    ``mask`` (broadcast to (B, H, Lq, Lk)), ``mask_is_bool``, ``causal``, ``scale`` and the variants
+    (``softcap``, ``window`` as ``plan.visibility`` gives it, ``has_alibi``) are the forward's;
+    ``mask_needs_grad``: also the gradient of an additive mask; ``has_dlse``: calls bring the gradient of the
+    returned LSE. ``config`` forces the tiles (tests, bench/backward_tune.py): a ``BackwardConfig`` runs this
+    module's kernels on it, a ``WgmmaBackwardConfig`` the Hopper kernels (where they apply). CUDA fp32 (and every
+    dtype without ``TRITON_BACKWARD_ON_GPU``) takes ``reference.attention_backward_torch``.
+    """
+
+    def __init__(
+        self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+        mask: torch.Tensor | None, mask_is_bool: bool, mask_needs_grad: bool = False, has_dlse: bool = False,
+        config: BackwardConfig | WgmmaBackwardConfig | None = None, softcap: float | None = None,
+        window: tuple[int, int] | None = None, has_alibi: bool = False,
+    ):
+        self.options = (causal, scale, mask_is_bool, mask_needs_grad, softcap, window)
+        self.torch_path = not triton_backward_enabled(q)
+        if self.torch_path:
+            return
+        batch, n_heads, seqlen_q, head_dim = q.shape
+        seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+        hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+        bh = batch * n_heads
+        additive = mask is not None and not mask_is_bool
+        self.additive, self.mask_needs_grad = additive, mask_needs_grad
+        self.delta_shape = (batch, n_heads, seqlen_q)
+        self.grad_strides = [torch.empty_like(torch.empty_strided(t.shape, t.stride(), device="meta")).stride()
+                             for t in (q, k, v)]  # dq, dk, dv: laid out as empty_like lays them out
+        variant_scalars, variant_meta = variant_args(q, additive, softcap, window, has_alibi, False, seqlen_q,
+                                                     seqlen_k)
+        variant_meta.pop("HAS_SINKS")  # the sinks' gradient is taken here, from δ; the kernels see the LSE alone
+        # δ = rowsum(dO ⊙ O) - dLSE (with a mask's gradient: the dQ kernel's pass instead, below).
+        self.delta = None
+        if not mask_needs_grad:
+            self.delta = KernelLaunch(
+                _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, tuning.DELTA_BLOCK_M) * bh,),
+                BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=dv_pad, EVEN_D=head_dim_v == dv_pad, HAS_DLSE=has_dlse)
+            self.delta_sizes = (n_heads, seqlen_q, head_dim_v)
+        hopper_config = config if isinstance(config, WgmmaBackwardConfig) else None
+        if hopper_config is not None:
+            config = None
+        self.hopper = None
+        if config is None and wgmma_backward_eligible(q, k, v, do, mask is not None, scale):
+            self.hopper = HopperBackwardLaunch(do, q, k, v, causal, scale, variant_scalars, variant_meta,
+                                               hopper_config)
+            return
+        config = config or default_backward_config(max(head_dim, head_dim_v), q.dtype, q.device)
+        mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+        self.mask_strides = (*mask_strides, 0)  # (the ALiBi slopes' batch stride is the call's)
+        self.common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, head_dim_v,
+                       qk_scale_for(scale, additive), scale, *variant_scalars)
+        grad_like = [torch.empty_strided(t.shape, st, device="meta") for t, st in zip((q, k, v), self.grad_strides)]
+        self.input_strides = (*_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do))
+        self.dkdv_strides = (*self.input_strides, *_bhl_strides(grad_like[1]), *_bhl_strides(grad_like[2]), 0, 0, 0)
+        self.dq_strides = (*self.input_strides, *_bhl_strides(grad_like[0]))
+        meta = dict(
+            HEAD_DIM_PADDED=hd_pad, HEAD_DIM_V_PADDED=dv_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see core.tiles.dot)
+            **variant_meta,
+            **kv_loop_flags(mask, mask_is_bool, mask_strides[2], head_dim, hd_pad, head_dim_v, dv_pad),
+        )
+        c = config.dkdv
+        self.dkdv = KernelLaunch(
+            _attention_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],),
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+            ATOMIC_DQ=False, DQ_BY_TMA=False, **meta)
+        c = config.dq
+        dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
+        dq_meta = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+                       **meta)
+        # δ = Σ_j P_ij dP_ij from the P the kernels recompute (one more walk over the keys), so that the bias
+        # gradient's row sums Σ_j dS_ij = Σ_j P_ij dP_ij - δ_i come out 0 to fp32 rounding; rowsum(dO ⊙ O)
+        # differs from it by the forward's rounding of P (and of O) to the input dtype.
+        self.delta_pass = None
+        if mask_needs_grad:
+            self.delta_pass = KernelLaunch(_attention_bwd_dq_kernel, dq_grid, DELTA_PASS=True, STORE_DS=False,
+                                           HAS_DLSE=has_dlse, **dq_meta)
+        self.dq = KernelLaunch(_attention_bwd_dq_kernel, dq_grid, DELTA_PASS=False, STORE_DS=mask_needs_grad,
+                               HAS_DLSE=False, **dq_meta)
+        self.ds_shape = (batch, n_heads, seqlen_q, seqlen_k)
+
+    def __call__(
+        self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+        lse: torch.Tensor, dlse: torch.Tensor | None, mask: torch.Tensor | None = None,
+        alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None, row_stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(dq, dk, dv, dmask, dsinks)`` (see ``attention_backward``)."""
+        if self.torch_path:
+            causal, scale, mask_is_bool, mask_needs_grad, softcap, window = self.options
+            return attention_backward_torch(do, q, k, v, dlse, causal, scale, mask, mask_is_bool, mask_needs_grad,
+                                            softcap, window, alibi, sinks)
+        delta = torch.empty(self.delta_shape, dtype=torch.float32, device=q.device)
+        if dlse is not None:
+            dlse = dlse.float().contiguous()
+        if self.additive and row_stats is None:  # (m, log d) = (lse, 0): the same P wherever the LSE kept log d
+            row_stats = torch.stack([lse.float(), torch.zeros_like(lse, dtype=torch.float32)])
+        stats = (row_stats if self.additive else lse).contiguous()
+        if self.delta is not None:
+            self.delta(o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), *self.delta_sizes)
+        ds = None
+        if self.hopper is not None:
+            dq, dk, dv = self.hopper(do, q, k, v, stats, delta, alibi)
+        else:
+            dq, dk, dv = (torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
+                          for t, st in zip((q, k, v), self.grad_strides))
+            mask_strides = (*self.mask_strides[:4], alibi.stride(0) if alibi is not None else 0)
+            if self.delta_pass is not None:
+                self.delta_pass(q, k, v, do, stats, delta, dlse, dq, None, mask, alibi, *self.dq_strides,
+                                *mask_strides, *self.common)
+                ds = torch.zeros(self.ds_shape, dtype=torch.float32, device=q.device)
+            self.dkdv(q, k, v, do, stats, delta, dk, dv, None, None, mask, alibi, *self.dkdv_strides, *mask_strides,
+                      *self.common)
+            self.dq(q, k, v, do, stats, delta, None, dq, ds, mask, alibi, *self.dq_strides, *mask_strides,
+                    *self.common)
+        dsinks = sink_gradient(sinks, lse, delta) if sinks is not None else None
+        return dq, dk, dv, ds, dsinks
+
+
 def attention_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     dlse: torch.Tensor | None, causal: bool, scale: float, mask: torch.Tensor | None, mask_is_bool: bool,
     mask_needs_grad: bool = False, config: BackwardConfig | WgmmaBackwardConfig | None = None,
-    row_stats: torch.Tensor | None = None,
-    deterministic: bool | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
+    row_stats: torch.Tensor | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
     alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``flash_attention`` from the saved forward, on (B, H, L, D) tensors whose head dim has stride 1
-    (v, o and do have v's head dim Dv).
+    (v, o and do have v's head dim Dv): one ``BackwardLaunch``, planned and run once.
 
-    Two paths:
-
-    * one pass: one program per key tile computes dK and dV and adds each
-      query tile's ``dS K`` to an fp32 dQ workspace (the Hopper kernels by
-      atomic adds; the tl kernel by TMA reductions where TMA applies, else
-      atomic adds). The order of those adds varies from run to run, so dQ
-      may differ in its last bits between runs (dK and dV do not).
-    * two passes (deterministic): dK/dV as above, then one program per query
-      tile recomputes P and dS over the keys and sums dQ in a fixed order;
-      two runs give bitwise-equal gradients.
-
-    Two passes run when ``deterministic`` (default:
-    ``torch.are_deterministic_algorithms_enabled()``), for the gradient of an
-    additive mask (``mask_needs_grad``: they write dS), and on CUDA unless
-    ``tuning.ONE_PASS_ON_GPU``: on the H200 they are faster than one pass
-    (0.67–0.76× on the Hopper kernels: their dQ atomic adds; the tl kernel does
-    not overlap the fifth product with the others); one pass otherwise (the
-    interpreter). On Hopper, fp16/bf16 calls without a mask run either path on
-    ``backward_hopper``'s kernels (``backward_hopper.wgmma_backward_eligible``).
+    Two passes: dK/dV (one program a key tile), then dQ (one program a query tile, summing over the keys in a
+    fixed order): two runs give bitwise-equal gradients, on every path. On Hopper, fp16/bf16 calls without a
+    mask run them on ``backward_hopper``'s kernels (``backward_hopper.wgmma_backward_eligible``).
 
     Args:
         do: (B, H, Lq, Dv) gradient of the output ``o`` (head dim stride 1).
-        q, k, v, o: the forward's inputs and output (``o`` may be its fp32 copy:
-            ``attention.forward_for_backward``); k, v have H_kv heads.
+        q, k, v, o: the forward's inputs and output; k, v have H_kv heads.
         lse: (B, H, Lq) fp32 natural-log LSE from the forward (``-inf`` for empty rows; the sinks included).
         dlse: None or the (B, H, Lq) gradient of the returned LSE.
-        causal, scale, mask, mask_is_bool: as given to ``attention_forward`` (``mask``
-            broadcast to (B, H, Lq, Lk)).
+        causal, scale, mask, mask_is_bool: as given to the forward (``mask`` broadcast to (B, H, Lq, Lk)).
         mask_needs_grad: also return the gradient of an additive mask.
-        config: forces the tiles (tests, bench/backward_tune.py): a ``BackwardConfig`` runs the
-            ``triton.language`` kernels on it, a ``WgmmaBackwardConfig`` the Hopper kernel (where it applies);
-            by default the Hopper kernel where it applies, else ``default_backward_config``.
-        deterministic: the path (above); None follows PyTorch's flag.
+        config: forces the tiles (``BackwardLaunch``).
         softcap: the forward's logit softcap, or None.
         window: the forward's sliding window (``plan.visibility``), or None.
         alibi: the forward's (B, H) ALiBi slopes (``plan.alibi_view``), or None; they get no gradient.
         sinks: the forward's (H,) sinks, or None: their gradient is returned (``sink_gradient``).
-        row_stats: under an additive mask, the forward's (2, B, H, Lq) ``(m, log d)``
-            of each row (``forward_for_backward``); None takes ``(lse, 0)``, exact
-            unless a bias near -1e9 or below hides a whole row.
+        row_stats: under an additive mask, the forward's (2, B, H, Lq) ``(m, log d)`` of each row; None takes
+            ``(lse, 0)``, exact unless a bias near -1e9 or below hides a whole row.
 
     Returns:
         ``(dq, dk, dv, dmask, dsinks)``: dq like q, dk/dv like k/v (summed over each GQA
         group), ``dmask`` (B, H, Lq, Lk) fp32 or None, ``dsinks`` (H,) or None.
     """
-    if not triton_backward_enabled(q):
-        return attention_backward_torch(do, q, k, v, dlse, causal, scale, mask, mask_is_bool, mask_needs_grad,
-                                        softcap, window, alibi, sinks)
-    batch, n_heads, seqlen_q, head_dim = q.shape
-    seqlen_k, head_dim_v = k.shape[2], v.shape[3]
-    hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
-    hopper_config = config if isinstance(config, WgmmaBackwardConfig) else None
-    if hopper_config is not None:
-        config = None
-    hopper = config is None and wgmma_backward_eligible(q, k, v, do, mask is not None, scale)
-    if config is None:
-        config = default_backward_config(max(head_dim, head_dim_v), q.dtype, q.device)
-    bh = batch * n_heads
-    delta = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device)
-    if dlse is not None:
-        dlse = dlse.float().contiguous()
-    additive = mask is not None and not mask_is_bool
-    qk_scale = qk_scale_for(scale, additive)  # the forward's (a float: one kernel for any scale)
-    if additive and row_stats is None:  # (m, log d) = (lse, 0): the same P wherever the LSE kept log d
-        row_stats = torch.stack([lse.float(), torch.zeros_like(lse, dtype=torch.float32)])
-    stats = (row_stats if additive else lse).contiguous()
-    mask_strides = (*(mask.stride() if mask is not None else (0, 0, 0, 0)), alibi.stride(0) if alibi is not None else 0)
-    variant_scalars, variant_meta = variant_args(q, additive, softcap, window, alibi is not None, False, seqlen_q,
-                                                 seqlen_k)
-    variant_meta.pop("HAS_SINKS")  # the sinks' gradient is taken here, from δ; the kernels see the LSE alone
-    common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, scale,
-              *variant_scalars)
-    meta = dict(
-        HEAD_DIM_PADDED=hd_pad, HEAD_DIM_V_PADDED=dv_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see core.tiles.dot)
-        **variant_meta,
-    )
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    one_pass = not (deterministic or mask_needs_grad) and (not q.is_cuda or tuning.ONE_PASS_ON_GPU)
-    if not mask_needs_grad:  # δ = rowsum(dO ⊙ O) - dLSE (with a mask's gradient: the dQ kernel's pass, below)
-        launch(
-            _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, tuning.DELTA_BLOCK_M) * bh,),
-            (o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), n_heads, seqlen_q, head_dim_v),
-            BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=dv_pad,
-        )
-    ds = None
-    if hopper:  # the Gluon kernels (backward_hopper), in one pass or two as below
-        dq, dk, dv = attention_backward_hopper(do, q, k, v, stats, delta, causal, scale, one_pass, variant_scalars,
-                                               variant_meta, alibi, hopper_config)
-    elif one_pass:  # fp32 sums of every key tile's share; rounded to q's dtype once, at the end
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        dq_acc = torch.zeros_like(q, dtype=torch.float32)  # q's memory order, so dQ has it too
-        _launch_dkdv(config.one_pass, q, k, v, do, stats, delta, dk, dv, dq_acc, mask, alibi, mask_strides, common,
-                     meta)
-        dq = dq_acc.to(q.dtype)
-    else:  # two passes: dK/dV, then dQ summed in a fixed order by the dQ kernel
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        c = config.dq
-        dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
-        dq_meta = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
-        dq_strides = (*_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do), *_bhl_strides(dq))
-        if mask_needs_grad:
-            # δ = Σ_j P_ij dP_ij from the P the kernels below recompute (one more walk over the keys), so that the
-            # bias gradient's row sums Σ_j dS_ij = Σ_j P_ij dP_ij - δ_i come out 0 to fp32 rounding; rowsum(dO ⊙ O)
-            # differs from it by the forward's rounding of P (and of O) to the input dtype.
-            launch(_attention_bwd_dq_kernel, dq_grid,
-                   (q, k, v, do, stats, delta, dlse, dq, None, mask, alibi, *dq_strides, *mask_strides, *common),
-                   DELTA_PASS=True, **dq_meta)
-            ds = torch.zeros((batch, n_heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
-        _launch_dkdv(config.dkdv, q, k, v, do, stats, delta, dk, dv, None, mask, alibi, mask_strides, common, meta)
-        launch(_attention_bwd_dq_kernel, dq_grid,
-               (q, k, v, do, stats, delta, None, dq, ds, mask, alibi, *dq_strides, *mask_strides, *common),
-               DELTA_PASS=False, **dq_meta)
-    dsinks = sink_gradient(sinks, lse, delta) if sinks is not None else None
-    return dq, dk, dv, ds, dsinks
+    plan = BackwardLaunch(do, q, k, v, causal, scale, mask, mask_is_bool, mask_needs_grad, dlse is not None, config,
+                          softcap, window, alibi is not None)
+    return plan(do, q, k, v, o, lse, dlse, mask, alibi, sinks, row_stats)

@@ -49,8 +49,9 @@ import triton
 
 from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
-from ..core.runtime import device_info, launch
+from ..core.runtime import KernelLaunch, device_info
 from ..core.tiles import tma_usable
+from ..core.triton_compat import rebind_descriptor
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
@@ -432,46 +433,67 @@ def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: i
     return meta
 
 
+class HopperBackwardLaunch:
+    """The two Hopper backward kernels for one call signature, planned once: tiles, grids, descriptor templates
+    (a call rebinds them to its tensors), constexprs and scalars.
+
+    Built from (B, H, L, D) tensors ``wgmma_backward_eligible`` accepted (v and dO of head dim Dv). A call takes
+    the forward's natural-log ``lse`` and ``backward``'s ``delta`` (both (B, H, Lq) fp32, contiguous) and
+    returns ``(dq, dk, dv)``: the dK/dV kernel, then the dQ kernel, which sums each query tile's dQ in a fixed
+    order (two runs give bitwise-equal gradients); dq in q's dtype and memory order.
+    ``variant_scalars``/``variant_meta``: ``plan.variant_args``' (the softcap in base-2 units); ``has_alibi``:
+    calls bring the (B, H) slopes.
+    """
+
+    def __init__(
+        self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+        variant_scalars: tuple, variant_meta: dict, config: tuning.WgmmaBackwardConfig | None = None,
+    ):
+        batch, n_heads, seqlen_q, head_dim = q.shape
+        seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+        hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+        config = config or tuning.WGMMA_BACKWARD_CONFIGS[max(hd_pad, dv_pad)]
+        like = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, k, v)]
+        self.grad_strides = [torch.empty_like(t).stride() for t in like]  # dq, dk, dv: laid out as empty_like
+        dq_like, dk_like, dv_like = (torch.empty_strided(t.shape, st, dtype=t.dtype, device="meta")
+                                     for t, st in zip(like, self.grad_strides))
+        self.dkdv_descriptors = tuple(gluon_descriptor(t, rows, width) for t, rows, width in (
+            (q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad),
+            (do, config.block_m, dv_pad), (dk_like, config.block_n, hd_pad), (dv_like, config.block_n, dv_pad)))
+        self.dq_descriptors = tuple(gluon_descriptor(t, rows, width) for t, rows, width in (
+            (q, config.dq_block_m, hd_pad), (k, config.dq_block_n, hd_pad), (v, config.dq_block_n, dv_pad),
+            (do, config.dq_block_m, dv_pad), (dq_like, config.dq_block_m, hd_pad)))
+        softcap, window_left, window_right = variant_scalars
+        self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)
+        self.scalars = (scale * LOG2E.value, scale, softcap, window_left, window_right)
+        self.rows_padded = triton.cdiv(seqlen_q, config.block_m) * config.block_m
+        self.dkdv = KernelLaunch(_attention_bwd_wgmma_kernel, (triton.cdiv(seqlen_k, config.block_n) * batch * k.shape[1],),
+                                 **kernel_meta(config, hd_pad, dv_pad, causal, False, variant_meta))
+        self.dq = KernelLaunch(_attention_bwd_dq_wgmma_kernel, (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,),
+                               **dq_kernel_meta(config, hd_pad, dv_pad, causal, variant_meta))
+
+    def __call__(
+        self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+        delta: torch.Tensor, alibi: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dq, dk, dv = (torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
+                      for t, st in zip((q, k, v), self.grad_strides))
+        stride_alibi = alibi.stride(0) if alibi is not None else 0
+        descs = [rebind_descriptor(d, t) for d, t in zip(self.dkdv_descriptors, (q, k, v, do, dk, dv))]
+        self.dkdv(*descs, lse, delta, lse, alibi, *self.sizes, self.rows_padded, stride_alibi, *self.scalars)
+        descs = [rebind_descriptor(d, t) for d, t in zip(self.dq_descriptors, (q, k, v, do, dq))]
+        self.dq(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
+        return dq, dk, dv
+
+
 def attention_backward_hopper(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-    causal: bool, scale: float, one_pass: bool, variant_scalars: tuple, variant_meta: dict,
+    causal: bool, scale: float, variant_scalars: tuple, variant_meta: dict,
     alibi: torch.Tensor | None = None, config: tuning.WgmmaBackwardConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of a backward call ``wgmma_backward_eligible`` accepted, on (B, H, L, D) tensors (v and
-    dO of head dim Dv), from the forward's natural-log ``lse`` and ``backward``'s ``delta`` (both (B, H, Lq)
-    fp32, contiguous). ``one_pass``: the dK/dV programs also add dQ, in fp32, to a workspace (atomic adds: its
-    last bits vary between runs); else a second kernel sums each query tile's dQ in a fixed order. dq is in
-    q's dtype and memory order. ``variant_scalars``/``variant_meta``: ``plan.variant_args``' (the softcap in
-    base-2 units); ``alibi`` the (B, H) slopes."""
-    batch, n_heads, seqlen_q, head_dim = q.shape
-    seqlen_k, head_dim_v = k.shape[2], v.shape[3]
-    hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
-    config = config or tuning.WGMMA_BACKWARD_CONFIGS[max(hd_pad, dv_pad)]
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    descs = [gluon_descriptor(t, rows, width) for t, rows, width in (
-        (q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad),
-        (do, config.block_m, dv_pad), (dk, config.block_n, hd_pad), (dv, config.block_n, dv_pad))]
-    rows_padded = triton.cdiv(seqlen_q, config.block_m) * config.block_m
-    dq_acc = None
-    if one_pass:  # whole tiles, padded head dim: the kernel adds without bounds checks (see its comment)
-        dq_acc = torch.zeros((batch, n_heads, rows_padded, hd_pad), dtype=torch.float32, device=q.device)
-    softcap, window_left, window_right = variant_scalars
-    variants = (alibi.stride(0) if alibi is not None else 0, scale * LOG2E.value, scale, softcap, window_left,
-                window_right)
-    launch(_attention_bwd_wgmma_kernel, (triton.cdiv(seqlen_k, config.block_n) * batch * k.shape[1],),
-           (*descs, lse, delta, dq_acc if one_pass else lse, alibi, n_heads, n_heads // k.shape[1], seqlen_q,
-            seqlen_k, rows_padded, *variants), **kernel_meta(config, hd_pad, dv_pad, causal, one_pass, variant_meta))
-    dq = torch.empty_like(q)
-    if one_pass:
-        dq.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
-        return dq, dk, dv
-    descs = [gluon_descriptor(t, rows, width) for t, rows, width in (
-        (q, config.dq_block_m, hd_pad), (k, config.dq_block_n, hd_pad), (v, config.dq_block_n, dv_pad),
-        (do, config.dq_block_m, dv_pad), (dq, config.dq_block_m, hd_pad))]
-    launch(_attention_bwd_dq_wgmma_kernel, (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,),
-           (*descs, lse, delta, alibi, n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k, *variants),
-           **dq_kernel_meta(config, hd_pad, dv_pad, causal, variant_meta))
-    return dq, dk, dv
+    """``(dq, dk, dv)`` of one backward call, planned and launched once (``HopperBackwardLaunch``)."""
+    plan = HopperBackwardLaunch(do, q, k, v, causal, scale, variant_scalars, variant_meta, config)
+    return plan(do, q, k, v, lse, delta, alibi)
 
 
 def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_dim: int, causal: bool,

@@ -61,11 +61,12 @@ from ..core.online_softmax import (
     LN2, LOG2E, empty_state, merge_sink, normalize, online_update, online_update_scaled, rescale_accumulator,
     state_logsumexp,
 )
-from ..core.runtime import launch, launch_persistent
+from ..core.runtime import KernelLaunch, launch_persistent
+from ..core.triton_compat import rebind_descriptor
 from ..core.tiles import dot, load_tile, store_tile, tensor_descriptor, tma_usable
 from . import tuning
 from .plan import (
-    NATURAL_BIAS, autotune_enabled, default_config, head_dim_padded, kv_loop_flags, mask_layout, output_like,
+    NATURAL_BIAS, OutputLayout, autotune_enabled, default_config, head_dim_padded, kv_loop_flags, mask_layout,
     prune_tune_space, qk_scale_for, query_tile, tma_safe, variant_args,
 )
 from .tuning import AttentionConfig
@@ -299,76 +300,107 @@ def autotuned_kernel():
     )(attention_fwd_kernel)
 
 
+class TlForwardLaunch:
+    """This module's kernel for one call signature, planned once: tiles, grid, descriptor boxes, constexprs and
+    scalar arguments; calling it binds the tensors of a call and launches (``core.runtime.KernelLaunch``).
+
+    Built from checked (B, H, L, D) tensors whose head dim has stride 1 (v's head dim Dv may differ from q and
+    k's D), used for their shapes, strides, dtypes and alignments only: every call must bring tensors of the
+    same signature. ``mask`` is broadcast to (B, H, Lq, Lk) already (``broadcast_mask``). ``config`` forces
+    the tiles (tests use small ones to cover the multi-tile paths); without it, the fixed table
+    (``plan.default_config``), or triton.autotune under ``FLASHLITE_AUTOTUNE=1``. ``write_stats``: calls bring
+    a (2, B, H, Lq) fp32 ``row_stats`` to fill with each row's ``(m, log d)`` (``_store_row_stats``: the
+    backward of an additive mask). The variants (``plan.variant_args``): ``softcap``, the scaled scores become
+    ``softcap · tanh(s / softcap)`` before the mask; ``window``, a sliding window ``(left, right)``
+    (``plan.visibility``; causal folded in), key tiles outside it not read; ``has_alibi``, calls bring (B, H)
+    fp32 slopes (``plan.alibi_view``); ``has_sinks``, (H,) logits merged into every row's state at the end.
+    """
+
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+        mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool, config: AttentionConfig | None = None,
+        *, write_stats: bool = False, softcap: float | None = None, window: tuple[int, int] | None = None,
+        has_alibi: bool = False, has_sinks: bool = False,
+    ):
+        batch, n_heads, seqlen_q, head_dim = q.shape
+        seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+        hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+        self.output = OutputLayout(q, head_dim_v)
+        self.lse_shape = (batch, n_heads, seqlen_q) if write_lse else None
+        self.tuned = config is None and autotune_enabled() and q.is_cuda and q.dtype != torch.float32
+        if config is None:
+            config = default_config(max(head_dim, head_dim_v), q.dtype, q.device, causal, seqlen_k, mask is not None)
+        self.descriptors = None  # (q, k, v) descriptor templates: TMA loads
+        if (config.use_tma and tma_safe(mask is not None, config.block_n, hd_pad)
+                and tma_safe(mask is not None, config.block_n, dv_pad) and tma_usable(q, k, v)):
+            self.descriptors = (tensor_descriptor(q, config.block_m, hd_pad), tensor_descriptor(k, config.block_n, hd_pad),
+                                tensor_descriptor(v, config.block_n, dv_pad))
+        bh = batch * n_heads
+        self.mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+        additive = mask is not None and not mask_is_bool
+        variant_scalars, variant_meta = variant_args(q, additive, softcap, window, has_alibi, has_sinks,
+                                                     seqlen_q, seqlen_k)
+        # Everything after the tensors' strides: the scale goes in as a float (a run-time argument, one kernel
+        # for any scale).
+        self.sizes = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, head_dim_v,
+                      qk_scale_for(scale, additive), *variant_scalars, triton.next_power_of_2(seqlen_k),
+                      mask_layout(mask))
+        self.strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *self.output.strides[:3])
+        meta = dict(
+            HEAD_DIM_PADDED=hd_pad, HEAD_DIM_V_PADDED=dv_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
+            WRITE_LSE=write_lse, WRITE_STATS=write_stats,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see dot)
+            USE_TMA=self.descriptors is not None, **variant_meta,
+            **kv_loop_flags(mask, mask_is_bool, self.mask_strides[2], head_dim, hd_pad, head_dim_v, dv_pad),
+        )
+        self.n_tiles = triton.cdiv(seqlen_q, config.block_m) * bh
+        self.grid_rows = (seqlen_q, bh)
+        self.config, self.meta = config, meta
+        self.persistent_key = None
+        self.kernel = None
+        if self.tuned:
+            return
+        meta = dict(meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_stages=config.num_stages)
+        if config.persistent:
+            self.meta = meta
+            self.persistent_key = ("attention_fwd", config, q.dtype, q.device, self.descriptors is not None,
+                                   mask is not None, *meta.values())
+        else:
+            self.kernel = KernelLaunch(attention_fwd_kernel, (self.n_tiles,), num_warps=config.num_warps, **meta)
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+        alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None, row_stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(o, lse)``: o (B, H, Lq, Dv) in q's memory order, lse (B, H, Lq) fp32 natural-log, or None."""
+        o = self.output.empty(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if self.lse_shape else None
+        descs = (None, None, None)
+        if self.descriptors is not None:
+            descs = tuple(rebind_descriptor(d, t) for d, t in zip(self.descriptors, (q, k, v)))
+        args = (q, k, v, o, lse if lse is not None else o, row_stats, mask, alibi, sinks, *descs, *self.strides,
+                *self.mask_strides, alibi.stride(0) if alibi is not None else 0, *self.sizes)
+        if self.kernel is not None:
+            self.kernel(*args)
+        elif self.tuned:
+            seqlen_q, bh = self.grid_rows
+            autotuned_kernel()[lambda cfg: (triton.cdiv(seqlen_q, cfg["BLOCK_M"]) * bh,)](*args, **self.meta)
+        else:
+            launch_persistent(attention_fwd_kernel, self.n_tiles, q.device, self.persistent_key, args,
+                              self.config.num_warps, **self.meta)
+        return o, lse
+
+
 def attention_forward_tl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool, config: AttentionConfig | None = None,
     *, row_stats: torch.Tensor | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
     alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch this module's kernel on checked (B, H, L, D) tensors whose head dim has stride 1 (v's head dim Dv
-    may differ from q and k's D).
-
-    ``mask`` is broadcast to (B, H, Lq, Lk) already (``broadcast_mask``). ``config``
-    forces the tiles (tests use small ones to cover the multi-tile paths); without
-    it, the fixed table (``plan.default_config``), or triton.autotune under
-    ``FLASHLITE_AUTOTUNE=1``. For the backward of an additive mask ``row_stats``,
-    a (2, B, H, Lq) fp32 tensor, is filled with each row's ``(m, log d)``
-    (``_store_row_stats``). The variants (``plan.variant_args``): ``softcap``, the scaled scores become
-    ``softcap · tanh(s / softcap)`` before the mask; ``window``, a sliding window ``(left, right)``
-    (``plan.visibility``; causal folded in), key tiles outside it not read; ``alibi``, (B, H) fp32 slopes
-    (``plan.alibi_view``); ``sinks``, (H,) logits merged into every row's state at the end.
-    Returns ``(o, lse)``: o (B, H, Lq, Dv) in q's memory order, lse (B, H, Lq) fp32 natural-log, or None.
-    """
-    batch, n_heads, seqlen_q, head_dim = q.shape
-    seqlen_k, head_dim_v = k.shape[2], v.shape[3]
-    hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
-    o = output_like(q, head_dim_v)
-    lse = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
-    tuned = config is None and autotune_enabled() and q.is_cuda and q.dtype != torch.float32
-    if config is None:
-        config = default_config(max(head_dim, head_dim_v), q.dtype, q.device, causal, seqlen_k, mask is not None)
-    q_desc = k_desc = v_desc = None
-    if (config.use_tma and tma_safe(mask is not None, config.block_n, hd_pad)
-            and tma_safe(mask is not None, config.block_n, dv_pad) and tma_usable(q, k, v)):
-        q_desc = tensor_descriptor(q, config.block_m, hd_pad)
-        k_desc = tensor_descriptor(k, config.block_n, hd_pad)
-        v_desc = tensor_descriptor(v, config.block_n, dv_pad)
-
-    bh = batch * n_heads
-    mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
-    additive = mask is not None and not mask_is_bool
-    variant_scalars, variant_meta = variant_args(q, additive, softcap, window, alibi is not None, sinks is not None,
-                                                   seqlen_q, seqlen_k)
-    # The scale goes in as a float (LOG2E.value, not the constexpr LOG2E): a runtime argument, one kernel for any scale.
-    args = (
-        q, k, v, o, lse if lse is not None else o, row_stats, mask, alibi, sinks, q_desc, k_desc, v_desc,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        *mask_strides, alibi.stride(0) if alibi is not None else 0,
-        n_heads, n_heads // k.shape[1], bh,
-        seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale_for(scale, additive), *variant_scalars,
-        triton.next_power_of_2(seqlen_k),
-        mask_layout(mask),
-    )
-    meta = dict(
-        HEAD_DIM_PADDED=hd_pad, HEAD_DIM_V_PADDED=dv_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
-        WRITE_LSE=write_lse, WRITE_STATS=row_stats is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see dot)
-        USE_TMA=k_desc is not None, **variant_meta,
-        **kv_loop_flags(mask, mask_is_bool, mask_strides[2], head_dim, hd_pad, head_dim_v, dv_pad),
-    )
-    if tuned:
-        autotuned_kernel()[lambda cfg: (triton.cdiv(seqlen_q, cfg["BLOCK_M"]) * bh,)](*args, **meta)
-        return o, lse
-
-    n_tiles = triton.cdiv(seqlen_q, config.block_m) * bh
-    meta.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_stages=config.num_stages)
-    if config.persistent:
-        key = ("attention_fwd", config, q.dtype, q.device, k_desc is not None, mask is not None, *meta.values())
-        launch_persistent(attention_fwd_kernel, n_tiles, q.device, key, args, config.num_warps, **meta)
-    else:
-        launch(attention_fwd_kernel, (n_tiles,), args, num_warps=config.num_warps, **meta)
-    return o, lse
+    """One call of this module's kernel, planned and launched once (``TlForwardLaunch``; its arguments as there,
+    ``alibi`` the (B, H) slopes and ``sinks`` the (H,) logits themselves). Returns ``(o, lse)``."""
+    plan = TlForwardLaunch(q, k, v, causal, scale, mask, mask_is_bool, write_lse, config,
+                           write_stats=row_stats is not None, softcap=softcap, window=window,
+                           has_alibi=alibi is not None, has_sinks=sinks is not None)
+    return plan(q, k, v, mask, alibi, sinks, row_stats)

@@ -66,14 +66,15 @@ import triton
 
 from ..core.masking import apply_masks, key_ranges, modified_scores_scaled
 from ..core.online_softmax import BASE2_UNITS, LOG2E, merge_sink, normalize, online_update_scaled, state_logsumexp
-from ..core.runtime import device_info, launch
+from ..core.runtime import KernelLaunch, device_info
 from ..core.tiles import tma_usable
+from ..core.triton_compat import rebind_descriptor
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
     WGMMA_CAPABILITY, gluon, gluon_descriptor, issue_kv_load, thread_barrier, tma_load, tma_store, wait_kv,
 )
-from .plan import NO_VARIANTS, head_dim_padded, output_like, query_tile, variant_args, wgmma_config
+from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, query_tile, variant_args, wgmma_config
 from .tuning import WgmmaConfig
 
 if gluon is not None:
@@ -439,33 +440,63 @@ def kernel_for(config: WgmmaConfig, head_dim: int, head_dim_v: int, causal: bool
     return _attention_fwd_wgmma_kernel, dict(meta, Q_IN_REGISTERS=config.q_in_registers)
 
 
+class HopperForwardLaunch:
+    """The Hopper kernel for one call signature, planned once (as ``forward.TlForwardLaunch``): tiles, grid,
+    descriptor templates (``gluon_descriptor``; a call rebinds them to its tensors), constexprs, scalars.
+
+    Built from checked (B, H, L, D) fp16/bf16 tensors that ``wgmma_eligible`` accepted (v's head dim Dv may
+    differ from D). The variants as ``forward.TlForwardLaunch`` takes them: ``window`` (its key tiles outside
+    it never loaded), ``softcap``, ``has_alibi`` ((B, H) slopes per call), ``has_sinks`` ((H,) per call).
+    """
+
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, write_lse: bool,
+        config: WgmmaConfig | None = None, window: tuple[int, int] | None = None, softcap: float | None = None,
+        has_alibi: bool = False, has_sinks: bool = False,
+    ):
+        batch, n_heads, seqlen_q, head_dim = q.shape
+        seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+        config = config or wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
+        self.output = OutputLayout(q, head_dim_v)
+        self.lse_shape = (batch, n_heads, seqlen_q) if write_lse else None
+        # Boxes as wide as the padded head dims: TMA fills the columns past D with zeros on loads and drops them
+        # on the output's store, so a head dim that is not a power of two costs the padded tile's products,
+        # nothing more.
+        hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+        o_like = torch.empty_strided(self.output.shape, self.output.strides, dtype=q.dtype, device="meta")
+        self.descriptors = tuple(
+            gluon_descriptor(t, rows, width)
+            for t, rows, width in ((q, config.block_m, hd_pad), (k, config.block_n, hd_pad),
+                                   (v, config.block_n, dv_pad), (o_like, config.block_m, dv_pad)))
+        variant_scalars, variant_meta = variant_args(q, False, softcap, window, has_alibi, has_sinks,
+                                                     seqlen_q, seqlen_k)
+        self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)
+        self.scalars = (scale * LOG2E.value, *variant_scalars)
+        kernel, meta = kernel_for(config, hd_pad, dv_pad, causal, write_lse, variant_meta)
+        grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
+        self.kernel = KernelLaunch(kernel, grid, **meta)
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(o, lse)``: o (B, H, Lq, Dv), lse (B, H, Lq) fp32 or None."""
+        o = self.output.empty(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if self.lse_shape else None
+        descs = [rebind_descriptor(d, t) for d, t in zip(self.descriptors, (q, k, v, o))]
+        self.kernel(*descs, lse if lse is not None else o, alibi, sinks, *self.sizes,
+                    alibi.stride(0) if alibi is not None else 0, *self.scalars)
+        return o, lse
+
+
 def attention_forward_hopper(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, write_lse: bool,
     config: WgmmaConfig | None = None, window: tuple[int, int] | None = None, softcap: float | None = None,
     alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the Hopper kernel on checked (B, H, L, D) fp16/bf16 tensors that ``wgmma_eligible`` accepted (v's
-    head dim Dv may differ from D). The variants as ``forward.attention_forward_tl`` takes them: ``window`` (its
-    key tiles outside it never loaded), ``softcap``, ``alibi`` (B, H) slopes, ``sinks`` (H,).
-    Returns ``(o, lse)``: o (B, H, Lq, Dv), lse (B, H, Lq) fp32 or None."""
-    batch, n_heads, seqlen_q, head_dim = q.shape
-    seqlen_k, head_dim_v = k.shape[2], v.shape[3]
-    config = config or wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
-    o = output_like(q, head_dim_v)
-    lse = torch.empty((batch, n_heads, seqlen_q), dtype=torch.float32, device=q.device) if write_lse else None
-    # Boxes as wide as the padded head dims: TMA fills the columns past D with zeros on loads and drops them on
-    # the output's store, so a head dim that is not a power of two costs the padded tile's products, nothing more.
-    hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
-    descs = [
-        gluon_descriptor(t, rows, width)
-        for t, rows, width in ((q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad),
-                               (o, config.block_m, dv_pad))
-    ]
-    grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
-    variant_scalars, variant_meta = variant_args(q, False, softcap, window, alibi is not None, sinks is not None,
-                                                   seqlen_q, seqlen_k)
-    kernel, meta = kernel_for(config, hd_pad, dv_pad, causal, write_lse, variant_meta)
-    launch(kernel, grid, (*descs, lse if lse is not None else o, alibi, sinks, n_heads, n_heads // k.shape[1],
-                          seqlen_q, seqlen_k, alibi.stride(0) if alibi is not None else 0, scale * LOG2E.value,
-                          *variant_scalars), **meta)
-    return o, lse
+    """One call of the Hopper kernel, planned and launched once (``HopperForwardLaunch``; ``alibi`` the (B, H)
+    slopes, ``sinks`` the (H,) logits themselves). Returns ``(o, lse)``: o (B, H, Lq, Dv), lse (B, H, Lq) fp32
+    or None."""
+    plan = HopperForwardLaunch(q, k, v, causal, scale, write_lse, config, window, softcap, alibi is not None,
+                               sinks is not None)
+    return plan(q, k, v, alibi, sinks)

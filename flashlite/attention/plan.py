@@ -2,8 +2,7 @@
 
 Pure functions of the call's shapes, dtypes and the tables of ``tuning``:
 ``default_config`` (the ``triton.language`` forward), ``wgmma_config`` (the
-Hopper forward), ``default_backward_config``; ``kv_loop_flags`` and
-``KV_LOOP_FLAGS`` (the constexprs derived from the arguments), the logits' units
+Hopper forward), ``default_backward_config``; ``kv_loop_flags`` (the constexprs derived from the arguments), the logits' units
 (``logit_units``, ``qk_scale_for``), and how query tiles are numbered
 (``query_tile``, shared by every forward kernel and the backward's dQ kernel).
 """
@@ -59,17 +58,6 @@ def logit_units(additive_mask: bool) -> float:
 def qk_scale_for(scale: float, additive_mask: bool) -> float:
     """The factor a kernel multiplies its fp32 scores by: ``scale`` in the units of ``logit_units``."""
     return scale if additive_mask else scale * LOG2E.value
-
-
-# The same flags as triton.heuristics, for the split-K/V and backward kernels. The forward's launcher
-# calls ``kv_loop_flags`` itself: triton.heuristics rebuilds a dict of all ~40 arguments per flag on
-# every call, the largest Python cost of a forward launch (TUNING.md#host-cost).
-KV_LOOP_FLAGS = {
-    name: (lambda args, name=name: kv_loop_flags(
-        args["mask_ptr"], args["MASK_IS_BOOL"], args["stride_mask_q"], args["head_dim"], args["HEAD_DIM_PADDED"],
-        args["head_dim_v"], args["HEAD_DIM_V_PADDED"])[name])
-    for name in ("HAS_MASK", "MASK_PER_KEY", "EVEN_D", "EVEN_DV", "UNITS")
-}
 
 
 def visibility(causal: bool, window: tuple[int, int] | None) -> tuple[bool, tuple[int, int] | None]:
@@ -137,6 +125,20 @@ def output_like(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:
     order = [*outer, 3]
     out = q.new_empty([q.shape[dim] for dim in outer] + [head_dim_v])
     return out.permute(*[order.index(dim) for dim in range(4)])
+
+
+class OutputLayout:
+    """The (B, H, Lq, Dv) output of a call signature: ``output_like``'s shape and strides, worked out once from q's
+    shape and strides; ``empty(q)`` allocates one in q's dtype and on q's device."""
+
+    __slots__ = ("shape", "strides")
+
+    def __init__(self, q: torch.Tensor, head_dim_v: int):
+        like = output_like(torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device="meta"), head_dim_v)
+        self.shape, self.strides = tuple(like.shape), like.stride()
+
+    def empty(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.strides, dtype=q.dtype, device=q.device)
 
 
 def head_dim_padded(head_dim: int) -> int:

@@ -10,21 +10,22 @@ from __future__ import annotations
 import torch
 
 
-def attention_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, attn_mask: torch.Tensor | None,
-    cache_seqlens: torch.Tensor | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
-    alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same result in PyTorch fp32 ops (CPU without the interpreter); materialises the (Lq, Lk) scores.
-    ``window``: a sliding window ``(left, right)``, -1 unbounded (causal folded in or not: both are applied);
-    ``alibi``: (B, H) slopes (no gradient); ``sinks``: (H,), one more logit per row (differentiable)."""
+def _logits(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, attn_mask: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None, softcap: float | None, window: tuple[int, int] | None,
+    alibi: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(s, t)``: the (B, H, Lq, Lk) fp32 logits, ``-inf`` where hidden, and under a softcap ``t = tanh(scaled
+    scores / softcap)`` (the backward's ``1 - t²``; else None). K is read per GQA group, never repeated."""
     batch, n_heads, seqlen_q, head_dim = q.shape
-    n_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    n_kv, seqlen_k = k.shape[1], k.shape[2]
     group = n_heads // n_kv
     qf = q.float().reshape(batch, n_kv, group, seqlen_q, head_dim)  # (B, H_kv, G, Lq, D): no K/V repeat
     s = (qf @ k.float().unsqueeze(2).transpose(-1, -2) * scale).reshape(batch, n_heads, seqlen_q, seqlen_k)
+    t = None
     if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
+        t = torch.tanh(s / softcap)
+        s = softcap * t
     # Keys [0, len_b) of each element (len_b = Lk without a cache); causal, the window and ALiBi aligned
     # bottom-right against len_b: query i's diagonal is key i + len_b - Lq.
     used = seqlen_k if cache_seqlens is None else cache_seqlens.to(device=q.device, dtype=torch.long).view(
@@ -46,10 +47,15 @@ def attention_torch(
         s = s.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
+    return s, t
+
+
+def _probabilities(s: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P, lse)`` of logits ``s`` (B, H, Lq, Lk), with each head's sink as one more logit of every row."""
+    batch, n_heads, seqlen_q, _ = s.shape
     lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq); -inf for a row that sees no key
     # The weights from softmax (which subtracts the row's maximum), not e^(s - lse): under a bias of -1e9 the
-    # LSE has lost log d to rounding, and e^(s - lse) would sum to the key count. A row that sees no key: 0,
-    # with gradient 0 (softmax of its -inf would give NaN, and NaN gradients through it).
+    # LSE has lost log d to rounding, and e^(s - lse) would sum to the key count. A row that sees no key: 0.
     empty = (lse == float("-inf")).unsqueeze(-1)
     if sinks is not None:  # one more column per row, the head's sink, dropped before P V
         sink = sinks.float().view(1, n_heads, 1, 1).expand(batch, n_heads, seqlen_q, 1)
@@ -57,7 +63,23 @@ def attention_torch(
         p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]  # an empty row: all on the sink
     else:
         p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    p = p.reshape(batch, n_kv, group, seqlen_q, seqlen_k)
+    return p, lse
+
+
+def attention_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, attn_mask: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
+    alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same result in PyTorch fp32 ops (CPU without the interpreter); materialises the (Lq, Lk) scores.
+    ``attn_mask`` bool (True = keep) or float, broadcastable; ``window``: a sliding window ``(left, right)``, -1
+    unbounded (causal folded in or not: both are applied); ``alibi``: (B, H) slopes; ``sinks``: (H,), one more
+    logit per row. Returns ``(o, lse)`` (o in q's dtype, lse fp32)."""
+    batch, n_heads, seqlen_q, _ = q.shape
+    n_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    s, _ = _logits(q, k, causal, scale, attn_mask, cache_seqlens, softcap, window, alibi)
+    p, lse = _probabilities(s, sinks)
+    p = p.reshape(batch, n_kv, n_heads // n_kv, seqlen_q, seqlen_k)
     o = (p @ v.float().unsqueeze(2)).reshape(batch, n_heads, seqlen_q, head_dim_v)
     return o.to(q.dtype), lse
 
@@ -68,24 +90,32 @@ def attention_backward_torch(
     softcap: float | None = None, window: tuple[int, int] | None = None, alibi: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The same gradients by autograd through ``attention_torch`` (fp32, scores materialised):
-    ``(dq, dk, dv, dmask, dsinks)``."""
-    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    """The gradients of ``attention_torch``'s ``(o, lse)``, written out in fp32 (the scores materialised):
+    ``(dq, dk, dv, dmask, dsinks)``, dq/dk/dv in the inputs' dtypes, dmask (B, H, Lq, Lk) fp32 (``mask``
+    broadcast so, bool as uint8), dsinks fp32. The kernels' formulas (``backward``'s docstring): ``dV = Pᵀ dO``,
+    ``dP = dO Vᵀ``, ``dS = P ⊙ (dP - δ)`` with ``δ = rowsum(P ⊙ dP) - dLSE``; a softcap multiplies dS by
+    ``1 - tanh²``; dQ and dK are ``dS K · scale`` and ``dSᵀ Q · scale``, summed over each GQA group; the sinks
+    get ``-Σ e^(sink - lse) δ``. Explicit, so that it runs where autograd does not record (inside an op)."""
+    batch, n_heads, seqlen_q, head_dim = q.shape
+    n_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    group = n_heads // n_kv
     if mask is not None:
-        mask = mask.detach().bool() if mask_is_bool else mask.detach().float()  # broadcast_mask gives bool as uint8
-        if mask_needs_grad:
-            inputs.append(mask.requires_grad_())
+        mask = mask.bool() if mask_is_bool else mask.float()  # broadcast_mask gives bool as uint8
+    s, t = _logits(q, k, causal, scale, mask, None, softcap, window, alibi)
+    p, lse = _probabilities(s, sinks)
+    kf, vf = (x.float().repeat_interleave(group, dim=1) for x in (k, v))  # (B, H, Lk, ·)
+    dof = do.float()
+    dv = (p.transpose(-1, -2) @ dof).reshape(batch, n_kv, group, seqlen_k, head_dim_v).sum(2)
+    dp = dof @ vf.transpose(-1, -2)
+    delta = (p * dp).sum(-1)  # rowsum(dO ⊙ O), from P itself
+    if dlse is not None:
+        delta = delta - dlse.float()
+    ds = p * (dp - delta.unsqueeze(-1))
+    ds_scores = ds if t is None else ds * (1.0 - t * t)
+    dq = (ds_scores @ kf) * scale
+    dk = ((ds_scores.transpose(-1, -2) @ q.float()) * scale).reshape(batch, n_kv, group, seqlen_k, head_dim).sum(2)
+    dsinks = None
     if sinks is not None:
-        sinks = sinks.detach().requires_grad_()
-    with torch.enable_grad():
-        o, lse = attention_torch(*inputs[:3], causal, scale, mask, softcap=softcap, window=window, alibi=alibi,
-                                 sinks=sinks)
-        outputs, grad_outputs = [o], [do]
-        if dlse is not None:
-            outputs.append(lse)
-            grad_outputs.append(dlse.float())
-        wrt = inputs + ([sinks] if sinks is not None else [])
-        grads = torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, wrt)]
-    dsinks = grads[-1] if sinks is not None else None
-    return grads[0], grads[1], grads[2], grads[3] if mask_needs_grad else None, dsinks
+        dsinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * delta).sum(dim=(0, 2))
+    dmask = ds if mask_needs_grad else None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, dsinks

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .online_softmax import merge_partial_states
-from .runtime import current_stream
+from .triton_compat import current_stream
 
 # ----------------------------------------------------------------------------- two launches
 

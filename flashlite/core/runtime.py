@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import triton
 
+from .triton_compat import is_compiled_kernel, is_reusable, load_compiled, run_compiled
+
 
 @triton.jit
 def _interpreter_probe():
@@ -33,7 +35,7 @@ def _interpreter_probe():
 def interpreter_enabled() -> bool:
     """True when flashlite's kernels run through Triton's CPU interpreter: ``TRITON_INTERPRET=1`` was set when
     flashlite was imported (Triton reads it as each kernel is defined; setting it later changes nothing)."""
-    return not hasattr(_interpreter_probe, "device_caches")  # a compiled JITFunction keeps per-device caches
+    return not is_compiled_kernel(_interpreter_probe)
 
 
 def _interpreter_requested() -> bool:
@@ -49,7 +51,7 @@ def _warn_interpreter_too_late() -> None:
 
 
 # True while torch.compile traces (torch >= 2.3): the public ops then hand their checked arguments to
-# flashlite.ops' custom ops. The bare torch function, so the eager check costs one call.
+# custom ops (torch.ops.flashlite.*). The bare torch function, so the eager check costs one call.
 is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
@@ -132,12 +134,7 @@ def cooperative_launch_supported() -> bool:
 _PROGRAMS_PER_SM: dict = {}
 
 
-def loaded(compiled):
-    """``compiled``, loaded on the device: a kernel compiled by warmup() reads its registers (``n_regs``,
-    ``n_spills``) only once loaded."""
-    if hasattr(compiled, "_init_handles"):
-        compiled._init_handles()
-    return compiled
+loaded = load_compiled  # (bench scripts read registers through this name)
 
 
 def occupancy(compiled, num_warps: int, info: DeviceInfo) -> int | None:
@@ -202,13 +199,13 @@ def launch(kernel, grid: tuple, args: tuple, **options):
     signature (the kernel, the device, ``options``, and each argument's ``_specialization``, which
     tells apart every pair of argument lists Triton compiles apart) goes through Triton and keeps
     the compiled kernel; later launches of that signature hand the arguments straight to it,
-    through ``_launch_compiled``. Triton's path, uncached, serves the rest: the interpreter (no
+    through ``triton_compat.run_compiled``. Triton's path, uncached, serves the rest: the interpreter (no
     compiled kernels), kernels wrapped in ``triton.heuristics`` or ``triton.autotune`` (their
     constexprs are computed per call), and arguments ``_specialization`` does not model. Option
     values are compared by ``==`` (pass each option with one type), and the kernel's globals and
     Triton's debug knobs are read at its first launch only.
     """
-    if not hasattr(kernel, "device_caches"):  # the interpreter's function, or a heuristics/autotune wrapper
+    if not is_compiled_kernel(kernel):  # the interpreter's function, or a heuristics/autotune wrapper
         with quiet_interpreter():
             return kernel[grid](*args, **options)
     device = torch.cuda.current_device()
@@ -219,10 +216,10 @@ def launch(kernel, grid: tuple, args: tuple, **options):
     entry = _COMPILED.get(key)
     if entry is not None:
         compiled, trailing = entry
-        _launch_compiled(compiled, device, (*grid, 1, 1)[:3], (*args, *trailing))
+        run_compiled(compiled, device, (*grid, 1, 1)[:3], (*args, *trailing))
         return compiled
     compiled = kernel[grid](*args, **options)
-    if hasattr(compiled, "function"):  # a CompiledKernel (not a future of one): reusable
+    if is_reusable(compiled):
         params = kernel.params[len(args):]  # constexprs and defaulted parameters, given by name or not at all
         _COMPILED[key] = (compiled, tuple(options[p.name] if p.name in options else p.default for p in params))
     return compiled
@@ -240,25 +237,6 @@ def quiet_interpreter():
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
-
-
-def _launch_compiled(compiled, device: int, grid: tuple, args: tuple) -> None:
-    """Launch a loaded CompiledKernel on a 3-D grid with every parameter's value, on the current stream.
-
-    What ``compiled[grid](*args)`` does; while no launch hook is registered (profilers
-    register them: Triton's ``knobs.runtime.launch_enter_hook``/``launch_exit_hook``)
-    without building the hooks' metadata and calling the empty hooks twice a launch.
-    """
-    runtime = triton.knobs.runtime
-    if getattr(runtime.launch_enter_hook, "calls", True) or getattr(runtime.launch_exit_hook, "calls", True):
-        compiled[grid](*args)
-        return
-    compiled.run(*grid, current_stream(device), compiled.function, compiled.packed_metadata, None, None, None, *args)
-
-
-def current_stream(device: int):
-    """The current CUDA stream of ``device``, as Triton's launches read it."""
-    return triton.runtime.driver.active.get_current_stream(device)
 
 
 def persistent_grid(n_tiles: int, device: torch.device, key: tuple) -> tuple:
@@ -300,7 +278,7 @@ def compiled_launcher(kernel, grid: tuple, args: tuple, **options):
     cheaply themselves. None on Triton's uncached path (the interpreter,
     wrapped kernels, unmodeled arguments) or before the first launch.
     """
-    if not hasattr(kernel, "device_caches"):
+    if not is_compiled_kernel(kernel):
         return None
     device = torch.cuda.current_device()
     try:
@@ -312,4 +290,25 @@ def compiled_launcher(kernel, grid: tuple, args: tuple, **options):
         return None
     compiled, trailing = entry
     grid = (*grid, 1, 1)[:3]
-    return lambda new_args: _launch_compiled(compiled, device, grid, (*new_args, *trailing))
+    return lambda new_args: run_compiled(compiled, device, grid, (*new_args, *trailing))
+
+
+class KernelLaunch:
+    """One kernel launch of a planned call: the kernel, its grid and launch options fixed, the arguments given
+    per call. The first call goes through ``launch`` (Triton compiles, or the interpreter runs); once a
+    compiled kernel exists, later calls hand their arguments straight to it (``compiled_launcher``). The
+    caller promises that every call's arguments specialize as the first call's did (same dtypes, 16-byte
+    alignments, ints in the same classes): a plan keyed on everything that decides them."""
+
+    __slots__ = ("kernel", "grid", "options", "_run")
+
+    def __init__(self, kernel, grid: tuple, **options):
+        self.kernel, self.grid, self.options = kernel, grid, options
+        self._run = None
+
+    def __call__(self, *args) -> None:
+        if self._run is not None:
+            self._run(args)
+            return
+        launch(self.kernel, self.grid, args, **self.options)
+        self._run = compiled_launcher(self.kernel, self.grid, args, **self.options)

@@ -1,4 +1,4 @@
-"""``flashlite.softmax`` and ``flashlite.logsumexp``: argument checks, routing to the kernels, autograd.
+"""``flashlite.softmax`` and ``flashlite.logsumexp``: argument checks, routing to the kernels, the ops and autograd.
 
 ``softmax_forward`` runs a plan (``flashlite.softmax.plan``) on rows viewed as
 (n_rows, n_cols); ``softmax`` and ``logsumexp`` view any tensor that way along
@@ -137,35 +137,149 @@ def logsumexp_grad(x: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, g: torch
     return (y * g).to(x.dtype)
 
 
+# ----------------------------------------------------------------------------- the ops and their autograd rules
+#
+# One op per public function, for eager and compiled code alike: ``flashlite::softmax``,
+# ``flashlite::logsumexp`` and ``flashlite::softmax_backward``, each a torch.library custom op with its fake
+# implementation and one autograd rule (``_softmax_setup``/``_softmax_gradient``, ``_logsumexp_setup``/
+# ``_logsumexp_gradient``). While torch.compile traces, the public functions call the ops; eager calls run the
+# same implementations, under ``_Softmax``/``_LogSumExp`` when a gradient is needed (autograd.Functions that
+# apply the same rules), without the dispatcher's host cost (attention.api's docstring has the figure).
+
+
+def _empty_rows_layout(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of ``x``'s shape laid out as the launchers return it: contiguous with ``dim`` last,
+    then moved back (``from_rows``)."""
+    if x.dim() == 0:
+        return torch.empty((), dtype=dtype, device=x.device)
+    return torch.empty(x.movedim(dim, -1).shape, dtype=dtype, device=x.device).movedim(-1, dim)
+
+
+def softmax_grad_torch(y: torch.Tensor, dy: torch.Tensor, dim: int, scale: float, masked: bool) -> torch.Tensor:
+    """``scale * y * (dy - sum(dy * y))`` along ``dim`` in fp32: the backward of both softmaxes off the kernels;
+    ``masked`` gives hidden positions (``y = 0``) exactly 0, as the masked softmax's kernel does."""
+    y, dy = y.float(), dy.float()
+    dx = scale * y * (dy - (dy * y).sum(dim, keepdim=True))
+    return torch.where(y == 0, 0.0, dx) if masked else dx
+
+
+def _softmax_impl(x: torch.Tensor, dim: int, algorithm: str, dtype: torch.dtype) -> torch.Tensor:
+    if x.numel() == 0 or not runs_kernels(x):
+        return _empty_rows_layout(x, dim, dtype).copy_(torch.softmax(x.float(), dim))
+    return softmax_rows(x, dim, dtype, algorithm)
+
+
+@torch.library.custom_op("flashlite::softmax", mutates_args=(),
+                         schema="(Tensor x, int dim, str algorithm, ScalarType dtype) -> Tensor")
+def _softmax_op(x: torch.Tensor, dim: int, algorithm: str, dtype: torch.dtype) -> torch.Tensor:
+    y = _softmax_impl(x, dim, algorithm, dtype)
+    # Rows read from an unaligned base come out as far past a 16-byte boundary (frames.rows_output); the fake
+    # below promises a fresh tensor, which compiled code may take as aligned.
+    return y.clone() if y.storage_offset() else y
+
+
+@_softmax_op.register_fake
+def _(x, dim, algorithm, dtype):
+    return _empty_rows_layout(x, dim, dtype)
+
+
+def _softmax_backward_impl(y: torch.Tensor, dy: torch.Tensor, dim: int, algorithm: str,
+                           dx_dtype: torch.dtype) -> torch.Tensor:
+    if y.numel() == 0 or not runs_kernels(y):
+        return _empty_rows_layout(y, dim, dx_dtype).copy_(softmax_grad_torch(y, dy, dim, 1.0, False))
+    y2d = as_rows(y, dim).contiguous()  # (rows, n): the kernel reads y with row stride n
+    dy2d = as_rows(dy, dim)
+    dx2d = softmax_backward(y2d, dy2d, dx_dtype, plan_softmax(y2d.shape[0], y2d.shape[1], y.device, algorithm,
+                                                                   shared_rows=y.dtype))
+    return from_rows(dx2d, y, dim)
+
+
+@torch.library.custom_op("flashlite::softmax_backward", mutates_args=(),
+                         schema="(Tensor y, Tensor dy, int dim, str algorithm, ScalarType dx_dtype) -> Tensor")
+def _softmax_backward_op(y: torch.Tensor, dy: torch.Tensor, dim: int, algorithm: str,
+                         dx_dtype: torch.dtype) -> torch.Tensor:
+    return _softmax_backward_impl(y, dy, dim, algorithm, dx_dtype)
+
+
+@_softmax_backward_op.register_fake
+def _(y, dy, dim, algorithm, dx_dtype):
+    return _empty_rows_layout(y, dim, dx_dtype)
+
+
+def _softmax_setup(ctx, inputs, output) -> None:
+    x, ctx.dim, ctx.algorithm, _ = inputs
+    ctx.x_dtype = x.dtype
+    ctx.save_for_backward(output)
+
+
+def _softmax_gradient(ctx, dy, run_backward) -> tuple:
+    """``(dx, None, None, None)``; ``run_backward``: the backward op, or its implementation (eager)."""
+    (y,) = ctx.saved_tensors
+    return run_backward(y, dy, ctx.dim, ctx.algorithm, ctx.x_dtype), None, None, None
+
+
+_softmax_op.register_autograd(lambda ctx, dy: _softmax_gradient(ctx, dy, torch.ops.flashlite.softmax_backward),
+                              setup_context=_softmax_setup)
+
+
 class _Softmax(torch.autograd.Function):
+    """The softmax op's eager fast path: its implementation and autograd rule, without the dispatcher."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, algorithm: str, out_dtype: torch.dtype) -> torch.Tensor:
-        y2d, plan = _softmax_as_rows(x, dim, out_dtype, algorithm)
-        ctx.save_for_backward(y2d)
-        ctx.dim, ctx.plan, ctx.x_dtype, ctx.x_shape = dim, plan, x.dtype, x.shape
-        return from_rows(y2d, x, dim)
+        y = _softmax_impl(x, dim, algorithm, out_dtype)
+        _softmax_setup(ctx, (x, dim, algorithm, out_dtype), y)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        (y2d,) = ctx.saved_tensors
-        dy2d = as_rows(dy, ctx.dim)
-        dx2d = softmax_backward(y2d, dy2d, ctx.x_dtype, ctx.plan)
-        return from_rows(dx2d, dy, ctx.dim), None, None, None
+        return _softmax_gradient(ctx, dy, _softmax_backward_impl)
+
+
+def _logsumexp_impl(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if x.numel() == 0 or not runs_kernels(x):
+        return torch.logsumexp(x.float(), dim).to(x.dtype).contiguous()
+    return logsumexp_rows(x, dim)
+
+
+@torch.library.custom_op("flashlite::logsumexp", mutates_args=(), schema="(Tensor x, int dim) -> Tensor")
+def _logsumexp_op(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _logsumexp_impl(x, dim)
+
+
+@_logsumexp_op.register_fake
+def _(x, dim):
+    return x.new_empty(reduced_shape(x, dim))
+
+
+def _logsumexp_setup(ctx, inputs, output) -> None:
+    x, ctx.dim = inputs
+    ctx.save_for_backward(x, output)
+
+
+def _logsumexp_gradient(ctx, g, run_softmax) -> tuple:
+    """``(dx, None)``: ``g · softmax(x)``, the softmax by ``run_softmax`` (the op, or its implementation)."""
+    x, lse = ctx.saved_tensors
+    y = run_softmax(x, ctx.dim, "auto", torch.float32)  # d lse / dx = softmax(x)
+    return logsumexp_grad(x, lse, y, g, ctx.dim), None
+
+
+_logsumexp_op.register_autograd(lambda ctx, g: _logsumexp_gradient(ctx, g, torch.ops.flashlite.softmax),
+                                setup_context=_logsumexp_setup)
 
 
 class _LogSumExp(torch.autograd.Function):
+    """The logsumexp op's eager fast path (as ``_Softmax``)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        lse = logsumexp_rows(x, dim)
-        ctx.save_for_backward(x, lse)
-        ctx.dim = dim
+        lse = _logsumexp_impl(x, dim)
+        _logsumexp_setup(ctx, (x, dim), lse)
         return lse
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        x, lse = ctx.saved_tensors
-        y = _Softmax.apply(x, ctx.dim, "auto", torch.float32)  # d lse / dx = softmax(x)
-        return logsumexp_grad(x, lse, y, g, ctx.dim), None
+        return _logsumexp_gradient(ctx, g, lambda x, dim, algorithm, dtype: _Softmax.apply(x, dim, algorithm, dtype))
 
 
 def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -196,14 +310,12 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
     out_dtype = x.dtype if dtype is None else dtype
     if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"dtype must be float32, float16 or bfloat16, got {out_dtype}")
-    if is_compiling():  # one node of the graph (flashlite.ops)
+    if is_compiling():  # one node of the graph: the op
         return torch.ops.flashlite.softmax(x, dim, algorithm, out_dtype)
-    if x.numel() == 0:
-        return torch.empty_like(x, dtype=out_dtype)
-    if not runs_kernels(x):
-        return torch.softmax(x.float(), dim).to(out_dtype)
     if torch.is_grad_enabled() and x.requires_grad:
         return _Softmax.apply(x, dim, algorithm, out_dtype)
+    if x.numel() == 0 or not runs_kernels(x):
+        return _softmax_impl(x, dim, algorithm, out_dtype)
     key = repeat_key(x, dim, out_dtype, algorithm)
     repeat = _REPEATS.get(key, _UNSEEN)
     if repeat is _UNSEEN:
@@ -310,8 +422,8 @@ def logsumexp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         (the gradient is ``softmax(x)``). This is the quantity attention returns as LSE.
     """
     dim = _check_args(x, dim, "auto")
-    if is_compiling():  # one node of the graph (flashlite.ops)
+    if is_compiling():  # one node of the graph: the op
         return torch.ops.flashlite.logsumexp(x, dim)
-    if x.numel() == 0 or not runs_kernels(x):
-        return torch.logsumexp(x.float(), dim).to(x.dtype)
-    return _LogSumExp.apply(x, dim)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _LogSumExp.apply(x, dim)
+    return _logsumexp_impl(x, dim)

@@ -1,0 +1,99 @@
+"""Every use of Triton's private API, in one place, with the shims for the Tritons flashlite runs on.
+
+flashlite runs on Triton 3.6 (the GPU image) and 3.9 (CI). Its fast launch path and its CPU builds for
+sm_90 reach below Triton's public API; each such reach is one function here, so that a Triton upgrade is
+one module to check (tests/test_triton_compat.py runs each function on the CPU):
+
+* ``is_compiled_kernel``: whether a ``@triton.jit`` function compiles (it keeps per-device caches) or runs
+  through the CPU interpreter (``TRITON_INTERPRET=1``, read by Triton when the function is defined);
+* ``run_compiled``: launch a ``CompiledKernel`` with every parameter's value, skipping ``JITFunction``'s
+  per-call binding and specialization (``CompiledKernel.run`` with its ``packed_metadata``);
+* ``load_compiled``: load a kernel built by ``warmup`` so that its registers (``n_regs``) can be read;
+* ``rebind_descriptor``: a host tensor descriptor of another tensor with the same shape, strides and box,
+  without the dataclass's checks (``object.__new__``);
+* ``gluon_source`` and ``mangle_type``: what ``triton.compile`` takes to build a Gluon kernel for a GPU
+  that is not here (the CPU build tests, ``bench/backward_resources.py``).
+"""
+
+from __future__ import annotations
+
+import triton
+
+
+def is_compiled_kernel(fn) -> bool:
+    """True when the jit function ``fn`` compiles for the GPU (Triton's ``JITFunction`` keeps ``device_caches``;
+    the interpreter's function and the ``heuristics``/``autotune`` wrappers do not)."""
+    return hasattr(fn, "device_caches")
+
+
+def current_stream(device: int):
+    """The current CUDA stream of ``device`` (torch's, capture streams included), as Triton's launches read it."""
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
+def launch_hooks_set() -> bool:
+    """True when a profiler has registered Triton's launch hooks (``knobs.runtime.launch_enter_hook`` /
+    ``launch_exit_hook``): ``run_compiled`` then goes through ``CompiledKernel.__getitem__``, which calls them."""
+    runtime = triton.knobs.runtime
+    return bool(getattr(runtime.launch_enter_hook, "calls", True) or getattr(runtime.launch_exit_hook, "calls", True))
+
+
+def run_compiled(compiled, device: int, grid: tuple, args: tuple) -> None:
+    """Launch the loaded ``CompiledKernel`` ``compiled`` on a 3-D ``grid`` with every parameter's value
+    (constexprs included, as Triton's launcher takes them), on ``device``'s current stream.
+
+    What ``compiled[grid](*args)`` does, without building the hooks' metadata and calling the empty hooks
+    twice a launch while no hook is registered (Triton 3.6 and 3.9 share ``run``'s calling convention:
+    grid, stream, function, packed metadata, launch metadata, two hooks, then the arguments).
+    """
+    if launch_hooks_set():
+        compiled[grid](*args)
+        return
+    compiled.run(*grid, current_stream(device), compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+
+def is_reusable(compiled) -> bool:
+    """True when ``kernel[grid](...)`` returned a ``CompiledKernel`` (not a future of one, as an async compile
+    mode gives): one that ``run_compiled`` can launch again."""
+    return hasattr(compiled, "function")
+
+
+def load_compiled(compiled):
+    """``compiled``, loaded on the device: a kernel built by ``warmup()`` reads its registers (``n_regs``,
+    ``n_spills``) only once loaded (``_init_handles``)."""
+    if hasattr(compiled, "_init_handles"):
+        compiled._init_handles()
+    return compiled
+
+
+def rebind_descriptor(template, tensor):
+    """A copy of host tensor descriptor ``template`` (``triton.tools.tensor_descriptor.TensorDescriptor`` or
+    Gluon's) whose base is ``tensor``: the same shape, strides, box, layout and padding, which the caller
+    vouches for (a plan built the template from a tensor of the same signature). The dataclasses' own
+    constructors check alignment and box shapes on every call; this costs one dict copy."""
+    desc = object.__new__(type(template))
+    desc.__dict__.update(template.__dict__)
+    desc.base = tensor
+    return desc
+
+
+def new_descriptor(cls, **fields):
+    """A descriptor of class ``cls`` with ``fields`` filled in directly, without its constructor's checks (the
+    caller has made them once for its signature)."""
+    desc = object.__new__(cls)
+    desc.__dict__.update(fields)
+    return desc
+
+
+def gluon_source(kernel, signature: dict, constants: dict):
+    """The source ``triton.compile`` takes to build Gluon ``kernel`` ahead of time (``GluonASTSource``)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return GluonASTSource(kernel, signature, constants)
+
+
+def mangle_type(arg) -> str:
+    """Triton's signature type string of a kernel argument (``"*bf16"``, ``"i32"``, a descriptor's type)."""
+    from triton.runtime.jit import mangle_type as mangle
+
+    return mangle(arg)
