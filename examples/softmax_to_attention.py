@@ -7,8 +7,14 @@ that knows cells (VS Code, Jupyter via jupytext), or the whole file at once:
 
 It prints the online-softmax state block by block, checks every step against
 the direct float64 computation, and writes the figures of
-docs/softmax_to_attention.md (default folder: docs/img). Without a GPU the
-kernels run through Triton's CPU interpreter; the whole script takes seconds.
+docs/softmax_to_attention.md to ``--out`` (default: a new temporary folder,
+printed), never into the checkout unless asked: the docs' figures are
+regenerated with
+
+    python examples/softmax_to_attention.py --out docs/img
+
+Without a GPU the kernels run through Triton's CPU interpreter; the whole script
+takes about a minute there.
 """
 
 # %% Setup: the interpreter must be on before Triton defines flashlite's kernels.
@@ -33,9 +39,13 @@ from flashlite import study  # noqa: E402
 from flashlite.cli import run_demo  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--out", default=str(ROOT / "docs" / "img"), help="folder for the PNG figures")
-args, _ = parser.parse_known_args()
+parser.add_argument("--out", default=None,
+                    help="folder for the PNG figures (default: a new temporary folder; docs/img for the docs' own)")
+args, _ = parser.parse_known_args()  # known only: a notebook kernel passes its own arguments
+if args.out is None:
+    args.out = tempfile.mkdtemp(prefix="softmax_to_attention_")
 os.makedirs(args.out, exist_ok=True)
+print(f"figures go to {args.out}")
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)
 print(f"running on {device}" + ("" if device.type == "cuda" else " through Triton's interpreter"))

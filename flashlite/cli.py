@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from . import __version__
 from .core.runtime import interpreter_enabled
 
 DEFAULT_OUT = "flashlite_demo"
@@ -369,6 +370,7 @@ def run_demo(out: str = DEFAULT_OUT, device: str | torch.device = "cpu", only: l
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashlite", description="flashlite: softmax to flash attention in Triton.")
+    parser.add_argument("--version", action="version", version=f"flashlite {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="walk from softmax to attention on this machine, checking every stage",
                           description="\n\n".join(__doc__.split("\n\n")[1:3]),
@@ -382,7 +384,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``flashlite demo [--out DIR] [--device cpu|cuda] [--only STAGES]``; returns the exit status (0: every stage ok)."""
+    """``flashlite demo [--out DIR] [--device cpu|cuda] [--only STAGES]``, or ``flashlite --version``; returns the
+    exit status (0: every stage ok)."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = _parser().parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

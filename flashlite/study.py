@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from .attention.forward import attend_kv_tiles
-from .core.checks import check_flag, check_float_dtype, check_scale
+from .core.checks import check_flag, check_kernel_tensor, check_scale
 from .core.masking import causal_key_end
 from .core.online_softmax import (
     BASE2_UNITS,
@@ -64,7 +64,7 @@ from .core.online_softmax import (
     rescale_factor,
     state_logsumexp,
 )
-from .core.runtime import launch, runs_kernels
+from .core.runtime import launch
 
 # ----------------------------------------------------------------------------- jit helpers
 
@@ -176,17 +176,6 @@ DOT_MIN = 16
 TRACE_MAX_BLOCK_M = 128
 
 
-def _check_runs(x: torch.Tensor, name: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    check_float_dtype(name, x)
-    if not runs_kernels(x):
-        raise RuntimeError(
-            f"{name} is on {x.device}: the study tools run flashlite's Triton kernels, so pass a CUDA tensor, "
-            "or set TRITON_INTERPRET=1 before triton is imported to run them on the CPU (`flashlite demo` does it)"
-        )
-
-
 def _check_block(value: int, name: str, least: int = 1) -> None:
     if not isinstance(value, int) or value < least or value & (value - 1):
         raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}")
@@ -236,7 +225,7 @@ def trace_softmax(x: torch.Tensor, block_n: int = 16) -> SoftmaxTrace:
     Returns:
         A ``SoftmaxTrace`` (a 1-D ``x`` is traced as one row).
     """
-    _check_runs(x, "x")
+    check_kernel_tensor("x", x)
     _check_block(block_n, "block_n")
     if x.dim() not in (1, 2) or x.shape[-1] == 0:
         raise ValueError(f"x must have shape (n_cols,) or (n_rows, n_cols) with n_cols > 0, got {tuple(x.shape)}")
@@ -313,7 +302,7 @@ def trace_attention(
         An ``AttentionTrace``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_runs(t, name)
+        check_kernel_tensor(name, t)
         if t.dim() != 2:
             raise ValueError(f"{name} must have shape (seqlen, head_dim), got {tuple(t.shape)}")
     if k.shape != v.shape or k.shape[1] != q.shape[1]:

@@ -8,7 +8,10 @@ import sys
 import pytest
 import torch
 
+import flashlite
 from flashlite import cli, study
+
+from .utils import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLOTS = ("softmax_trace.png", "attention_trace.png", "stage_errors.png")
@@ -82,6 +85,16 @@ def test_fresh_process_turns_the_interpreter_on(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Triton's interpreter" in proc.stdout
     assert table_rows(proc.stdout)["fused softmax"][2] == "ok"
+
+
+@pytest.mark.parametrize("args", [
+    ["-c", "import sys; from flashlite.cli import main; sys.exit(main())"],  # the `flashlite` script (pyproject)
+    ["-m", "flashlite"],
+])
+def test_version(args):
+    done = run_python(*args, "--version")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"flashlite {flashlite.__version__}"
 
 
 def test_bad_arguments(capsys):

@@ -4,6 +4,8 @@ no private name (a leading underscore) taken from another module."""
 import ast
 import pathlib
 
+from .utils import run_python
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -44,3 +46,18 @@ def test_private_crossing_is_detected(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from .core.runtime import _hidden\nfrom . import tiles\ntiles._load()\n")
     assert len(_private_crossings(bad)) == 2
+
+
+def test_integrations_reachable_from_the_package():
+    # The README's `import flashlite; flashlite.integrations.transformers.register()`: the submodule resolves on
+    # first access, and `import flashlite` itself leaves transformers unimported.
+    code = (
+        "import sys\n"
+        "import flashlite\n"
+        "assert 'transformers' not in sys.modules, 'import flashlite imported transformers'\n"
+        "hook = flashlite.integrations.transformers\n"
+        "assert hook.NAME == 'fl_attention' and callable(hook.register)\n"
+        "print('ok')\n"
+    )
+    done = run_python("-c", code)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

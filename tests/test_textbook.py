@@ -22,6 +22,7 @@ from .utils import (
     assert_close,
     attention_ref,
     randn,
+    run_python,
     softmax_ref,
 )
 
@@ -102,3 +103,29 @@ def test_flash_attention_forward_errors():
         flash_attention_forward(q, q, q, causal="yes")
     with pytest.raises(ValueError, match="scale"):
         flash_attention_forward(q, q, q, scale=float("nan"))
+
+
+
+def test_cpu_tensor_without_the_interpreter():
+    # Kernels built for the GPU (no TRITON_INTERPRET) and a CPU tensor: the textbook has no PyTorch path, so a
+    # clear error naming the argument, not torch's "Torch not compiled with CUDA enabled" from deep in a launch.
+    code = (
+        "import torch\n"
+        "from flashlite.textbook import flash_attention_forward, fused_softmax, online_softmax\n"
+        "x = torch.randn(1, 1, 4, 16)\n"
+        "for name, call in [('x', lambda: fused_softmax(x)), ('x', lambda: online_softmax(x)),\n"
+        "                   ('q', lambda: flash_attention_forward(x, x, x))]:\n"
+        "    try:\n"
+        "        call()\n"
+        "    except RuntimeError as err:\n"
+        "        print(type(err).__name__, err)\n"
+        "    else:\n"
+        "        print('no error')\n"
+    )
+    done = run_python("-c", code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 3, done.stdout
+    for line, name in zip(lines, "xxq"):
+        assert line.startswith(f"RuntimeError {name} is on cpu: flashlite's Triton kernels need a CUDA tensor"), line
+        assert "TRITON_INTERPRET=1 set before triton is imported" in line, line

@@ -1,4 +1,5 @@
-"""examples/train_tiny_gpt.py trains: a few CPU steps through flashlite's PyTorch path (plain autograd)."""
+"""The examples: examples/train_tiny_gpt.py trains (a few CPU steps through flashlite's PyTorch path, plain
+autograd); examples/softmax_to_attention.py writes its figures outside the checkout unless told otherwise."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from .utils import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +39,43 @@ def test_tiny_gpt_loss_falls_on_cpu():
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.5, f"loss did not fall: first 5 steps {first:.3f}, last 5 {last:.3f}"
     assert math.isfinite(result["val_loss"]) and result["tokens_per_s"] > 0
+
+
+# Runs examples/softmax_to_attention.py up to its first cell that computes (the whole script runs every stage of
+# the demo), stopped there by a stand-in for the first study call: enough to see where figures would go.
+FIGURES_SCRIPT = """
+import os, runpy, sys
+os.environ["TRITON_INTERPRET"] = "1"
+from flashlite import study
+
+class Stop(Exception):
+    pass
+
+def stop(*args, **kwargs):
+    raise Stop
+
+study.story_logits = stop
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except Stop:
+    pass
+"""
+
+
+@pytest.mark.parametrize("out", [None, "figs"])
+def test_softmax_to_attention_writes_outside_the_checkout(tmp_path, out):
+    # A fresh clone's `python examples/softmax_to_attention.py` overwrote the tracked docs/img; now only
+    # `--out docs/img` does. The default is a new temporary folder, printed.
+    args = ["-c", FIGURES_SCRIPT, str(ROOT / "examples" / "softmax_to_attention.py")] + (["--out", out] if out else [])
+    done = run_python(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("figures go to ")]
+    assert len(lines) == 1, done.stdout
+    folder = Path(tmp_path, lines[0].removeprefix("figures go to "))  # relative to the working directory
+    assert folder.is_dir()
+    if out:
+        assert folder == tmp_path / out
+    else:
+        assert ROOT not in folder.resolve().parents and tmp_path not in folder.parents
+        folder.rmdir()  # empty: the run stopped before any figure

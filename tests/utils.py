@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from flashlite.core.runtime import DeviceInfo
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -254,3 +260,11 @@ def hopper_qkv(head_dim=128, dtype=torch.bfloat16, seqlen_q=100, seqlen_k=130, k
     q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype)
     k, v = (torch.randn(2, kv_heads, seqlen_k, head_dim, dtype=dtype) for _ in range(2))
     return q, k, v
+
+
+def run_python(*args: str, cwd: str | os.PathLike = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python *args`` in a fresh process, flashlite importable, without the TRITON_INTERPRET that conftest sets
+    for this session: there the kernels are built for the GPU, as on a new user's machine. Output captured as text."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

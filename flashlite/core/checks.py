@@ -8,6 +8,8 @@ import numbers
 import numpy as np
 import torch
 
+from .runtime import runs_kernels
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -19,6 +21,20 @@ def check_float_dtype(name: str, t: torch.Tensor) -> None:
     """Raise a TypeError naming argument ``name`` unless it is fp32, fp16 or bf16."""
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_kernel_tensor(name: str, x: torch.Tensor) -> None:
+    """Raise naming argument ``name`` unless ``x`` is a fp32, fp16 or bf16 tensor that flashlite's Triton kernels
+    can run on (``runs_kernels``): a CUDA tensor, or a CPU tensor with the kernels built for Triton's interpreter.
+    For the functions that have no PyTorch path of their own (``flashlite.textbook``, ``flashlite.study``)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_float_dtype(name, x)
+    if not runs_kernels(x):
+        raise RuntimeError(
+            f"{name} is on {x.device}: flashlite's Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 set "
+            "before triton is imported to run them on the CPU (`flashlite demo` does it)"
+        )
 
 
 def check_scale(scale, default: float) -> float:

@@ -6,7 +6,8 @@
   rescales the output accumulator as it rescales ``d``.
 
 Each imports the core's update and merge (``flashlite.core.online_softmax``) rather than writing them
-again; ``bench/`` times them beside the fast kernels, one refinement at a time.
+again; ``bench/`` times them beside the fast kernels, one refinement at a time. They have no PyTorch path:
+they take CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before ``triton`` is imported.
 """
 
 from .flash_attention_forward import flash_attention_forward

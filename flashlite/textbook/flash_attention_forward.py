@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.checks import check_flag, check_float_dtype, check_scale
+from ..core.checks import check_flag, check_kernel_tensor, check_scale
 from ..core.masking import apply_masks
 from ..core.online_softmax import BASE2_UNITS, LOG2E, empty_state, normalize, online_update, rescale_accumulator
 from ..core.runtime import launch
@@ -65,7 +65,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     rows that see no key give zeros. fp32 computes with IEEE fp32 dots. Forward only.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_float_dtype(name, t)
+        check_kernel_tensor(name, t)
         if t.dim() != 4 or t.dtype != q.dtype or t.shape[3] != q.shape[3]:
             raise ValueError(f"{name} must be (B, H, L, D) of q's dtype and head dim, got {tuple(t.shape)} {t.dtype}")
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.checks import check_float_dtype
+from ..core.checks import check_kernel_tensor
 from ..core.online_softmax import LOG2E, empty_state, normalize, online_update
 from ..core.runtime import launch
 
@@ -35,7 +35,7 @@ def fused_softmax(x: torch.Tensor) -> torch.Tensor:
 
     Raises ValueError for rows longer than ``MAX_COLS`` (``flashlite.softmax`` takes any length).
     """
-    check_float_dtype("x", x)
+    check_kernel_tensor("x", x)
     n_cols = x.shape[-1] if x.dim() else 1
     if n_cols > MAX_COLS:
         raise ValueError(f"x has rows of {n_cols} elements: the textbook fused kernel holds at most {MAX_COLS}")

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.checks import check_float_dtype
+from ..core.checks import check_kernel_tensor
 from ..core.online_softmax import LOG2E, empty_state, final_weights, online_update
 from ..core.runtime import launch
 
@@ -39,7 +39,7 @@ def online_softmax_kernel(x_ptr, y_ptr, n_cols, stride_x, stride_y, BLOCK_N: tl.
 
 def online_softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax of ``x`` along its last dim (fp32/fp16/bf16, any leading shape, any row length), one program a row."""
-    check_float_dtype("x", x)
+    check_kernel_tensor("x", x)
     n_cols = x.shape[-1] if x.dim() else 1
     x2d = x.reshape(-1, n_cols).contiguous()
     y = torch.empty_like(x2d)
