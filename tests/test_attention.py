@@ -395,3 +395,25 @@ def test_pytorch_path(monkeypatch, causal):
     ref, ref_lse = attention_ref(q, k, v, causal=causal, attn_mask=mask, return_lse=True)
     assert_attention_close(out, ref, attention_ref(q, k, v, causal=causal, attn_mask=mask, dtype=q.dtype), q.dtype)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_repeated_calls_replay_their_route(monkeypatch):
+    """A repeated call is checked and planned once: its route (forward, and backward per layout of dO) is built
+    at the first call of its signature and replayed; another signature plans its own."""
+    from flashlite.attention import backward, route
+
+    routes, backwards = [], []
+    monkeypatch.setattr(api, "Route", lambda *a, **kw: routes.append(1) or route.Route(*a, **kw))
+    monkeypatch.setattr(route, "BackwardLaunch",
+                        lambda *a, **kw: backwards.append(1) or backward.BackwardLaunch(*a, **kw))
+    q, k, v = (randn(1, 2, 20, 16, requires_grad=True) for _ in range(3))
+    for _ in range(3):
+        o = flash_attention(q, k, v, causal=True)
+        torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    assert (len(routes), len(backwards)) == (1, 1)
+    with torch.no_grad():  # an inference call: a signature of its own
+        flash_attention(q, k, v, causal=True)
+        flash_attention(q, k, v, causal=True)
+    flash_attention(q, k, v, causal=False)
+    assert len(routes) == 3
+    torch.testing.assert_close(o.double(), attention_ref(q, k, v, causal=True), atol=1e-5, rtol=1e-5)

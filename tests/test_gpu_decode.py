@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import flashlite
-from flashlite.attention import api, forward_hopper, gluon_tiles, plan, tuning
+from flashlite.attention import api, forward_hopper, gluon_tiles, plan, route, tuning
 from flashlite.core.runtime import device_info
 from flashlite.core.tiles import tma_usable
 
@@ -321,13 +321,14 @@ def test_flash_attention_takes_the_hopper_kernel(monkeypatch):
     # matrix relies on it for those head dims; training calls take the same route).
     require_hopper()
     taken = []
-    real = api.attention_forward_hopper
+    real = route.HopperForwardLaunch
 
     def spy(*args, **kwargs):
         taken.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api, "attention_forward_hopper", spy)
+    api.clear_routes()
+    monkeypatch.setattr(route, "HopperForwardLaunch", spy)
     for head_dim in (40, 64, 96, 128, 192, 256):
         for causal in (False, True):
             q, k, v = (torch.randn(2, 4, 512, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))

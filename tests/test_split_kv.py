@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashlite import flash_attention
-from flashlite.attention import api, tuning
+from flashlite.attention import api, route, tuning
 from flashlite.attention import split_kv as sk
 from flashlite.attention.tuning import AttentionConfig
 
@@ -72,7 +72,7 @@ def spy_split(monkeypatch) -> list:
             calls.append(args[8])  # (q, k, v, mask, causal, scale, mask_is_bool, write_lse, num_splits, ...)
 
     api.clear_routes()  # routes planned before the spy would not show
-    monkeypatch.setattr(api, "SplitLaunch", Spy)
+    monkeypatch.setattr(route, "SplitLaunch", Spy)
     return calls
 
 

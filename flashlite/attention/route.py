@@ -57,6 +57,7 @@ class Route:
         self.kernels = not self.torch_path and batch * n_heads * seqlen_q > 0 and k.shape[2] > 0
         self._backwards: dict = {}
         self.launch = None
+        self.hopper = False  # the launch takes no mask and fills no row stats
         if not self.kernels:
             return
         variants = dict(softcap=softcap, window=window, has_alibi=has_alibi, has_sinks=has_sinks)
@@ -66,6 +67,7 @@ class Route:
                                       has_cache_seqlens, **variants)
         elif not self.keeps_row_stats and wgmma_eligible(q, k, v, mask is not None, scale):
             self.launch = HopperForwardLaunch(q, k, v, causal, scale, write_lse, **variants)
+            self.hopper = True
         else:
             # Under an additive mask the rows' (m, log d) stay apart (a bias of -1e9 leaves no room for log d in
             # the LSE's fp32, and P recomputed from it would sum to the key count): the LSE is their sum.
@@ -84,7 +86,7 @@ class Route:
         launch = self.launch
         if self.split:
             return (*launch(q, k, v, mask, cache_seqlens, alibi, sinks), None)
-        if isinstance(launch, HopperForwardLaunch):
+        if self.hopper:
             return (*launch(q, k, v, alibi, sinks), None)
         if self.keeps_row_stats:
             row_stats = torch.empty((2, *self.lse_shape), dtype=torch.float32, device=q.device)

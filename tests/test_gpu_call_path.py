@@ -1,0 +1,80 @@
+"""The planned call path on the GPU (``pytest -m gpu``): CUDA-graph capture and torch.compile of training steps.
+
+A route is planned at a signature's first call and replayed afterwards (``flashlite.attention.route``): these
+tests replay calls where nothing may touch the host between launches (a ``torch.cuda.graph`` capture of
+forward and backward, ``torch.compile(mode="reduce-overhead")``) and compare every replay with an eager call
+on the same fresh inputs, and with float64 under FlashAttention's rule.
+"""
+
+import pytest
+import torch
+
+import flashlite
+
+from .utils import assert_attention_close, attention_grads_ref, attention_ref
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False), (96, True)])
+def test_cuda_graph_capture_of_forward_and_backward(head_dim, causal):
+    b, h, h_kv, length = 2, 8, 2, 300
+    shapes = [(b, h, length, head_dim), (b, h_kv, length, head_dim), (b, h_kv, length, head_dim)]
+    static = [torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+    static_do = torch.randn(b, h, length, head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        o = flashlite.flash_attention(*static, causal=causal)
+        return (o, *torch.autograd.grad(o, static, static_do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream: compiles and plans before capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    for _ in range(2):  # fresh inputs copied in, the graph replayed, checked against eager and float64
+        fresh = [torch.randn_like(t) for t in static]
+        fresh_do = torch.randn_like(static_do)
+        with torch.no_grad():
+            for t, f in zip(static, fresh):
+                t.copy_(f)
+            static_do.copy_(fresh_do)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for got, want in zip(outputs, eager):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)  # the same kernels on the same data
+        ref = attention_ref(*fresh, causal=causal)
+        torch_out = attention_ref(*fresh, causal=causal, dtype=torch.bfloat16)
+        assert_attention_close(outputs[0], ref, torch_out, torch.bfloat16)
+        ref_grads = attention_grads_ref(*fresh, fresh_do, causal=causal)
+        torch_grads = attention_grads_ref(*fresh, fresh_do, dtype=torch.bfloat16, causal=causal)
+        for got, ref64, ref16 in zip(outputs[1:], ref_grads, torch_grads):
+            assert_attention_close(got, ref64, ref16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_training_step_of_the_layer(mode):
+    torch.manual_seed(0)
+    layer = flashlite.nn.MultiheadAttention(256, 4, num_kv_heads=2, causal=True, device="cuda",
+                                            dtype=torch.bfloat16)
+    x = torch.randn(2, 200, 256, device="cuda", dtype=torch.bfloat16)
+    target = torch.randn_like(x)
+
+    def step(x, target):
+        loss = (layer(x).float() - target.float()).pow(2).mean()
+        grads = torch.autograd.grad(loss, list(layer.parameters()))
+        return loss, grads
+
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    for _ in range(3):  # reduce-overhead records its CUDA graph after warm-up runs, then replays it
+        x, target = torch.randn_like(x), torch.randn_like(target)
+        loss, grads = compiled(x, target)
+        loss_eager, grads_eager = step(x, target)
+        torch.testing.assert_close(loss, loss_eager, atol=2e-2, rtol=2e-2)
+        for g, g_eager in zip(grads, grads_eager):
+            torch.testing.assert_close(g.float(), g_eager.float(), atol=5e-2, rtol=5e-2)
