@@ -162,6 +162,7 @@ def _probs_and_score_grads(
         s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
         dp = dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST_DOTS)
         query_m, query_logd2, query_delta = row_m[:, None], row_logd2[:, None], delta[:, None]
+    tanh = s  # tanh(s / softcap) under a softcap (below); named on every path, as Triton wants every name it reads
     if MASKED or HAS_SOFTCAP or HAS_ALIBI:
         if KEYS_ON_ROWS:  # keys on rows, the query tile across (ALiBi's positions: add_alibi)
             s, tanh = modify_scores(s * qk_scale, k_idx, cols_start, tl.arange(0, q_idx.shape[0]), seqlen_q,
