@@ -24,13 +24,6 @@ Three kernels, FlashAttention-2 style:
    P and dS a second time (FlashAttention-2 trades these FLOPs for having no
    atomic adds), so every gradient is deterministic: two runs are bitwise equal.
 
-One pass instead (``attention_backward``'s first path): the dK/dV kernel also
-computes each query tile's ``dS K`` and adds it to an fp32 dQ workspace
-(``core.tiles.add_tile``: TMA reductions where TMA applies, atomic adds elsewhere),
-and kernel 3 is not launched. Faster on paper (five products instead of seven);
-on the H200 no faster than two passes (bench/results/h200/TUNING.md#backward-one-pass),
-so CUDA takes two passes unless ``tuning.ONE_PASS_ON_GPU``.
-
 P is never stored: both kernels recompute it from the scores and LSE, the
 scores as the forward made them (fp32 dots of the unscaled Q and K, then
 ``qk_scale``: ``flashlite.attention``'s units). In base-2 units the LSE is the
@@ -75,7 +68,7 @@ dots with dO, Q and K (as FlashAttention); fp32 inputs use IEEE fp32 dots.
 Offsets that grow with batch, heads and rows are 64-bit.
 
 Hopper. fp16/bf16 calls without a user mask go to ``backward_hopper``'s Gluon
-kernels (the same two passes, or one, with TMA tiles and the products kept in
+kernels (the same two passes, with TMA tiles and the products kept in
 flight); these kernels serve the rest: masks, fp32 (the interpreter), other GPUs.
 
 Limits: Q/K/V by pointer loads (no TMA) and no persistent grid; the Triton
