@@ -8,11 +8,12 @@ times), then the ``triton.language`` dK/dV kernel on its candidates.
 For each tile config: registers a thread and spill stores (ptxas -v, Triton's own ptxas), shared memory,
 the wgmma instructions in the PTX and the depths of their waits (``wgmma.wait_group N``: 0 means each product
 is waited for before the next is issued, so the tensor cores idle while the softmax-like arithmetic runs).
-Unmasked, non-causal bf16; ``one_pass`` adds the dQ product and its pointer atomic adds.
+Unmasked, non-causal bf16.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -30,54 +31,50 @@ from triton.compiler import ASTSource  # noqa: E402
 from flashlite.attention import backward, backward_hopper, tuning  # noqa: E402
 from flashlite.attention.tuning import WgmmaBackwardConfig  # noqa: E402
 
-# (BLOCK_M, BLOCK_N, warps, stages, padded head dim, one pass)
-CASES = [(32, 64, 4, 2, 128, False), (64, 128, 8, 2, 128, False), (64, 128, 8, 2, 128, True),
-         (64, 64, 4, 2, 64, False), (64, 64, 8, 2, 256, False), (32, 32, 8, 1, 256, False)]
+# (BLOCK_M, BLOCK_N, warps, stages, padded head dim)
+CASES = [(32, 64, 4, 2, 128), (64, 128, 8, 2, 128), (64, 64, 4, 2, 64), (64, 64, 8, 2, 256), (32, 32, 8, 1, 256)]
 
 
-def kernel_fn():
+# The dK/dV kernel's grouped run-time arguments (backward's host side), as types: the mask (absent: its pointer
+# a constexpr None), the (b, h, row) strides of q, k, v, do, dk, dv, heads, sizes, variants.
+TUPLE_TYPES = dict(mask=("constexpr", "i32", "i32", "i32", "i32"), heads=("i32",) * 3, sizes=("i32",) * 4,
+                   variants=("fp32", "i32", "i32"), **{f"{t}_strides": ("i32",) * 3
+                                                       for t in ("q", "k", "v", "do", "dk", "dv")})
+
+
+def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int) -> str:
     kernel = backward._attention_bwd_dkdv_kernel
-    while not isinstance(kernel, triton.runtime.jit.JITFunction):  # under triton.heuristics
-        kernel = kernel.fn
-    return kernel
-
-
-def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int, one_pass: bool) -> str:
-    kernel = kernel_fn()
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM_PADDED=head_dim, HEAD_DIM_V_PADDED=head_dim,
-                  IS_CAUSAL=False, HAS_MASK=False, MASK_IS_BOOL=False, MASK_PER_KEY=False, EVEN_D=True, EVEN_DV=True,
-                  UNITS=1.0, ATOMIC_DQ=one_pass, HAS_SOFTCAP=False, FAST_TANH=False, HAS_ALIBI=False,
-                  HAS_WINDOW=False, alibi_ptr=None,
-                  DQ_BY_TMA=False, DOT_PRECISION="tf32", UPCAST_DOTS=False, mask_ptr=None, dq_desc=None)
-    if not one_pass:
-        consts["dq_ptr"] = None
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, DIMS=(head_dim, head_dim, True, True),
+                  MASKING=(False, False, False, False), UNITS=1.0, DOTS=("tf32", False),
+                  MODS=(False, False, False, False), alibi_ptr=None)
     signature = {}
     for name in kernel.arg_names:
         if name in consts:
             signature[name] = "constexpr"
+        elif name in TUPLE_TYPES:
+            signature[name] = TUPLE_TYPES[name]
         elif name in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr"):
             signature[name] = "*bf16"
         elif name.endswith("_ptr"):
             signature[name] = "*fp32"
         else:
             signature[name] = "fp32" if name in ("qk_scale", "scale") else "i32"
+    consts[("mask", 0)] = None
     compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_report(ptx)
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
-    return (f"| {head_dim} | {block_m} x {block_n} | {warps} | {stages} | {'yes' if one_pass else 'no'} | "
+    return (f"| {head_dim} | {block_m} x {block_n} | {warps} | {stages} | "
             f"{regs} | {spills} | {compiled.metadata.shared} | "
             f"{ptx.count('wgmma.mma_async')} | {', '.join(sorted(set(waits))) or '—'} |")
 
 
-# (padded head dim, kernel, one pass, config): the table's tiles, and the dK/dV candidates bench/backward_tune.py times.
+# (padded head dim, kernel, config): the table's tiles, and the dK/dV candidates bench/backward_tune.py times.
 Tiles = WgmmaBackwardConfig
-HOPPER_CASES = [(d, kernel, one_pass, tuning.WGMMA_BACKWARD_CONFIGS[d]) for d in (64, 128, 256)
-                for kernel, one_pass in (("dK/dV", False), ("dK/dV", True), ("dQ", False))]
-HOPPER_CASES += [(128, "dK/dV", False, Tiles(64, 128, 2)), (128, "dK/dV", True, Tiles(64, 128, 2)),
-                 (128, "dK/dV", False, Tiles(64, 64, 2, split=2)),
-                 (256, "dQ", False, Tiles(64, 64, 2, split=2, dq_block_n=32))]
+HOPPER_CASES = [(d, kernel, tuning.WGMMA_BACKWARD_CONFIGS[d]) for d in (64, 128, 256) for kernel in ("dK/dV", "dQ")]
+HOPPER_CASES += [(128, "dK/dV", Tiles(64, 128, 2)), (128, "dK/dV", Tiles(64, 64, 2, split=2)),
+                 (256, "dQ", Tiles(64, 64, 2, split=2, dq_block_n=32))]
 
 
 def ptxas_report(ptx: str) -> tuple[str, str]:
@@ -93,23 +90,24 @@ def ptxas_report(ptx: str) -> tuple[str, str]:
     return regs[0] if regs else "?", spills[0] if spills else "?"
 
 
-def hopper_report(head_dim: int, kernel_name: str, one_pass: bool, config) -> str:
+def hopper_report(head_dim: int, kernel_name: str, config) -> str:
     """One row of the Hopper kernels' table (non-causal, bf16, no variants)."""
     dq = kernel_name == "dQ"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
-    compiled = backward_hopper.build_for_sm90("dq" if dq else "dkdv", config, head_dim, False, one_pass)
+    compiled = backward_hopper.build_for_sm90("dq" if dq else "dkdv", config, head_dim, False)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_report(ptx)
     waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
     atomics = len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx))
     split = f", split {config.split}" if config.split > 1 and not dq else ""
     stages = config.dq_stages if dq else config.stages
-    return (f"| {head_dim} | {kernel_name}{' one pass' if one_pass else ''} | {rows} x {keys}{split} | "
+    return (f"| {head_dim} | {kernel_name} | {rows} x {keys}{split} | "
             f"{compiled.metadata.num_warps} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
             f"{ptx.count('wgmma.mma_async')} | {', '.join(waits)} | {atomics} |")
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"triton {triton.__version__}, sm_90\n")
     print("Hopper (Gluon) kernels, `backward_hopper`: tiles are query rows x keys (a program's keys for dK/dV, its"
           " query rows for dQ); atomics = fp32 atomic-add instructions a thread issues per tile\n")
@@ -119,8 +117,8 @@ def main() -> None:
     for case in HOPPER_CASES:
         print(hopper_report(*case), flush=True)
     print("\n`triton.language` dK/dV kernel, `backward`\n")
-    print("| D | tiles | warps | stages | one pass | registers | spill stores (B) | shared (B) | wgmma | wait depths |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| D | tiles | warps | stages | registers | spill stores (B) | shared (B) | wgmma | wait depths |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for case in CASES:
         print(report(*case), flush=True)
 

@@ -6,17 +6,15 @@
 
 bf16, H = 16, B = 16384 // L, causal and not. For each head dim:
 
-* ``one_pass``: the backward's fast path (the dK/dV kernel adding dQ by atomic adds) on each candidate tile;
-* ``two_pass``: the deterministic path, its dK/dV kernel's candidates (dQ on the table's tiles), then its
+* ``two_pass``: the backward's dK/dV kernel's candidates (dQ on the table's tiles), then its
   dQ kernel's (dK/dV on the best);
-* ``hopper_two_pass`` / ``hopper_one_pass``: the Hopper (Gluon) backward's candidates in two passes (its dK/dV
-  kernel, then its dQ kernel: the default), and the first in one pass (dQ by atomic adds);
+* ``hopper_two_pass``: the Hopper (Gluon) backward's candidates (its dK/dV kernel, then its dQ kernel);
 * ``tl_table``: the ``triton.language`` kernels' two passes on the table's tiles;
 * ``fwd_tl`` / ``fwd_hopper``: the ``triton.language`` forward's candidates and the Hopper (Gluon) forward's,
   whose boxes are padded to the next power of two (head dims 96 and 192 read 128 and 256 columns);
 * SDPA's FlashAttention-2 and cuDNN backends, forward and backward, on the same inputs.
 
-Every candidate's output is compared with the table's (dq, dk, dv of the deterministic path; the forward's o):
+Every candidate's output is compared with the table's (dq, dk, dv; the forward's o):
 ``err`` is the largest difference over the largest value, ~1e-2 is bf16 rounding. A candidate that does not
 build (shared memory, registers) is listed with no time. Kernels are built first by ``--jobs`` processes at
 once (Triton's on-disk cache), then timed here one at a time. TFLOP/s as bench/attention.py counts them.
@@ -41,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flashlite.attention.api import attention_forward  # noqa: E402
 from flashlite.attention.backward import attention_backward  # noqa: E402
 from flashlite.attention.forward_hopper import attention_forward_hopper  # noqa: E402
-from flashlite.attention import tuning  # noqa: E402
 from flashlite.attention.plan import default_backward_config, head_dim_padded  # noqa: E402
 from flashlite.attention.tuning import AttentionConfig, BackwardConfig, WgmmaBackwardConfig, WgmmaConfig  # noqa: E402
 from common import environment, markdown_table, results_dir, tflops, time_ms, write_results  # noqa: E402
@@ -112,9 +109,9 @@ class Case:
         self.scale = 1 / math.sqrt(head_dim)
         self.o, self.lse = attention_forward(self.q, self.k, self.v, causal, self.scale, None, False, True)
 
-    def backward(self, config: BackwardConfig, deterministic: bool):
+    def backward(self, config: BackwardConfig):
         return attention_backward(self.do, self.q, self.k, self.v, self.o, self.lse, None, self.causal, self.scale,
-                                  None, False, config=config, deterministic=deterministic)[:3]
+                                  None, False, config=config)[:3]
 
     def forward_tl(self, config: AttentionConfig):
         return attention_forward(self.q, self.k, self.v, self.causal, self.scale, None, False, True, config)[0]
@@ -135,39 +132,26 @@ class Case:
         return fwd, lambda: torch.autograd.grad(out, inputs, self.do, retain_graph=True)
 
 
-KINDS = ("one_pass", "two_pass_dkdv", "two_pass_dq", "fwd_tl", "fwd_hopper", "hopper_one_pass", "hopper_two_pass",
-         "tl_table")
+KINDS = ("two_pass_dkdv", "two_pass_dq", "fwd_tl", "fwd_hopper", "hopper_two_pass", "tl_table")
 
 
 def variants(head_dim: int, dkdv_best: tuple | None = None, kinds=KINDS) -> list[tuple[str, object]]:
     """(kind, config) of every candidate of a head dim; the dQ kernel's are paired with ``dkdv_best``."""
     pad = head_dim_padded(head_dim)
     table = default_backward_config(head_dim, torch.bfloat16, torch.device("cuda"))
-    out = [("one_pass", BackwardConfig(table.dkdv, table.dq, tile(t))) for t in DKDV[max(64, pad)]]
-    out += [("two_pass_dkdv", BackwardConfig(tile(t), table.dq)) for t in DKDV[max(64, pad)]]
+    out = [("two_pass_dkdv", BackwardConfig(tile(t), table.dq)) for t in DKDV[max(64, pad)]]
     dkdv = tile(dkdv_best) if dkdv_best else table.dkdv
     out += [("two_pass_dq", BackwardConfig(dkdv, tile(t))) for t in DQ[max(64, pad)]]
     out += [("fwd_tl", tile(t, tma=True)) for t in FWD_TL.get(pad, [])]
     out += [("fwd_hopper", c) for c in FWD_HOPPER.get(pad, [])]
-    out += [("hopper_one_pass", c) for c in HOPPER.get(pad, [])[:1]]
     out += [("hopper_two_pass", c) for c in HOPPER.get(pad, [])]
     out += [("tl_table", table)]
     return [(kind, config) for kind, config in out if kind in kinds]
 
 
 def run_variant(case: Case, kind: str, config):
-    if kind.startswith("hopper"):  # (attention_backward takes one pass when not deterministic and ONE_PASS_ON_GPU)
-        tuning.ONE_PASS_ON_GPU = kind == "hopper_one_pass"
-        try:
-            return case.backward(config, False)
-        finally:
-            tuning.ONE_PASS_ON_GPU = False
-    if kind == "one_pass":
-        return case.backward(config, False)
-    if kind == "tl_table":  # the triton.language kernels' two passes on the table's tiles
-        return case.backward(config, True)
-    if kind.startswith("two_pass"):
-        return case.backward(config, True)
+    if kind.startswith("hopper") or kind == "tl_table" or kind.startswith("two_pass"):  # tl_table: the table's tiles
+        return case.backward(config)
     if kind == "fwd_tl":
         return case.forward_tl(config)
     return case.forward_hopper(config)
@@ -195,8 +179,7 @@ def describe(kind: str, config) -> str:
     if kind == "fwd_hopper":
         return f"{config.block_m}x{config.block_n} w{config.num_warps} s{config.kv_stages}" + (
             " ws" if config.warp_specialized else "") + (" qreg" if config.q_in_registers else "")
-    c = config if kind == "fwd_tl" else {"one_pass": config.one_pass, "two_pass_dkdv": config.dkdv,
-                                          "two_pass_dq": config.dq}[kind]
+    c = config if kind == "fwd_tl" else {"two_pass_dkdv": config.dkdv, "two_pass_dq": config.dq}[kind]
     return f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"
 
 
@@ -268,7 +251,7 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128, 192, 256])
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--jobs", type=int, default=12)
-    parser.add_argument("--kinds", nargs="+", default=["one_pass", "two_pass_dkdv", "two_pass_dq", "fwd_tl", "fwd_hopper"],
+    parser.add_argument("--kinds", nargs="+", default=["two_pass_dkdv", "two_pass_dq", "fwd_tl", "fwd_hopper"],
                         help="which candidates to time (two_pass_dq pairs with the best two_pass_dkdv, or the table's)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="backward_tune", help="results' file stem")

@@ -73,24 +73,16 @@ def hopper(monkeypatch):
     monkeypatch.delenv("FLASHLITE_WGMMA_BACKWARD", raising=False)
 
 
-@pytest.fixture(params=["one_pass", "deterministic", "triton"])
+@pytest.fixture(params=["default", "triton"])
 def backward_path(request, monkeypatch):
-    """Every path of the attention backward: one pass (dQ by atomic adds: on Hopper the Gluon kernel where it
-    applies, else the tl kernel, which a GPU otherwise runs in two passes), two passes (taken under
-    ``torch.use_deterministic_algorithms(True)``, bitwise repeatable; on Hopper the Gluon dK/dV and dQ kernels), and
-    ``triton``: one pass of the tl kernels with the Gluon backward switched off (skipped on CPU, where it is the
-    one-pass case). The tl kernels' two passes run in tests/test_gpu_backward.py (masks, bitwise repeatability)."""
-    from flashlite.attention import tuning
-
-    monkeypatch.setattr(tuning, "ONE_PASS_ON_GPU", request.param != "deterministic")
+    """Both kernel families of the attention backward (each two passes: dK/dV, then dQ): ``default``, on Hopper the
+    Gluon kernels where they apply, else the tl kernels (the interpreter), and ``triton``: the tl kernels with the
+    Gluon backward switched off (skipped on CPU, where it is the default case)."""
     if request.param == "triton":
         if not torch.cuda.is_available():
-            pytest.skip("off a GPU the tl kernels are the one-pass path")
+            pytest.skip("off a GPU the default case runs the tl kernels")
         monkeypatch.setenv("FLASHLITE_WGMMA_BACKWARD", "0")
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(request.param == "deterministic")
-    yield request.param
-    torch.use_deterministic_algorithms(previous)
+    return request.param
 
 
 def pytest_collection_modifyitems(config, items):

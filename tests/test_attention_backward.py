@@ -124,8 +124,7 @@ def test_non_contiguous_inputs():
 
 def test_deterministic(backward_path):
     # Two passes: no atomics (dK/dV sum their GQA group in one program, dQ has its own pass): two runs, same
-    # bits. The interpreter runs one program at a time, so the one-pass path repeats here too; on the GPU it
-    # need not (tests/test_gpu_backward.py checks the deterministic path there).
+    # bits (tests/test_gpu_backward.py checks it on the GPU, where programs run concurrently).
     q, k, v = qkv(1, 4, 40, 50, 32, h_kv=1)
     do = torch.randn(1, 4, 40, 32)
     first = torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)
@@ -135,13 +134,14 @@ def test_deterministic(backward_path):
 
 
 @pytest.mark.parametrize("mask_grad", [False, True])
-def test_which_path_runs(monkeypatch, backward_path, mask_grad):
-    # One pass launches δ and the dK/dV kernel with ATOMIC_DQ; two passes add the dQ kernel (which the additive
-    # mask's gradient always takes: it writes dS). Both give the same gradients (checked against float64 above).
+def test_which_kernels_run(monkeypatch, mask_grad):
+    # δ, the dK/dV kernel, then the dQ kernel; the additive mask's gradient replaces the δ kernel by a first walk
+    # of the dQ kernel (DELTA_PASS: δ from the P the kernels recompute) before dK/dV.
     launched = []
 
     def spy(kernel, grid, args, **options):
-        launched.append((kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__, options.get("ATOMIC_DQ")))
+        name = kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__
+        launched.append((name, options.get("DELTA_PASS")))
         return real(kernel, grid, args, **options)
 
     real = fb.launch
@@ -149,10 +149,9 @@ def test_which_path_runs(monkeypatch, backward_path, mask_grad):
     q, k, v = qkv(1, 2, 20, 24, 16)
     bias = randn(20, 24, requires_grad=mask_grad)
     check_grads(q, k, v, attn_mask=bias)
-    names = [name for name, _ in launched]
-    two_pass = backward_path == "deterministic" or mask_grad
-    assert ("_attention_bwd_dq_kernel" in names) == two_pass
-    assert [a for name, a in launched if name == "_attention_bwd_dkdv_kernel"] == [not two_pass]
+    first = ([("_attention_bwd_dq_kernel", True)] if mask_grad
+             else [("_attention_bwd_preprocess_kernel", None)])
+    assert launched == first + [("_attention_bwd_dkdv_kernel", None), ("_attention_bwd_dq_kernel", False)]
 
 
 # ----------------------------------------------------------------------------- masks

@@ -61,15 +61,13 @@ def test_calls_left_to_the_tl_kernels(hopper, monkeypatch, case):
     assert not backward_hopper.wgmma_backward_eligible(q, k, v, do, has_mask=case == "mask", scale=scale)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_attention_backward_dispatch(monkeypatch, deterministic):
-    """Eligible calls go to the Hopper kernels in one pass unless deterministic (off a GPU one pass is the default,
-    on a GPU two unless ``ONE_PASS_ON_GPU``), with the forced Hopper tiles; forced tl tiles never do."""
+def test_attention_backward_dispatch(monkeypatch):
+    """Eligible calls go to the Hopper kernels, with the forced Hopper tiles; forced tl tiles never do."""
     calls = []
     monkeypatch.setattr(backward, "wgmma_backward_eligible", lambda q, k, v, do, has_mask, scale: not has_mask)
 
-    def fake(do, q, k, v, lse, delta, causal, scale, one_pass, variant_scalars, variant_meta, alibi, config):
-        calls.append((one_pass, config))
+    def fake(do, q, k, v, lse, delta, causal, scale, variant_scalars, variant_meta, alibi, config):
+        calls.append(config)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(backward, "attention_backward_hopper", fake)
@@ -77,11 +75,10 @@ def test_attention_backward_dispatch(monkeypatch, deterministic):
     o, lse, do = torch.randn_like(q), torch.randn(2, 4, 17), torch.randn_like(q)
     forced = tuning.WgmmaBackwardConfig(64, 64, 3)
     for config in (None, forced):
-        backward.attention_backward(do, q, k, v, o, lse, None, True, 0.5, None, False, config=config,
-                                    deterministic=deterministic)
-    assert calls == [(not deterministic, None), (not deterministic, forced)]
+        backward.attention_backward(do, q, k, v, o, lse, None, True, 0.5, None, False, config=config)
+    assert calls == [None, forced]
     backward.attention_backward(do, q, k, v, o, lse, None, True, 0.5, None, False,
-                                config=tuning.BACKWARD_INTERPRETER_CONFIG, deterministic=deterministic)
+                                config=tuning.BACKWARD_INTERPRETER_CONFIG)
     assert len(calls) == 2  # forced tl tiles: the tl kernels
 
 

@@ -180,11 +180,6 @@ class BackwardConfig:
 
     dkdv: AttentionConfig  # K/V tile of block_n rows on chip, Q/dO tiles of block_m rows streamed
     dq: AttentionConfig  # Q/dO tile of block_m rows on chip, K/V tiles of block_n rows streamed
-    one_pass: AttentionConfig | None = None  # the dK/dV kernel when it also adds dQ (one pass); None: dkdv's
-
-    def __post_init__(self):
-        if self.one_pass is None:
-            object.__setattr__(self, "one_pass", self.dkdv)
 
 
 # Rows of one δ program: O and dO tiles of 64 x 256 fp16 are 64 KB, within every head dim's budget.
@@ -198,21 +193,12 @@ DELTA_BLOCK_M = 64
 # the H200 has under an additive mask (the dS store).
 # H200 2026-11-26, python bench/backward_tune.py (bench/results/h200/backward_tune.md); TUNING.md#backward-configs
 BACKWARD_CONFIGS = {
-    16: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3), AttentionConfig(64, 64, 4, 3)),
-    32: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3), AttentionConfig(64, 64, 4, 3)),
-    64: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3), AttentionConfig(64, 64, 4, 3)),
-    128: BackwardConfig(AttentionConfig(32, 64, 4, 2), AttentionConfig(128, 64, 8, 3), AttentionConfig(64, 128, 8, 2)),
-    256: BackwardConfig(AttentionConfig(64, 64, 8, 2), AttentionConfig(128, 64, 8, 1), AttentionConfig(64, 64, 8, 1)),
+    16: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
+    32: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
+    64: BackwardConfig(AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3)),
+    128: BackwardConfig(AttentionConfig(32, 64, 4, 2), AttentionConfig(128, 64, 8, 3)),
+    256: BackwardConfig(AttentionConfig(64, 64, 8, 2), AttentionConfig(128, 64, 8, 1)),
 }
-
-
-# Whether a CUDA backward outside deterministic mode takes one pass (dQ added by the dK/dV kernel) instead of two.
-# Two passes are as fast or faster at every head dim, and deterministic. The Hopper kernels at L = 4096, bf16,
-# one pass against two, TFLOP/s: D = 64 255 / 351 (causal 244 / 320), D = 128 301 / 421 (280 / 396), D = 256
-# 252 / 375 (249 / 341): the one pass's fp32 atomic adds. The tl kernels: D = 64 330 / 331, D = 128 334 / 352,
-# D = 256 144 / 237. The interpreter takes one pass whenever it may (tests run both).
-# H200 2026-11-26, python bench/backward_tune.py --kinds hopper_one_pass hopper_two_pass tl_table (bench/results/h200/backward_tune_hopper.md), --kinds one_pass two_pass_dq (backward_tune_one_pass.md); TUNING.md#backward-hopper
-ONE_PASS_ON_GPU = False
 
 
 @dataclass(frozen=True)
