@@ -74,8 +74,8 @@ def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int, o
 # (padded head dim, kernel, one pass, config): the table's tiles, and the dK/dV candidates bench/backward_tune.py times.
 Tiles = WgmmaBackwardConfig
 HOPPER_CASES = [(d, kernel, one_pass, tuning.WGMMA_BACKWARD_CONFIGS[d]) for d in (64, 128, 256)
-                for kernel, one_pass in (("dK/dV", False), ("dK/dV", True), ("dQ", False))]
-HOPPER_CASES += [(128, "dK/dV", False, Tiles(64, 128, 2)), (128, "dK/dV", True, Tiles(64, 128, 2)),
+                for kernel, one_pass in (("dK/dV", False), ("dQ", False))]
+HOPPER_CASES += [(128, "dK/dV", False, Tiles(64, 128, 2)),
                  (128, "dK/dV", False, Tiles(64, 64, 2, split=2)),
                  (256, "dQ", False, Tiles(64, 64, 2, split=2, dq_block_n=32))]
 
@@ -97,7 +97,7 @@ def hopper_report(head_dim: int, kernel_name: str, one_pass: bool, config) -> st
     """One row of the Hopper kernels' table (non-causal, bf16, no variants)."""
     dq = kernel_name == "dQ"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
-    compiled = backward_hopper.build_for_sm90("dq" if dq else "dkdv", config, head_dim, False, one_pass)
+    compiled = backward_hopper.build_for_sm90("dq" if dq else "dkdv", config, head_dim, False)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_report(ptx)
     waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))

@@ -618,7 +618,7 @@ def attention_backward(
         )
     ds = None
     if hopper:  # the Gluon kernels (backward_hopper), in one pass or two as below
-        dq, dk, dv = attention_backward_hopper(do, q, k, v, stats, delta, causal, scale, one_pass, variant_scalars,
+        dq, dk, dv = attention_backward_hopper(do, q, k, v, stats, delta, causal, scale, variant_scalars,
                                                variant_meta, alibi, hopper_config)
     elif one_pass:  # fp32 sums of every key tile's share; rounded to q's dtype once, at the end
         dk, dv = torch.empty_like(k), torch.empty_like(v)
