@@ -134,8 +134,8 @@ if gluon is not None:
         """The K/V loop of one query tile: ``(m, d, O)`` after every K/V tile, O not yet divided by d.
 
         The tiles come through the rings ``k_ring`` and ``v_ring`` (``gluon_tiles``); ``source = (b, h_kv,
-        key_start, n_kv_tiles)``: its ``n_kv_tiles`` K/V tiles start at key ``key_start``; the full tiles
-        ``full = (full_first, full_stop)`` and the queries ``rows`` (``_fold_scores``) are numbered from there. V
+        key_start, n_kv_tiles)``: its ``n_kv_tiles`` K/V tiles start at key ``key_start``, and the full tiles
+        ``full = (full_first, full_stop)`` are numbered from there; ``rows``: the queries (``_fold_scores``). V
         tiles are as wide as O.
 
         Turn j issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` together, waits until only the
@@ -143,8 +143,7 @@ if gluon is not None:
         releases the K and V slots it read (``_release_kv_slot``). ``s_zero`` carries the layout of S.
         """
         dtype: gl.constexpr = k_ring[0].dtype
-        key_start = source[2]
-        n_kv_tiles = source[3]
+        b, h_kv, key_start, n_kv_tiles = source
         o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
         m = gl.full([s_zero.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_zero.type.layout))
@@ -181,15 +180,15 @@ if gluon is not None:
         return q_tile.load(q_layout)
 
     @gluon.jit
-    def _write_output(acc, m, d, rows, out, row_start, sink, WRITE_LSE: gl.constexpr, HAS_SINKS: gl.constexpr):
-        """O / d through shared memory by TMA to rows ``row_start = (b, h, first row)`` on (rows past seqlen_q
-        dropped), and the LSE into ``lse_row`` (this batch and head's), ``out = (o_desc, o_smem, lse_row)``,
-        ``rows = (q_idx, seqlen_q, seqlen_k)``; rows that saw no key give zeros. With
+    def _write_output(acc, m, d, rows, out, o_start, sink, WRITE_LSE: gl.constexpr, HAS_SINKS: gl.constexpr):
+        """O / d through shared memory ``o_smem`` by TMA into its tile at ``o_start = (b, h, row_start)`` (rows past
+        seqlen_q dropped), and the LSE into ``lse_row`` (this batch and head's), for ``out = (o_desc, o_smem,
+        lse_row)`` and the queries ``rows = (q_idx, seqlen_q, seqlen_k)``; rows that saw no key give zeros. With
         ``HAS_SINKS`` the head's ``sink`` (``_sink_logit``) is merged into every row's state first
         (``merge_sink``)."""
         q_idx, seqlen_q, seqlen_k = rows
         o_desc, o_smem, lse_row = out
-        b, h, row = row_start
+        b, h, row_start = o_start
         o_tile = o_smem.reshape([acc.shape[0], acc.shape[1]])
         o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
         if HAS_SINKS:
@@ -197,11 +196,11 @@ if gluon is not None:
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         if WRITE_LSE:
             gl.store(lse_row + q_idx, state_logsumexp(m, d, BASE2_UNITS), mask=q_idx < seqlen_q)
-        o = normalize(acc, gl.convert_layout(d, o_rows), True)
+        o = normalize(acc, gl.convert_layout(d, o_rows), ZERO_IF_EMPTY=True)
         o_tile.store(o.to(o_desc.dtype))
         fence_async_shared()
         thread_barrier()  # every warp's part of O is written before the copy starts
-        tma_store(o_desc, [b, h, row, 0], o_smem)
+        tma_store(o_desc, [b, h, row_start, 0], o_smem)
         tma.store_wait(0)
 
     @gluon.jit
@@ -305,12 +304,12 @@ if gluon is not None:
         once both softmax warpgroups have released the slot (a fresh mbarrier counts as released: phase 1 is
         done)."""
         q_desc, q_smem, q_bars = q_tiles
+        k_desc, k_smem, k_ready, k_free = k_ring
+        v_desc, v_smem, v_ready, v_free = v_ring
         b, h, m_start = q_start
-        n_kv_tiles = source[3]
-        k_free = k_ring[3]
-        v_free = v_ring[3]
+        n_kv_tiles = source[3]  # (b, h_kv, key_start, n_kv_tiles)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        KV_STAGES: gl.constexpr = k_ring[1].type.shape[0]
+        KV_STAGES: gl.constexpr = k_smem.type.shape[0]
         for wg in gl.static_range(2):
             mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
             tma_load(q_desc, [b, h, m_start + wg * BLOCK_M, 0], q_bars.index(wg), q_smem.index(wg))
@@ -333,10 +332,10 @@ if gluon is not None:
         o_desc, o_smem, lse_row = out
         b, h, m_start = q_start
         seqlen_q, seqlen_k = lengths
-        key_start = source[2]
+        key_start = source[2]  # (b, h_kv, key_start, n_kv_tiles)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-        HEAD_DIM_V: gl.constexpr = v_ring[0].block_type.shape[3]
+        HEAD_DIM_V: gl.constexpr = v_ring[0].block_type.shape[3]  # (the rings as gluon_tiles describes them)
         BLOCK_N: gl.constexpr = k_ring[0].block_type.shape[2]
         HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
         softcap, alibi, window_left, window_right = mods
