@@ -22,7 +22,7 @@ import pytest
 import torch
 import triton
 
-from flashlite.attention import api, plan, tuning
+from flashlite.attention import api, plan, route, tuning
 from flashlite.attention import forward_hopper as fw
 from flashlite.attention import gluon_tiles
 from flashlite.core import tiles
@@ -68,9 +68,16 @@ def test_calls_left_to_the_tl_kernel(hopper, monkeypatch, case):
 def test_attention_forward_dispatch(monkeypatch):
     """Eligible calls without forced tiles go to the Hopper kernel with their own arguments; forced tiles never do."""
     calls = []
-    monkeypatch.setattr(api, "wgmma_eligible", lambda q, k, v, has_mask, scale: not has_mask)
-    monkeypatch.setattr(api, "attention_forward_hopper",
-                        lambda *args, **kw: calls.append((*args, kw["window"], kw["softcap"])) or ("o", "lse"))
+
+    class Fake:  # stands in for the Hopper launch (Gluon builds for sm_90 only)
+        def __init__(self, *args, **kw):
+            calls.append((*args, kw["window"], kw["softcap"]))
+
+        def __call__(self, *args):
+            return "o", "lse"
+
+    monkeypatch.setattr(route, "wgmma_eligible", lambda q, k, v, has_mask, scale: not has_mask)
+    monkeypatch.setattr(route, "HopperForwardLaunch", Fake)
     q, k, v = hopper_qkv(64, torch.float32, 17, 33, kv_heads=4)
     assert api.attention_forward(q, k, v, True, 0.5, None, False, True) == ("o", "lse")
     assert calls == [(q, k, v, True, 0.5, True, None, None)]
@@ -120,8 +127,7 @@ def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool,
     """The kernel ``config`` selects, built for sm_90 from CPU (the types a launch on Hopper would give);
     ``variants``: ``plan.variant_args``' switches that are on."""
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    from flashlite.core.triton_compat import gluon_source, mangle_type
 
     head_dim_v = head_dim_v or head_dim
     descs = {name: gluon_tiles.gluon_descriptor(torch.randn(1, 1, 256, width, dtype=torch.bfloat16), rows, width)
@@ -139,7 +145,7 @@ def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool,
         else:
             signature[name] = {"lse_ptr": "*fp32", "alibi_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32",
                                "softcap": "fp32"}.get(name, "i32")
-    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(gluon_source(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options=options)
 
 

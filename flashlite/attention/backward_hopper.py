@@ -16,16 +16,14 @@ through ``STAGES`` buffers (the next tiles arrive while this one is worked on). 
     issue  dK += dSᵀ Q
 
 with Pᵀ and dSᵀ in registers, or, when two warpgroups split the columns (``split``: head dims above 128),
-through shared memory. One pass (``ATOMIC_DQ``) also issues ``dQ = dS K`` (dSᵀ through shared memory, read
-transposed) and adds ``dQ · scale`` to an fp32 workspace by relaxed atomic adds (FlashAttention-2's scheme;
-Triton 3.6's Gluon has no TMA reduction): the order of the adds varies between runs, so dQ may differ in its
-last bits.
+through shared memory.
 
-The dQ kernel (``_attention_bwd_dq_wgmma_kernel``, two passes). A program is one query tile; Q and dO stay in
-shared memory, K/V tiles stream through ``STAGES`` buffers, and turn j issues ``dQ += dS_j K_j`` (dS from
-registers), then ``S_{j+1} = Q K_{j+1}ᵀ`` and ``dP_{j+1} = dO V_{j+1}ᵀ``, and works out ``dS_{j+1}`` while the
-last of them runs. It sums dQ in a fixed order: two passes give bitwise-equal gradients run to run, and they
-are the faster path on the H200 (``tuning.ONE_PASS_ON_GPU``).
+The dQ kernel (``_attention_bwd_dq_wgmma_kernel``), the second pass. A program is one query tile; Q and dO stay
+in shared memory, K/V tiles stream through ``STAGES`` buffers (a ``gluon_tiles`` ring each), and turn j issues
+``dQ += dS_j K_j`` (dS from registers), then ``S_{j+1} = Q K_{j+1}ᵀ`` and ``dP_{j+1} = dO V_{j+1}ᵀ``, and works
+out ``dS_{j+1}`` while the last of them runs. It sums dQ in a fixed order, so the gradients are bitwise equal
+run to run. (A one-pass variant, the dK/dV kernel adding dQ by atomic adds, measured 0.67-0.76x this
+two-pass path on the H200 and was removed: TUNING.md#backward-hopper.)
 
 The notation and the P, δ, ``(m, d)`` conventions are ``backward``'s: P is recomputed from the forward's LSE
 (base-2 units: the row's final state is ``(LSE · log2 e, 1)``, ``core.online_softmax.safe_max`` for empty
@@ -51,7 +49,7 @@ from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.runtime import KernelLaunch, device_info
 from ..core.tiles import tma_usable
-from ..core.triton_compat import rebind_descriptor
+from ..core.triton_compat import gluon_source, mangle_type, rebind_descriptor
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
@@ -66,10 +64,15 @@ if gluon is not None:
     )
 
     @gluon.jit
-    def _load_query_tile(q_desc, do_desc, bars, q_smem, do_smem, it, n_items, b, h_first, query_start,
-                         n_query_tiles, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    def _load_query_tile(q_ring, it, items):
         """Start the TMA copies of work item ``it``'s Q and dO tiles (query head ``h_first + it // n_query_tiles``,
-        rows from ``query_start + (it % n_query_tiles) · BLOCK_M``) into slot ``it % STAGES``, if it exists."""
+        rows from ``query_start + (it % n_query_tiles) · BLOCK_M``) into slot ``it % STAGES`` of ``q_ring = (q_desc,
+        do_desc, q_smem, do_smem, bars)``, if it exists: ``items = (b, h_first, query_start, n_query_tiles,
+        n_items)``."""
+        q_desc, do_desc, q_smem, do_smem, bars = q_ring
+        b, h_first, query_start, n_query_tiles, n_items = items
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        STAGES: gl.constexpr = q_smem.type.shape[0]
         slot = it % STAGES
         exists = it < n_items
         h = h_first + it // gl.maximum(n_query_tiles, 1)
@@ -81,28 +84,23 @@ if gluon is not None:
 
     @gluon.jit
     def _attention_bwd_wgmma_kernel(
-        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, dq_ptr, alibi_ptr,
-        n_heads, kv_group, seqlen_q, seqlen_k, n_rows_padded, stride_alibi_b, qk_scale, scale, softcap, window_left,
-        window_right,
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, alibi_ptr,
+        n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
-        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, ATOMIC_DQ: gl.constexpr, num_warps: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         # Key-row tiles (Sᵀ, dPᵀ, dK, dV): the warps split the keys, 16 rows a warp, and with more warps than
-        # that (SPLIT > 1: wide head dims) the columns too. dQ's [BLOCK_M, HEAD_DIM]: one warpgroup's rows, the
-        # warpgroups splitting the head dim.
+        # that (SPLIT > 1: wide head dims) the columns too.
         KEY_WARPS: gl.constexpr = BLOCK_N // 16
         SPLIT: gl.constexpr = num_warps // KEY_WARPS
-        DQ_WARPGROUPS: gl.constexpr = num_warps // 4
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[KEY_WARPS, SPLIT], instr_shape=[16, BLOCK_M // SPLIT, 16])
         dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[KEY_WARPS, SPLIT], instr_shape=[16, HEAD_DIM // SPLIT, 16])
         dv_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[KEY_WARPS, SPLIT], instr_shape=[16, HEAD_DIM_V // SPLIT, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, DQ_WARPGROUPS], instr_shape=[16, HEAD_DIM // DQ_WARPGROUPS, 16])
         pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
         dst_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
         key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -123,8 +121,8 @@ if gluon is not None:
         # see all its keys; the rest of [query_start, query_end) are masked. A ragged last key tile is masked
         # whole: its rows past Lk are zeros, whose unmasked P could overflow.
         query_start, full_start, full_end, query_end = query_ranges(
-            n_start, n_start + BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left, window_right,
-            HAS_WINDOW)
+            n_start, n_start + BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left=window_left,
+            window_right=window_right, HAS_WINDOW=HAS_WINDOW)
         if n_start + BLOCK_N > seqlen_k:
             full_start = query_end
             full_end = query_end
@@ -141,29 +139,26 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(q_bars.index(i), count=1)
         # Pᵀ and dSᵀ as the first operands of dV and dK: from registers when a warp holds whole rows of them,
-        # else (SPLIT > 1) through shared memory; dSᵀ there too for dQ = dS K (read transposed).
+        # else (SPLIT > 1) through shared memory.
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
         if SPLIT > 1:
             p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-        if ATOMIC_DQ or SPLIT > 1:
             ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
 
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [b, h_kv, n_start, 0], kv_bar, k_smem)
         tma_load(v_desc, [b, h_kv, n_start, 0], kv_bar, v_smem)
+        q_ring = (q_desc, do_desc, q_smem, do_smem, q_bars)
+        items = (b, h_first, query_start, n_query_tiles, n_items)
         for i in gl.static_range(STAGES):
-            _load_query_tile(q_desc, do_desc, q_bars, q_smem, do_smem, i, n_items, b, h_first, query_start,
-                             n_query_tiles, BLOCK_M, STAGES)
+            _load_query_tile(q_ring, i, items)
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=dk_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM_V], gl.float32, layout=dv_layout)
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-        dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
         k_idx = n_start + gl.arange(0, BLOCK_N, layout=key_rows)
         cols = gl.arange(0, BLOCK_M, layout=query_cols)
         stat_offsets = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-        dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
         mbarrier.wait(kv_bar, 0)
         k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
         v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM_V])
@@ -195,15 +190,20 @@ if gluon is not None:
             s = warpgroup_mma_wait(1, deps=(s_token,))
             masked = (start < full_start) | (start >= full_end)
             if HAS_SOFTCAP or HAS_ALIBI:
-                s, tanh = modify_scores(s * qk_scale, k_idx, start, cols, seqlen_q, seqlen_k, mods, MODS, True)
+                s, tanh = modify_scores(s * qk_scale, k_idx, start, cols, seqlen_q, seqlen_k, mods, MODS,
+                                        KEYS_ON_ROWS=True)
                 if masked:
-                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False,
-                                    LOG2E, False, True, window_left, window_right, HAS_WINDOW)
+                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
+                                    stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
+                                    BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
+                                    window_right=window_right, HAS_WINDOW=HAS_WINDOW)
                 p = gl.exp2(s - row_m[None, :])
             else:
                 if masked:  # hidden scores -inf before the scale (scale > 0), as the forward
-                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False,
-                                    LOG2E, False, True, window_left, window_right, HAS_WINDOW)
+                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
+                                    stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
+                                    BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
+                                    window_right=window_right, HAS_WINDOW=HAS_WINDOW)
                 p = gl.exp2(s * qk_scale - row_m[None, :])
             if SPLIT > 1:
                 p_smem.store(p.to(dtype))
@@ -219,28 +219,17 @@ if gluon is not None:
             ds = p * (dp - delta[None, :])
             if HAS_SOFTCAP:  # the gradient of the scaled scores: c · tanh(s / c)' = 1 - tanh²
                 ds = ds * (1.0 - tanh * tanh)
-            if ATOMIC_DQ or SPLIT > 1:  # dSᵀ through shared memory, where dK's (and dQ's) product reads it
+            if SPLIT > 1:  # dSᵀ through shared memory, where dK's product reads it
                 ds_smem.store(ds.to(dtype))
                 fence_async_shared()
                 thread_barrier()  # every warp's part of dSᵀ is written before the products read it whole
                 dk_token = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
             else:
                 dk_token = warpgroup_mma(gl.convert_layout(ds.to(dtype), dst_layout), q_tile, dk, is_async=True)
-            if ATOMIC_DQ:
-                dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
-                dv, dk, dq, p_op = warpgroup_mma_wait(0, deps=(dv_token, dk_token, dq_token, p_op))
-            else:
-                dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv_token, dk_token, p_op))
+            dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv_token, dk_token, p_op))
             if num_warps > 4:
                 thread_barrier()  # both warpgroups are done with the slot (and dSᵀ) before either reuses it
-            _load_query_tile(q_desc, do_desc, q_bars, q_smem, do_smem, it + STAGES, n_items, b, h_first,
-                             query_start, n_query_tiles, BLOCK_M, STAGES)
-            if ATOMIC_DQ:
-                # The workspace is (B, H, Lq rounded up to BLOCK_M, HEAD_DIM) fp32, contiguous: a tile is
-                # BLOCK_M · HEAD_DIM consecutive values, no bounds to check (rows past Lq add zeros: their dO
-                # and δ are 0), and each thread's offsets within it are constants.
-                dq_tile = dq_ptr + (bh * n_rows_padded + start) * HEAD_DIM
-                gl.atomic_add(dq_tile + (dq_rows[:, None] * HEAD_DIM + dq_cols[None, :]), dq * scale, sem="relaxed")
+            _load_query_tile(q_ring, it + STAGES, items)
 
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(STAGES):
@@ -255,27 +244,36 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _dq_scores_grads(s, dp, row_m, delta, tile, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k,
-                         qk_scale, mods, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, MODS: gl.constexpr,
-                         HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr):
+    def _dq_scores_grads(s, dp, stats, tile, key_start, full, rows, qk_scale, mods, IS_CAUSAL: gl.constexpr,
+                         MODS: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                         HAS_WINDOW: gl.constexpr):
         """dS (fp32, the gradient of the scaled scores) of one query tile against K tile ``tile`` (keys from
-        ``key_start + tile · BLOCK_N``), queries on rows; masked unless the tile is one of ``[full_first,
-        full_stop)``, which every row sees whole. (``HAS_SOFTCAP``, ``HAS_ALIBI`` and ``HAS_WINDOW`` are
-        ``MODS``' own, passed apart: unpacked from the tuple here, Triton 3.9 takes them for run-time values.)"""
+        ``key_start + tile · BLOCK_N``), queries on rows (``rows = (q_idx, seqlen_q, seqlen_k)``, their final
+        states and δ ``stats = (row_m, delta)``); masked unless the tile is one of ``full = (full_first,
+        full_stop)``, which every row sees whole. (``HAS_SOFTCAP``, ``HAS_ALIBI`` and ``HAS_WINDOW`` are ``MODS``'
+        own, passed apart: unpacked from the tuple here, Triton 3.9 takes them for run-time values.)"""
         softcap, alibi, window_left, window_right = mods
+        row_m, delta = stats
+        full_first, full_stop = full
+        q_idx, seqlen_q, seqlen_k = rows
+        BLOCK_N: gl.constexpr = s.shape[1]
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         tile_start = key_start + tile * BLOCK_N
         masked = (tile < full_first) | (tile >= full_stop)
         if HAS_SOFTCAP or HAS_ALIBI:
             s, tanh = modify_scores(s * qk_scale, q_idx, tile_start, cols, seqlen_q, seqlen_k, mods, MODS)
             if masked:
-                s = apply_masks(s, q_idx, tile_start + cols, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False,
-                                False, LOG2E, False, False, window_left, window_right, HAS_WINDOW)
+                s = apply_masks(s, q_idx, tile_start + cols, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
+                                stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
+                                BIAS_TO_UNITS=LOG2E, window_left=window_left, window_right=window_right,
+                                HAS_WINDOW=HAS_WINDOW)
             p = gl.exp2(s - row_m[:, None])
         else:
             if masked:
-                s = apply_masks(s, q_idx, tile_start + cols, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False,
-                                False, LOG2E, False, False, window_left, window_right, HAS_WINDOW)
+                s = apply_masks(s, q_idx, tile_start + cols, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
+                                stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
+                                BIAS_TO_UNITS=LOG2E, window_left=window_left, window_right=window_right,
+                                HAS_WINDOW=HAS_WINDOW)
             p = gl.exp2(s * qk_scale - row_m[:, None])
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -307,11 +305,10 @@ if gluon is not None:
                 window_left, window_right)
         MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
         key_start, full_start, full_end, key_end = key_ranges(
-            m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
-            window_left, window_right, HAS_WINDOW)
+            m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL,
+            HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
         n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
-        full_first = (full_start - key_start) // BLOCK_N
-        full_stop = (full_end - key_start) // BLOCK_N
+        full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
@@ -327,15 +324,22 @@ if gluon is not None:
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
         tma_load(do_desc, [b, h, m_start, 0], q_bar, do_smem)
+        # The K/V rings (gluon_tiles): the program refills its slots itself (the ready barriers stand in for the
+        # free ones).
+        k_ring = (k_desc, k_smem, k_bars, k_bars)
+        v_ring = (v_desc, v_smem, v_bars, v_bars)
+        source = (b, h_kv, key_start, n_kv_tiles)
         for i in gl.static_range(STAGES):
-            issue_kv_load(k_desc, k_bars, k_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, STAGES)
-            issue_kv_load(v_desc, v_bars, v_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, STAGES)
+            issue_kv_load(k_ring, i, source)
+            issue_kv_load(v_ring, i, source)
 
         rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         q_idx = m_start + gl.arange(0, BLOCK_M, layout=rows)
         in_q = q_idx < seqlen_q
         row_m = safe_max(gl.load(lse_ptr + bh.to(gl.int64) * seqlen_q + q_idx, mask=in_q, other=0.0) * LOG2E)
         delta = gl.load(delta_ptr + bh.to(gl.int64) * seqlen_q + q_idx, mask=in_q, other=0.0)
+        stats = (row_m, delta)
+        rows = (q_idx, seqlen_q, seqlen_k)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
         q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
@@ -343,35 +347,32 @@ if gluon is not None:
         mbarrier.wait(q_bar, 0)
         if n_kv_tiles > 0:
             # Turn 0's scores and dP alone.
-            k_tile = wait_kv(k_bars, k_smem, 0, BLOCK_N, HEAD_DIM, STAGES)
-            v_tile = wait_kv(v_bars, v_smem, 0, BLOCK_N, HEAD_DIM_V, STAGES)
+            k_tile = wait_kv(k_ring, 0)
+            v_tile = wait_kv(v_ring, 0)
             s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_token = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_token,))
             dp = warpgroup_mma_wait(0, deps=(dp_token,))
-            ds = _dq_scores_grads(s, dp, row_m, delta, 0, key_start, full_first, full_stop, q_idx, seqlen_q,
-                                  seqlen_k, qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, HAS_SOFTCAP, HAS_ALIBI,
-                                  HAS_WINDOW)
-            issue_kv_load(v_desc, v_bars, v_smem, STAGES, b, h_kv, key_start, n_kv_tiles, BLOCK_N, STAGES)
+            ds = _dq_scores_grads(s, dp, stats, 0, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
+                                  HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
+            issue_kv_load(v_ring, STAGES, source)
             for j in range(1, n_kv_tiles):
                 ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
                 dq_token = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
-                k_tile = wait_kv(k_bars, k_smem, j, BLOCK_N, HEAD_DIM, STAGES)
-                v_tile = wait_kv(v_bars, v_smem, j, BLOCK_N, HEAD_DIM_V, STAGES)
+                k_tile = wait_kv(k_ring, j)
+                v_tile = wait_kv(v_ring, j)
                 s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dp_token = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dq, ds_op, s = warpgroup_mma_wait(1, deps=(dq_token, ds_op, s_token))  # dP_j may still run
                 if num_warps > 4:
                     thread_barrier()
-                issue_kv_load(k_desc, k_bars, k_smem, j - 1 + STAGES, b, h_kv, key_start, n_kv_tiles, BLOCK_N,
-                              STAGES)
+                issue_kv_load(k_ring, j - 1 + STAGES, source)
                 dp = warpgroup_mma_wait(0, deps=(dp_token,))
                 if num_warps > 4:
                     thread_barrier()
-                issue_kv_load(v_desc, v_bars, v_smem, j + STAGES, b, h_kv, key_start, n_kv_tiles, BLOCK_N, STAGES)
-                ds = _dq_scores_grads(s, dp, row_m, delta, j, key_start, full_first, full_stop, q_idx, seqlen_q,
-                                      seqlen_k, qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, HAS_SOFTCAP, HAS_ALIBI,
-                                  HAS_WINDOW)
+                issue_kv_load(v_ring, j + STAGES, source)
+                ds = _dq_scores_grads(s, dp, stats, j, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
+                                      HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
             dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, dq)
 
         mbarrier.invalidate(q_bar)
@@ -414,19 +415,19 @@ def _variant_switches(variant_meta: dict | None) -> dict:
 
 def dq_kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
                    variant_meta: dict | None = None) -> dict:
-    """The launch keywords of the dQ kernel (two passes) on ``config``'s tiles (as ``kernel_meta``)."""
+    """The launch keywords of the dQ kernel on ``config``'s tiles (as ``kernel_meta``)."""
     return dict(BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                 STAGES=config.dq_stages, IS_CAUSAL=causal, num_warps=config.dq_block_m // 16,
                 **_variant_switches(variant_meta))
 
 
 def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
-                atomic_dq: bool, variant_meta: dict | None = None) -> dict:
+                variant_meta: dict | None = None) -> dict:
     """The dK/dV kernel's launch keywords (constexprs, ``num_warps`` and, if capped, ``maxnreg``) on ``config``'s
     tiles; ``variant_meta``: ``plan.variant_args``' switches (sinks dropped: their gradient is
     ``backward.sink_gradient``'s)."""
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-                STAGES=config.stages, IS_CAUSAL=causal, ATOMIC_DQ=atomic_dq,
+                STAGES=config.stages, IS_CAUSAL=causal,
                 num_warps=config.block_n // 16 * config.split, **_variant_switches(variant_meta))
     if config.max_registers:
         meta["maxnreg"] = config.max_registers
@@ -466,9 +467,8 @@ class HopperBackwardLaunch:
         softcap, window_left, window_right = variant_scalars
         self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)
         self.scalars = (scale * LOG2E.value, scale, softcap, window_left, window_right)
-        self.rows_padded = triton.cdiv(seqlen_q, config.block_m) * config.block_m
         self.dkdv = KernelLaunch(_attention_bwd_wgmma_kernel, (triton.cdiv(seqlen_k, config.block_n) * batch * k.shape[1],),
-                                 **kernel_meta(config, hd_pad, dv_pad, causal, False, variant_meta))
+                                 **kernel_meta(config, hd_pad, dv_pad, causal, variant_meta))
         self.dq = KernelLaunch(_attention_bwd_dq_wgmma_kernel, (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,),
                                **dq_kernel_meta(config, hd_pad, dv_pad, causal, variant_meta))
 
@@ -480,7 +480,7 @@ class HopperBackwardLaunch:
                       for t, st in zip((q, k, v), self.grad_strides))
         stride_alibi = alibi.stride(0) if alibi is not None else 0
         descs = [rebind_descriptor(d, t) for d, t in zip(self.dkdv_descriptors, (q, k, v, do, dk, dv))]
-        self.dkdv(*descs, lse, delta, lse, alibi, *self.sizes, self.rows_padded, stride_alibi, *self.scalars)
+        self.dkdv(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
         descs = [rebind_descriptor(d, t) for d, t in zip(self.dq_descriptors, (q, k, v, do, dq))]
         self.dq(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
         return dq, dk, dv
@@ -497,13 +497,11 @@ def attention_backward_hopper(
 
 
 def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_dim: int, causal: bool,
-                   one_pass: bool = False, variant_meta: dict | None = None) -> "triton.compiler.CompiledKernel":
+                   variant_meta: dict | None = None) -> "triton.compiler.CompiledKernel":
     """One of the two kernels (``kernel_name`` "dkdv" or "dq") built for sm_90 on any machine, no GPU needed, with
     the argument types a bf16 launch on Hopper gives (head dim ``head_dim`` for q, k and v): Triton's compiled
     kernel, whose ``asm["ptx"]`` the CPU build test and bench/backward_resources.py read."""
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
 
     dq = kernel_name == "dq"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
@@ -511,7 +509,7 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
              "dv_desc": keys}
     kernel = _attention_bwd_dq_wgmma_kernel if dq else _attention_bwd_wgmma_kernel
     meta = (dq_kernel_meta(config, head_dim, head_dim, causal, variant_meta) if dq
-            else kernel_meta(config, head_dim, head_dim, causal, one_pass, variant_meta))
+            else kernel_meta(config, head_dim, head_dim, causal, variant_meta))
     options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
     constants = dict(meta, num_warps=options["num_warps"])  # (the kernels read num_warps as a constexpr)
     if not meta["HAS_ALIBI"]:
@@ -527,5 +525,5 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
             signature[name] = "*fp32"
         else:
             signature[name] = "fp32" if name in ("qk_scale", "scale", "softcap") else "i32"
-    return triton.compile(GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(gluon_source(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options=options)

@@ -84,33 +84,37 @@ if gluon is not None:
     )
 
     @gluon.jit
-    def _release_kv_slot(desc, ready_bars, free_bars, smem, tile, b, h_kv, key_start, n_tiles,
-                         BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                         LOAD_WARP: gl.constexpr):
-        """K (or V) tile ``tile`` has been read: its slot may take tile ``tile + KV_STAGES``.
+    def _release_kv_slot(ring, tile, source, NUM_WARPS: gl.constexpr, LOAD_WARP: gl.constexpr):
+        """K (or V) tile ``tile`` of ``ring`` (``gluon_tiles``) has been read: its slot may take tile
+        ``tile + KV_STAGES`` (from ``source``, as ``issue_kv_load`` takes it).
 
         With a load warp, tell it so (the slot is shared by two warpgroups: it waits for both);
         else refill the slot here: one thread issues the copy, after a barrier when two
         warpgroups read the slot.
         """
+        desc, smem, ready, free = ring
+        KV_STAGES: gl.constexpr = smem.type.shape[0]
         if LOAD_WARP:
-            mbarrier.arrive(free_bars.index(tile % KV_STAGES))
+            mbarrier.arrive(free.index(tile % KV_STAGES))
         else:
             if NUM_WARPS > 4:
                 thread_barrier()
-            issue_kv_load(desc, ready_bars, smem, tile + KV_STAGES, b, h_kv, key_start, n_tiles, BLOCK_N, KV_STAGES)
+            issue_kv_load(ring, tile + KV_STAGES, source)
 
     @gluon.jit
-    def _fold_scores(s, m, d, tile, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k, qk_scale, mods,
-                     BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, P_LAYOUT: gl.constexpr,
-                     DTYPE: gl.constexpr):
+    def _fold_scores(s, m, d, tile, key_start, full, rows, qk_scale, mods, IS_CAUSAL: gl.constexpr,
+                     MODS: gl.constexpr, P_LAYOUT: gl.constexpr, DTYPE: gl.constexpr):
         """Mask K tile ``tile``'s scores (keys from ``key_start + tile · BLOCK_N``) unless it is one of the
-        tiles ``[full_first, full_stop)`` every row sees whole, fold them into ``(m, d)``: ``(m, d, P, alpha)``, P
+        tiles ``full = (full_first, full_stop)`` every row sees whole, ``rows = (q_idx, seqlen_q, seqlen_k)``
+        giving the queries' positions and the lengths, and fold them into ``(m, d)``: ``(m, d, P, alpha)``, P
         rounded to the input dtype in the register-operand layout of the P V product. Under a softcap or ALiBi
         (``mods``/``MODS``, ``core.masking``; the softcap and slope in base-2 units) the scores become
         ``modified_scores_scaled``'s ``x``, whose factor ``c`` the exponential takes as it takes the plain scale."""
         HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
         softcap, alibi, window_left, window_right = mods
+        full_first, full_stop = full
+        q_idx, seqlen_q, seqlen_k = rows
+        BLOCK_N: gl.constexpr = s.shape[1]
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         tile_start = key_start + tile * BLOCK_N
         k_idx = tile_start + cols
@@ -118,59 +122,56 @@ if gluon is not None:
         if HAS_SOFTCAP or HAS_ALIBI:
             s, scale = modified_scores_scaled(s, qk_scale, q_idx, tile_start, cols, seqlen_q, seqlen_k, mods, MODS)
         if (tile < full_first) | (tile >= full_stop):
-            s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, None, 0, 0, IS_CAUSAL, False, False, LOG2E,
-                            False, False, window_left, window_right, HAS_WINDOW)
+            s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0, stride_mask_k=0,
+                            IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False, BIAS_TO_UNITS=LOG2E,
+                            window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
         m, d, p, alpha = online_update_scaled(m, d, s, scale)
         return m, d, gl.convert_layout(p.to(DTYPE), P_LAYOUT), alpha
 
     @gluon.jit
-    def _attend_kv_tiles(
-        q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-        b, h_kv, key_start, n_kv_tiles, full_first, full_stop, q_idx, seqlen_q, seqlen_k, qk_scale, mods,
-        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, KV_STAGES: gl.constexpr,
-        IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, NUM_WARPS: gl.constexpr, LOAD_WARP: gl.constexpr,
-    ):
+    def _attend_kv_tiles(q_op, s_zero, acc, k_ring, v_ring, source, full, rows, qk_scale, mods,
+                         IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, NUM_WARPS: gl.constexpr,
+                         LOAD_WARP: gl.constexpr):
         """The K/V loop of one query tile: ``(m, d, O)`` after every K/V tile, O not yet divided by d.
 
-        Its ``n_kv_tiles`` K/V tiles start at key ``key_start``; the full tiles ``[full_first, full_stop)``
-        (``_fold_scores``) are numbered from there. V tiles are ``HEAD_DIM_V`` wide, as O is.
+        The tiles come through the rings ``k_ring`` and ``v_ring`` (``gluon_tiles``); ``source = (b, h_kv,
+        key_start, n_kv_tiles)``: its ``n_kv_tiles`` K/V tiles start at key ``key_start``, and the full tiles
+        ``full = (full_first, full_stop)`` are numbered from there; ``rows``: the queries (``_fold_scores``). V
+        tiles are as wide as O.
 
         Turn j issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` together, waits until only the
         second is in flight, folds S_j into ``(m, d)`` while P V runs, then waits for O, rescales it and
         releases the K and V slots it read (``_release_kv_slot``). ``s_zero`` carries the layout of S.
         """
-        dtype: gl.constexpr = k_desc.dtype
+        dtype: gl.constexpr = k_ring[0].dtype
+        b, h_kv, key_start, n_kv_tiles = source
         o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
         m = gl.full([s_zero.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_zero.type.layout))
         d = gl.zeros_like(m)
         if n_kv_tiles > 0:
             # Turn 0: S_0 alone (there is no P V to overlap yet).
-            k_tile = wait_kv(k_ready, k_smem, 0, BLOCK_N, HEAD_DIM, KV_STAGES)
+            k_tile = wait_kv(k_ring, 0)
             s = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False)
-            _release_kv_slot(k_desc, k_ready, k_free, k_smem, 0, b, h_kv, key_start, n_kv_tiles,
-                             BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
-            m, d, p, alpha = _fold_scores(s, m, d, 0, key_start, full_first, full_stop, q_idx, seqlen_q, seqlen_k,
-                                          qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, p_layout, dtype)
+            _release_kv_slot(k_ring, 0, source, NUM_WARPS, LOAD_WARP)
+            m, d, p, alpha = _fold_scores(s, m, d, 0, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
+                                          p_layout, dtype)
             for j in range(1, n_kv_tiles):
-                k_tile = wait_kv(k_ready, k_smem, j, BLOCK_N, HEAD_DIM, KV_STAGES)
-                v_tile = wait_kv(v_ready, v_smem, j - 1, BLOCK_N, HEAD_DIM_V, KV_STAGES)
+                k_tile = wait_kv(k_ring, j)
+                v_tile = wait_kv(v_ring, j - 1)
                 s_token = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc_token = warpgroup_mma(p, v_tile, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s_token,))  # S_j is ready; P V may still run
-                _release_kv_slot(k_desc, k_ready, k_free, k_smem, j, b, h_kv, key_start, n_kv_tiles,
-                                 BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
-                m, d, p, alpha = _fold_scores(s, m, d, j, key_start, full_first, full_stop, q_idx, seqlen_q,
-                                              seqlen_k, qk_scale, mods, BLOCK_N, IS_CAUSAL, MODS, p_layout, dtype)
+                _release_kv_slot(k_ring, j, source, NUM_WARPS, LOAD_WARP)
+                m, d, p, alpha = _fold_scores(s, m, d, j, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
+                                              p_layout, dtype)
                 acc = warpgroup_mma_wait(0, deps=(acc_token,))
-                _release_kv_slot(v_desc, v_ready, v_free, v_smem, j - 1, b, h_kv, key_start, n_kv_tiles,
-                                 BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
+                _release_kv_slot(v_ring, j - 1, source, NUM_WARPS, LOAD_WARP)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = wait_kv(v_ready, v_smem, n_kv_tiles - 1, BLOCK_N, HEAD_DIM_V, KV_STAGES)
+            v_tile = wait_kv(v_ring, n_kv_tiles - 1)
             acc = warpgroup_mma(p, v_tile, acc)
             if LOAD_WARP:  # (without one, nothing is left to load into the slot)
-                _release_kv_slot(v_desc, v_ready, v_free, v_smem, n_kv_tiles - 1, b, h_kv, key_start, n_kv_tiles,
-                                 BLOCK_N, KV_STAGES, NUM_WARPS, LOAD_WARP)
+                _release_kv_slot(v_ring, n_kv_tiles - 1, source, NUM_WARPS, LOAD_WARP)
         return m, d, acc
 
     @gluon.jit
@@ -180,19 +181,23 @@ if gluon is not None:
         return q_tile.load(q_layout)
 
     @gluon.jit
-    def _write_output(acc, m, d, q_idx, o_tile, o_smem, o_desc, lse_row, sink, b, h, row_start, seqlen_q,
-                      WRITE_LSE: gl.constexpr, HAS_SINKS: gl.constexpr):
-        """O / d through shared memory ``o_tile`` (a view of ``o_smem``) by TMA (rows past seqlen_q dropped),
-        and the LSE into ``lse_row`` (this batch and head's); rows that saw no key give zeros. With
+    def _write_output(acc, m, d, rows, out, o_start, sink, WRITE_LSE: gl.constexpr, HAS_SINKS: gl.constexpr):
+        """O / d through shared memory ``o_smem`` by TMA into its tile at ``o_start = (b, h, row_start)`` (rows past
+        seqlen_q dropped), and the LSE into ``lse_row`` (this batch and head's), for ``out = (o_desc, o_smem,
+        lse_row)`` and the queries ``rows = (q_idx, seqlen_q, seqlen_k)``; rows that saw no key give zeros. With
         ``HAS_SINKS`` the head's ``sink`` (``_sink_logit``) is merged into every row's state first
         (``merge_sink``)."""
+        q_idx, seqlen_q, seqlen_k = rows
+        o_desc, o_smem, lse_row = out
+        b, h, row_start = o_start
+        o_tile = o_smem.reshape([acc.shape[0], acc.shape[1]])
         o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
         if HAS_SINKS:
             m, d, alpha = merge_sink(m, d, sink, BASE2_UNITS)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         if WRITE_LSE:
             gl.store(lse_row + q_idx, state_logsumexp(m, d, BASE2_UNITS), mask=q_idx < seqlen_q)
-        o = normalize(acc, gl.convert_layout(d, o_rows), True)
+        o = normalize(acc, gl.convert_layout(d, o_rows), ZERO_IF_EMPTY=True)
         o_tile.store(o.to(o_desc.dtype))
         fence_async_shared()
         thread_barrier()  # every warp's part of O is written before the copy starts
@@ -236,8 +241,8 @@ if gluon is not None:
         sink = _sink_logit(sinks_ptr, h, HAS_SINKS)
 
         key_start, full_start, full_end, key_end = key_ranges(
-            m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
-            window_left, window_right, HAS_WINDOW)
+            m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL,
+            HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
         n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
@@ -251,11 +256,16 @@ if gluon is not None:
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
 
+        # The K/V rings (gluon_tiles). No load warp: the program refills its slots itself (no free-slot barriers:
+        # the ready ones fill in).
+        k_ring = (k_desc, k_smem, k_bars, k_bars)
+        v_ring = (v_desc, v_smem, v_bars, v_bars)
+        source = (b, h_kv, key_start, n_kv_tiles)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
         for i in gl.static_range(KV_STAGES):
-            issue_kv_load(k_desc, k_bars, k_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
-            issue_kv_load(v_desc, v_bars, v_smem, i, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
+            issue_kv_load(k_ring, i, source)
+            issue_kv_load(v_ring, i, source)
 
         # Q, unscaled: kept in registers as the S products' first operand (Q_IN_REGISTERS: then only K is
         # read from shared memory by each product), or read by each product from shared memory.
@@ -269,11 +279,10 @@ if gluon is not None:
         q_idx = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        # No load warp: the program refills its K/V slots itself (no free-slot barriers: k_bars/v_bars fill in).
-        m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_bars, v_bars,
-                                     b, h_kv, key_start, n_kv_tiles, (full_start - key_start) // BLOCK_N,
-                                     (full_end - key_start) // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale, mods,
-                                     BLOCK_N, HEAD_DIM, HEAD_DIM_V, KV_STAGES, IS_CAUSAL, MODS, num_warps, False)
+        full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
+        rows = (q_idx, seqlen_q, seqlen_k)
+        m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_ring, v_ring, source, full, rows, qk_scale, mods,
+                                     IS_CAUSAL, MODS, NUM_WARPS=num_warps, LOAD_WARP=False)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(KV_STAGES):
@@ -285,18 +294,22 @@ if gluon is not None:
         else:
             o_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
         lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q
-        _write_output(acc, m, d, q_idx, o_smem.reshape([BLOCK_M, HEAD_DIM_V]), o_smem, o_desc, lse_row, sink,
-                      b, h, m_start, seqlen_q, WRITE_LSE, HAS_SINKS)
+        _write_output(acc, m, d, rows, (o_desc, o_smem, lse_row), (b, h, m_start), sink, WRITE_LSE, HAS_SINKS)
 
     # ---------------------------------------------- warp-specialized: a load warp, two softmax warpgroups
 
     @gluon.jit
-    def _ws_load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
-                           b, h, h_kv, m_start, key_start, n_kv_tiles):
-        """The load warp: both Q tiles, then every K and V tile into the ring of slots, each once both
-        softmax warpgroups have released the slot (a fresh mbarrier counts as released: phase 1 is done)."""
+    def _ws_load_partition(q_tiles, k_ring, v_ring, q_start, source):
+        """The load warp: both Q tiles (``q_tiles = (q_desc, q_smem, q_bars)``, rows from ``q_start = (b, h,
+        m_start)``), then every K and V tile (from ``source``, ``issue_kv_load``) into its ring of slots, each
+        once both softmax warpgroups have released the slot (a fresh mbarrier counts as released: phase 1 is
+        done)."""
+        q_desc, q_smem, q_bars = q_tiles
+        k_desc, k_smem, k_ready, k_free = k_ring
+        v_desc, v_smem, v_ready, v_free = v_ring
+        b, h, m_start = q_start
+        n_kv_tiles = source[3]  # (b, h_kv, key_start, n_kv_tiles)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         KV_STAGES: gl.constexpr = k_smem.type.shape[0]
         for wg in gl.static_range(2):
             mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
@@ -305,23 +318,26 @@ if gluon is not None:
             slot = tile % KV_STAGES
             released = ((tile // KV_STAGES) & 1) ^ 1
             mbarrier.wait(k_free.index(slot), released)
-            issue_kv_load(k_desc, k_ready, k_smem, tile, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
+            issue_kv_load(k_ring, tile, source)
             mbarrier.wait(v_free.index(slot), released)
-            issue_kv_load(v_desc, v_ready, v_smem, tile, b, h_kv, key_start, n_kv_tiles, BLOCK_N, KV_STAGES)
+            issue_kv_load(v_ring, tile, source)
 
     @gluon.jit
-    def _ws_softmax_partition(
-        q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_free,
-        v_free, sinks_ptr, b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale, mods,
-        IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, HAS_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
-        WARPGROUP: gl.constexpr,
-    ):
-        """One softmax warpgroup: query rows ``m_start + WARPGROUP * BLOCK_M`` on, over the shared K/V tiles."""
+    def _ws_softmax_partition(q_tiles, k_ring, v_ring, out, q_start, source, lengths, sinks_ptr, qk_scale, mods,
+                              IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, HAS_SINKS: gl.constexpr,
+                              WRITE_LSE: gl.constexpr, WARPGROUP: gl.constexpr):
+        """One softmax warpgroup: query rows ``m_start + WARPGROUP * BLOCK_M`` on, over the shared K/V tiles
+        (the arguments as ``_ws_load_partition`` and ``_write_output`` take them; ``out``'s ``o_smem`` holds both
+        warpgroups' buffers, ``lengths = (seqlen_q, seqlen_k)``)."""
+        q_desc, q_smem, q_bars = q_tiles
+        o_desc, o_smem, lse_row = out
+        b, h, m_start = q_start
+        seqlen_q, seqlen_k = lengths
+        key_start = source[2]  # (b, h_kv, key_start, n_kv_tiles)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-        HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-        KV_STAGES: gl.constexpr = k_smem.type.shape[0]
+        HEAD_DIM_V: gl.constexpr = v_ring[0].block_type.shape[3]  # (the rings as gluon_tiles describes them)
+        BLOCK_N: gl.constexpr = k_ring[0].block_type.shape[2]
         HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
         softcap, alibi, window_left, window_right = mods
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -332,8 +348,8 @@ if gluon is not None:
         row_start = m_start + WARPGROUP * BLOCK_M
         sink = _sink_logit(sinks_ptr, h, HAS_SINKS)
         _, full_start, full_end, _ = key_ranges(
-            row_start, gl.minimum(row_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
-            window_left, window_right, HAS_WINDOW)
+            row_start, gl.minimum(row_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL,
+            HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
         q_tile = q_smem.index(WARPGROUP).reshape([BLOCK_M, HEAD_DIM])
         mbarrier.wait(q_bars.index(WARPGROUP), 0)
         q_op = _q_operand(q_tile, s_layout)
@@ -341,14 +357,13 @@ if gluon is not None:
         acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         # Both warpgroups walk the K/V tiles of the whole program (masking covers the tiles only the other sees).
-        m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free,
-                                     v_free, b, h_kv, key_start, n_kv_tiles, (full_start - key_start) // BLOCK_N,
-                                     (full_end - key_start) // BLOCK_N, q_idx, seqlen_q, seqlen_k, qk_scale, mods,
-                                     BLOCK_N, HEAD_DIM, HEAD_DIM_V, KV_STAGES, IS_CAUSAL, MODS, 4, True)
+        full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
+        rows = (q_idx, seqlen_q, seqlen_k)
+        m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_ring, v_ring, source, full, rows, qk_scale, mods,
+                                     IS_CAUSAL, MODS, NUM_WARPS=4, LOAD_WARP=True)
         # Q is in registers: O goes out through this warpgroup's Q buffer (o_smem is q_smem when O is as wide).
-        o_buffer = o_smem.index(WARPGROUP)
-        _write_output(acc, m, d, q_idx, o_buffer.reshape([BLOCK_M, HEAD_DIM_V]), o_buffer, o_desc, lse_row,
-                      sink, b, h, row_start, seqlen_q, WRITE_LSE, HAS_SINKS)
+        _write_output(acc, m, d, rows, (o_desc, o_smem.index(WARPGROUP), lse_row), (b, h, row_start), sink,
+                      WRITE_LSE, HAS_SINKS)
 
     @gluon.jit
     def _attention_fwd_ws_kernel(
@@ -369,8 +384,8 @@ if gluon is not None:
                 window_left, window_right)
         MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
         key_start, _, _, key_end = key_ranges(
-            m_start, gl.minimum(m_start + 2 * BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, False,
-            window_left, window_right, HAS_WINDOW)
+            m_start, gl.minimum(m_start + 2 * BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL,
+            HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
         n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -394,20 +409,24 @@ if gluon is not None:
             mbarrier.init(v_free.index(i), count=2)
 
         lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q  # this batch and head's LSE
-        # (Each partition's arguments are written out in the call: a tuple held in a variable would turn
-        # the constexpr flags into run-time values.)
+        q_tiles = (q_desc, q_smem, q_bars)
+        k_ring = (k_desc, k_smem, k_ready, k_free)  # (gluon_tiles)
+        v_ring = (v_desc, v_smem, v_ready, v_free)
+        out = (o_desc, o_smem, lse_row)
+        q_start = (b, h, m_start)
+        source = (b, h_kv, key_start, n_kv_tiles)
+        lengths = (seqlen_q, seqlen_k)
+        # (Each partition's argument tuple is written out in the call, its constexpr flags as literals or
+        # constexpr names: a tuple held in a variable would turn them into run-time values. Tuples of run-time
+        # values, as the groups above, may be held.)
         gl.warp_specialize(
             [(_ws_softmax_partition,  # warpgroup 0: the default partition
-              (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready,
-               k_free, v_free, sinks_ptr, b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale,
-               mods, IS_CAUSAL, MODS, HAS_SINKS, WRITE_LSE, 0)),
+              (q_tiles, k_ring, v_ring, out, q_start, source, lengths, sinks_ptr, qk_scale, mods,
+               IS_CAUSAL, MODS, HAS_SINKS, WRITE_LSE, 0)),
              (_ws_softmax_partition,  # warpgroup 1
-              (q_desc, k_desc, v_desc, o_desc, lse_row, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready,
-               k_free, v_free, sinks_ptr, b, h, h_kv, m_start, key_start, n_kv_tiles, seqlen_q, seqlen_k, qk_scale,
-               mods, IS_CAUSAL, MODS, HAS_SINKS, WRITE_LSE, 1)),
-             (_ws_load_partition,
-              (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
-               b, h, h_kv, m_start, key_start, n_kv_tiles))],
+              (q_tiles, k_ring, v_ring, out, q_start, source, lengths, sinks_ptr, qk_scale, mods,
+               IS_CAUSAL, MODS, HAS_SINKS, WRITE_LSE, 1)),
+             (_ws_load_partition, (q_tiles, k_ring, v_ring, q_start, source))],
             [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
 
 

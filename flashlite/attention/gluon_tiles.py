@@ -2,7 +2,11 @@
 of shared-memory slots completed on mbarriers, and the host's TMA descriptors.
 
 A ring holds ``KV_STAGES`` slots of K (or V) tiles; tile ``t`` goes to slot ``t % KV_STAGES`` and its mbarrier
-completes phase ``(t // KV_STAGES) & 1`` when the copy lands (``issue_kv_load``, ``wait_kv``). Gluon is
+completes phase ``(t // KV_STAGES) & 1`` when the copy lands (``issue_kv_load``, ``wait_kv``). The kernels pass a
+ring as one tuple ``(desc, smem, ready, free)``: the TMA descriptor of its [1, 1, BLOCK_N, D] boxes, the
+``[KV_STAGES, 1, 1, BLOCK_N, D]`` slots, and per slot the mbarrier a landed copy completes (``ready``) and the one
+its readers release it on (``free``; ``ready`` again where the readers refill the slot themselves). Tile sizes are
+read from the descriptor and the slots, not passed. Gluon is
 Triton's lower-level language (``triton.experimental.gluon``, Triton >= 3.5); without it ``gluon`` is None and
 the ``triton.language`` kernels serve every call.
 """
@@ -28,6 +32,7 @@ except ImportError:  # pragma: no cover - older Triton: the triton.language kern
     gluon = None
 
 from ..core.tiles import descriptor_strides
+from ..core.triton_compat import new_descriptor
 
 # wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
 WGMMA_CAPABILITY = (9, 0)
@@ -36,22 +41,28 @@ WGMMA_CAPABILITY = (9, 0)
 if gluon is not None:
 
     @gluon.jit
-    def issue_kv_load(desc, bars, smem, tile, b, h_kv, key_start, n_tiles,
-                      BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr):
-        """Start the TMA copy of K (or V) tile ``tile`` (keys from ``key_start + tile · BLOCK_N``) into its slot,
-        if the tile exists."""
+    def issue_kv_load(ring, tile, source):
+        """Start the TMA copy of K (or V) tile ``tile`` into its slot of ``ring``, if the tile exists; ``source =
+        (b, h_kv, key_start, n_tiles)``: tile ``t`` holds keys from ``key_start + t · BLOCK_N`` of batch ``b``,
+        K/V head ``h_kv``, and tiles ``n_tiles`` on do not exist."""
+        desc, smem, ready, free = ring
+        b, h_kv, key_start, n_tiles = source
+        BLOCK_N: gl.constexpr = desc.block_type.shape[2]
+        KV_STAGES: gl.constexpr = smem.type.shape[0]
         slot = tile % KV_STAGES
         exists = tile < n_tiles
-        bar = bars.index(slot)
+        bar = ready.index(slot)
         mbarrier.expect(bar, desc.block_type.nbytes, pred=exists)
         tma_load(desc, [b, h_kv, key_start + tile * BLOCK_N, 0], bar, smem.index(slot), pred=exists)
 
     @gluon.jit
-    def wait_kv(bars, smem, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, KV_STAGES: gl.constexpr):
-        """Wait for K (or V) tile ``tile`` and return its slot as a [BLOCK_N, HEAD_DIM] view."""
+    def wait_kv(ring, tile):
+        """Wait for K (or V) tile ``tile`` of ``ring`` and return its slot as a [BLOCK_N, HEAD_DIM] view."""
+        desc, smem, ready, free = ring
+        KV_STAGES: gl.constexpr = smem.type.shape[0]
         slot = tile % KV_STAGES
-        mbarrier.wait(bars.index(slot), (tile // KV_STAGES) & 1)
-        return smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        mbarrier.wait(ready.index(slot), (tile // KV_STAGES) & 1)
+        return smem.index(slot).reshape([desc.block_type.shape[2], desc.block_type.shape[3]])
 
 
 def wgmma_available() -> bool:
@@ -73,7 +84,5 @@ def gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
     (TUNING.md#host-cost).
     """
     box = (1, 1, block_rows, head_dim)
-    desc = object.__new__(GluonTensorDescriptor)
-    desc.__dict__.update(base=t, shape=list(t.shape), strides=descriptor_strides(t), block_shape=list(box),
-                         layout=box_layout(box, t.dtype), padding="zero")
-    return desc
+    return new_descriptor(GluonTensorDescriptor, base=t, shape=list(t.shape), strides=descriptor_strides(t),
+                          block_shape=list(box), layout=box_layout(box, t.dtype), padding="zero")
