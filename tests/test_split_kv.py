@@ -312,15 +312,15 @@ def test_repeated_calls_replay_the_route(monkeypatch):
     assert calls == [3] and len(checks) == 1  # check() passes return_lse=True: one signature
     flash_attention(*qkv(2, 4, 2, 70, h_kv=2), causal=True, num_splits=3)  # return_lse=False: a new route
     assert calls == [3, 3] and len(checks) == 2
-    for _ in range(2):  # the same shapes, q's head dim not contiguous: copied, so not kept
+    for _ in range(2):  # the same shapes, q's head dim not contiguous: copied each call, the route kept
         q, k, v = qkv(2, 4, 2, 70, h_kv=2)
         check(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, causal=True, num_splits=2)
-    assert calls == [3, 3, 2, 2]
+    assert calls == [3, 3, 2]
 
 
 def test_repeated_calls_recheck_what_the_key_leaves_out(monkeypatch):
-    # Not kept: a mask, inputs that require grad, a CPU cache_seqlens (its values are checked every call), flags
-    # of another type (checked again, so the error still comes).
+    # Not kept: a CPU cache_seqlens (its values are checked every call), flags of another type (checked again, so
+    # the error still comes). Kept: masks and inputs that require grad (their signature is in the key).
     calls = spy_split(monkeypatch)
     q, k, v = qkv(1, 2, 1, 50)
     lengths = torch.tensor([20])
@@ -333,7 +333,10 @@ def test_repeated_calls_recheck_what_the_key_leaves_out(monkeypatch):
         flash_attention(q, k, v, num_splits=2)
     with pytest.raises(TypeError, match="causal"):
         flash_attention(q, k, v, num_splits=2, causal="no")
-    assert api.repeat_key(q, k, v, False, None, None, False, 2, None) is not None
-    assert api.repeat_key(q, k, v, False, None, torch.ones(1, 1, 1, 50, dtype=torch.bool), False, 2, None) is None
-    assert api.repeat_key(q.requires_grad_(), k, v, False, None, None, False, 2, None) is None
-    assert api.repeat_key(q, k, v, False, 1, None, False, 2, None) is None  # an int scale: checked each call
+    key = api.call_key(q, k, v, False, None, None, None, None, None, None, False, 2, None, False)
+    assert key is not None
+    mask = torch.ones(1, 1, 1, 50, dtype=torch.bool)
+    assert api.call_key(q, k, v, False, None, mask, None, None, None, None, False, 2, None, False) not in (None, key)
+    assert api.call_key(q, k, v, False, None, None, None, None, None, None, False, 2, None, True) != key  # training
+    assert api.call_key(q, k, v, False, 1, None, None, None, None, None, False, 2, None, False) is None  # an int
+    assert api.call_key(q, k, v, False, None, None, None, None, None, None, False, 2, lengths, False) is None  # CPU
