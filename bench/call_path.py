@@ -6,7 +6,9 @@ Training calls (``--part training``): bf16 (B, H, L, D) in {(1, 16, 128, 64), (4
 autograd node built), ``fwd_bwd`` the forward and ``torch.autograd.grad`` of q, k, v. Providers: flashlite,
 SDPA (default backend choice), and ``flashlite_op``: the same call through the custom op
 ``torch.ops.flashlite.flash_attention`` from eager code (what compiled graphs call; the public function's
-eager fast path skips the dispatcher: the difference is its host cost). Target: flashlite <= 1.2x SDPA.
+eager fast path skips the dispatcher: the difference is its host cost), and with ``--baseline DIR`` the same
+call on an older commit's tree (``bench/make_baseline.sh REV DIR``: ``flashlite_base``). Target: flashlite <= 1.2x
+SDPA.
 Small softmaxes (``--part softmax``): ``flashlite.softmax`` against ``torch.softmax``, and
 ``flashlite.masked_softmax`` (causal) against the unfused PyTorch expression, no grad; target <= 1.0x.
 
@@ -30,7 +32,7 @@ Lk from 4096 to 32768, D = 128, bf16, no mask, not causal. Columns:
 A cProfile of repeated flashlite calls at B = 1, H_kv = 8, Lq = 1, Lk = 4096 goes
 to ``call_path_profile.txt``.
 
-    python bench/call_path.py [--out DIR] [--part training softmax decode]
+    python bench/call_path.py [--out DIR] [--part training softmax decode] [--baseline DIR]
         # -> DIR/call_path.{json,md} (decoding), DIR/call_path_training.{json,md},
         #    DIR/call_path_softmax.{json,md}, DIR/call_path_profile{,_training}.txt
 """
@@ -146,7 +148,16 @@ def profile(out: str) -> dict:
             hosts[name] = host_us(fn) if fn is not None else None
         except (RuntimeError, TypeError, AttributeError):
             hosts[name] = None
-    fn = providers["flashlite"]
+    write_profile(providers["flashlite"], os.path.join(out, "call_path_profile.txt"),
+                  f"{LOOP_CALLS} calls of flashlite.flash_attention, B=1 H=32 H_kv=8 Lq=1 Lk=4096 D=128 bf16\n"
+                  f"host us per call: {hosts}")
+    return hosts
+
+
+def write_profile(fn, path: str, header: str) -> None:
+    """A cProfile of ``LOOP_CALLS`` calls of ``fn`` (queued behind a sleeping kernel: host time only), its 25
+    costliest functions written to ``path`` under ``header``."""
+    fn()
     profiler = cProfile.Profile()
     torch.cuda._sleep(2_000_000_000)
     profiler.enable()
@@ -156,14 +167,26 @@ def profile(out: str) -> dict:
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    with open(os.path.join(out, "call_path_profile.txt"), "w") as f:
-        f.write(f"{LOOP_CALLS} calls of flashlite.flash_attention, B=1 H=32 H_kv=8 Lq=1 Lk=4096 D=128 bf16\n")
-        f.write(f"host us per call: {hosts}\n\n{text.getvalue()}")
-    return hosts
+    with open(path, "w") as f:
+        f.write(f"{header}\n\n{text.getvalue()}")
 
 
 TRAINING_SHAPES = [(1, 16, 128, 64), (4, 16, 1024, 64), (8, 32, 512, 128)]
 TARGET_X_SDPA_TRAINING = 1.2
+
+
+# An older tree's public functions (``--baseline``): None, or {"attention": ..., "softmax": ..., "masked_softmax": ...}.
+BASELINE = None
+
+
+def load_baseline(folder: str) -> dict:
+    """The public functions of ``folder/flashlite_base`` (bench/make_baseline.sh)."""
+    import importlib
+
+    sys.path.insert(0, folder)
+    return {"attention": importlib.import_module("flashlite_base.attention.api").flash_attention,
+            "softmax": importlib.import_module("flashlite_base.softmax.api").softmax,
+            "masked_softmax": importlib.import_module("flashlite_base.masked_softmax").masked_softmax}
 
 
 def training_providers(q, k, v, do, causal: bool) -> dict:
@@ -177,6 +200,8 @@ def training_providers(q, k, v, do, causal: bool) -> dict:
         "flashlite_op": lambda: torch.ops.flashlite.flash_attention(
             q, k, v, None, None, None, None, causal, scale, None, None, 1, False, True)[0],
     }
+    if BASELINE is not None:
+        fns["flashlite_base"] = lambda: BASELINE["attention"](q, k, v, causal=causal)
     return {name: (fn, lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), do)) for name, fn in fns.items()}
 
 
@@ -210,27 +235,15 @@ def profile_training(out: str) -> None:
     batch, heads, length, head_dim = TRAINING_SHAPES[0]
     q, k, v, do = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=torch.bfloat16,
                                requires_grad=i < 3) for i in range(4))
-    fn = training_providers(q, k, v, do, False)["flashlite"][1]
-    for _ in range(10):
-        fn()
-    profiler = cProfile.Profile()
-    torch.cuda._sleep(2_000_000_000)
-    profiler.enable()
-    for _ in range(LOOP_CALLS):
-        fn()
-    profiler.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
-    with open(os.path.join(out, "call_path_profile_training.txt"), "w") as f:
-        f.write(f"{LOOP_CALLS} fwd+bwd calls of flashlite.flash_attention, B=1 H=16 L=128 D=64 bf16\n\n")
-        f.write(text.getvalue())
+    write_profile(training_providers(q, k, v, do, False)["flashlite"][1],
+                  os.path.join(out, "call_path_profile_training.txt"),
+                  f"{LOOP_CALLS} fwd+bwd calls of flashlite.flash_attention, B=1 H=16 L=128 D=64 bf16")
 
 
 def run_training(out: str) -> list[dict]:
     rows = [measure_training(shape, causal) for shape in TRAINING_SHAPES for causal in (False, True)]
     profile_training(out)
-    names = ["flashlite", "sdpa", "flashlite_op"]
+    names = ["flashlite", "sdpa", "flashlite_op"] + (["flashlite_base"] if BASELINE is not None else [])
     cols = ["B", "H", "L", "D", "causal", *(f"{n}_fwd_us" for n in names), "x_sdpa_fwd",
             *(f"{n}_fwd_bwd_us" for n in names), "x_sdpa_fwd_bwd", *(f"{n}_fwd_loop_us" for n in names),
             "x_sdpa_fwd_loop", *(f"{n}_fwd_bwd_loop_us" for n in names), "x_sdpa_fwd_bwd_loop",
@@ -260,24 +273,30 @@ def run_softmax(out: str) -> list[dict]:
     rows = []
     for op, shape in SOFTMAX_SHAPES:
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        base = None
         if op == "softmax":
             mine, theirs = (lambda: flashlite.softmax(x)), (lambda: torch.softmax(x, -1))
+            if BASELINE is not None:
+                base = lambda: BASELINE["softmax"](x)  # noqa: E731
         else:
             keep = torch.ones(shape[-2:], dtype=torch.bool, device="cuda").tril()
             mine = lambda: flashlite.masked_softmax(x, causal=True, scale=0.125)  # noqa: E731
             theirs = lambda: torch.softmax((x.float() * 0.125).masked_fill(~keep, float("-inf")), -1).to(x.dtype)  # noqa: E731
+            if BASELINE is not None:
+                base = lambda: BASELINE["masked_softmax"](x, causal=True, scale=0.125)  # noqa: E731
         row = {"op": op, "shape": "x".join(map(str, shape))}
-        for name, fn in (("flashlite", mine), ("torch", theirs)):
-            row[f"{name}_us"] = time_ms(fn) * 1e3
-            row[f"{name}_loop_us"] = loop_us(fn)
+        for name, fn in (("flashlite", mine), ("torch", theirs), ("flashlite_base", base)):
+            if fn is not None:
+                row[f"{name}_us"] = time_ms(fn) * 1e3
+                row[f"{name}_loop_us"] = loop_us(fn)
         row["x_torch"] = row["flashlite_us"] / row["torch_us"]
         row["x_torch_loop"] = row["flashlite_loop_us"] / row["torch_loop_us"]
         rows.append(row)
     meta = environment() | {"dtype": "bfloat16", "target": "x_torch <= 1.0",
                             "command": "python bench/call_path.py --part softmax"}
     write_results("call_path_softmax", out, meta, rows,
-                  ["op", "shape", "flashlite_us", "torch_us", "x_torch", "flashlite_loop_us", "torch_loop_us",
-                   "x_torch_loop"], "Small softmaxes, eager, no grad: microseconds per call")
+                  ["op", "shape", "flashlite_us", "torch_us", "flashlite_base_us", "x_torch", "flashlite_loop_us",
+                   "torch_loop_us", "flashlite_base_loop_us", "x_torch_loop"], "Small softmaxes, eager, no grad: microseconds per call")
     for r in rows:
         print(f"{r['op']} {r['shape']}: {r['flashlite_us']:.1f} us (torch {r['torch_us']:.1f}, x {r['x_torch']:.2f}, "
               f"loop x {r['x_torch_loop']:.2f})")
@@ -289,8 +308,12 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
     parser.add_argument("--part", nargs="+", default=["training", "softmax", "decode"],
                         choices=["training", "softmax", "decode"])
+    parser.add_argument("--baseline", help="folder holding flashlite_base (bench/make_baseline.sh): its calls too")
     args = parser.parse_args(argv)
     out = results_dir(args.out)
+    if args.baseline:
+        global BASELINE
+        BASELINE = load_baseline(args.baseline)
     if "training" in args.part:
         run_training(out)
     if "softmax" in args.part:

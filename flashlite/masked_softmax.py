@@ -71,7 +71,7 @@ from .core.online_softmax import (
 from .core.partials import BOTH_PASSES, FINAL_PASS, PARTIAL_PASS, work_item
 from .core.runtime import is_compiling, launch_persistent, runs_kernels
 from .core.tiles import tile_rows
-from .softmax.api import as_rows, from_rows, softmax_grad_torch
+from .softmax.api import as_rows, empty_rows_layout, from_rows, softmax_grad_torch
 from .softmax.online import launch_online
 from .softmax.plan import ALGORITHMS, SoftmaxPlan, fused_warps, plan_softmax
 
@@ -483,11 +483,13 @@ def forward_keys_last(x: torch.Tensor, mask_view: torch.Tensor | None, scale: fl
 
 
 def _masked_softmax_impl(x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool, dim: int,
-                         algorithm: str) -> torch.Tensor:
+                         algorithm: str, mask_view: torch.Tensor | None = None) -> torch.Tensor:
+    """The op's implementation; ``mask_view``: ``broadcast_mask(mask, x.shape)``'s view when the caller has it."""
     if x.numel() == 0 or not runs_kernels(x):
-        out = torch.empty(x.movedim(dim, -1).shape, dtype=x.dtype, device=x.device).movedim(-1, dim)
+        out = empty_rows_layout(x, dim, x.dtype)
         return out if x.numel() == 0 else out.copy_(masked_softmax_torch(x, mask, scale, causal, dim))
-    mask_view = None if mask is None else broadcast_mask(mask, x.shape)[0]
+    if mask is not None and mask_view is None:
+        mask_view = broadcast_mask(mask, x.shape)[0]
     return forward_keys_last(x, mask_view, scale, causal, dim, algorithm).movedim(-1, dim)
 
 
@@ -502,14 +504,13 @@ def _masked_softmax_op(x: torch.Tensor, mask: torch.Tensor | None, scale: float,
 
 @_masked_softmax_op.register_fake
 def _(x, mask, scale, causal, dim, algorithm):
-    return torch.empty(x.movedim(dim, -1).shape, dtype=x.dtype, device=x.device).movedim(-1, dim)
+    return empty_rows_layout(x, dim, x.dtype)
 
 
 def _masked_softmax_backward_impl(y: torch.Tensor, dy: torch.Tensor, scale: float, causal: bool, dim: int,
                                   algorithm: str, dx_dtype: torch.dtype) -> torch.Tensor:
     if y.numel() == 0 or not runs_kernels(y):
-        out = torch.empty(y.movedim(dim, -1).shape, dtype=dx_dtype, device=y.device).movedim(-1, dim)
-        return out.copy_(softmax_grad_torch(y, dy, dim, scale, True))
+        return empty_rows_layout(y, dim, dx_dtype).copy_(softmax_grad_torch(y, dy, dim, scale, True))
     y_keys_last = y.movedim(dim, -1).contiguous()  # (..., Lq, Lk), as the forward wrote it
     seqlen_q = y_keys_last.shape[-2] if y.dim() > 1 else 1
     dy2d = as_rows(dy, dim)  # (rows, Lk); copies only if dy is not row-strided
@@ -528,7 +529,7 @@ def _masked_softmax_backward_op(y: torch.Tensor, dy: torch.Tensor, scale: float,
 
 @_masked_softmax_backward_op.register_fake
 def _(y, dy, scale, causal, dim, algorithm, dx_dtype):
-    return torch.empty(y.movedim(dim, -1).shape, dtype=dx_dtype, device=y.device).movedim(-1, dim)
+    return empty_rows_layout(y, dim, dx_dtype)
 
 
 def _masked_softmax_setup(ctx, inputs, output) -> None:
@@ -561,15 +562,16 @@ class _MaskedSoftmax(torch.autograd.Function):
     """The op's eager fast path: its implementation and autograd rule, without the dispatcher."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mask: torch.Tensor | None, scale: float, causal: bool, dim: int,
-                algorithm: str) -> torch.Tensor:
-        y = _masked_softmax_impl(x, mask, scale, causal, dim, algorithm)
+    def forward(ctx, x: torch.Tensor, mask: torch.Tensor | None, mask_view: torch.Tensor | None, scale: float,
+                causal: bool, dim: int, algorithm: str) -> torch.Tensor:
+        y = _masked_softmax_impl(x, mask, scale, causal, dim, algorithm, mask_view)
         _masked_softmax_setup(ctx, (x, mask, scale, causal, dim, algorithm), y)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        return _masked_softmax_gradient(ctx, dy, _masked_softmax_backward_impl)
+        dx, dmask, *_ = _masked_softmax_gradient(ctx, dy, _masked_softmax_backward_impl)
+        return dx, dmask, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- public API
@@ -611,10 +613,9 @@ def masked_softmax(
         to ``x``, lives on another device, or ``causal`` without a (Lq, Lk) last pair.
     """
     dim, scale = _check_args(x, mask, scale, causal, dim, algorithm)
-    if mask is not None:
-        broadcast_mask(mask, x.shape)  # checks its dtype and shape (stride 0 on broadcast dims: never expanded)
+    mask_view = None if mask is None else broadcast_mask(mask, x.shape)[0]  # stride 0 on broadcast dims; bool as uint8
     if is_compiling():  # one node of the graph: the op
         return torch.ops.flashlite.masked_softmax(x, mask, scale, causal, dim, algorithm)
     if torch.is_grad_enabled() and (x.requires_grad or (mask is not None and mask.requires_grad)):
-        return _MaskedSoftmax.apply(x, mask, scale, causal, dim, algorithm)
-    return _masked_softmax_impl(x, mask, scale, causal, dim, algorithm)
+        return _MaskedSoftmax.apply(x, mask, mask_view, scale, causal, dim, algorithm)
+    return _masked_softmax_impl(x, mask, scale, causal, dim, algorithm, mask_view)

@@ -5,7 +5,9 @@ accumulator as well as the denominator, so the L×L scores never exist.
 
 Modules, each importing only those listed after it:
 
-* ``api``: ``flash_attention`` (checks, routing, autograd) and ``attention_forward``;
+* ``api``: ``flash_attention`` (checks, the custom ops ``flashlite::flash_attention(_backward)`` and their
+  autograd rule, the routes kept by signature);
+* ``route``: a call's launches planned once (``Route``) and replayed; ``attention_forward``;
 * ``split_kv``: decoding, a query tile's keys split over programs whose partial
   ``(m, d, acc)`` are merged;
 * ``backward``: dQ, dK, dV (and a float mask's gradient), P recomputed from the

@@ -70,11 +70,6 @@ def unit_stride_head_dim(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(3) == 1 or t.shape[3] == 1 else t.contiguous()
 
 
-def unit_stride_head_dim(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its head dim has stride 1 (any other strides are fine), else one contiguous copy."""
-    return t if t.stride(3) == 1 or t.shape[3] == 1 else t.contiguous()
-
-
 # ----------------------------------------------------------------------------- routes by signature
 
 
@@ -207,13 +202,13 @@ def _flash_attention_backward_op(do, dlse, q, k, v, o, lse, row_stats, attn_mask
                                  causal, scale, softcap, window, num_splits, write_lse, training, mask_needs_grad):
     """``(dq, dk, dv, dmask, dsinks)``: dmask the fp32 gradient of ``attn_mask`` in its shape (empty when not
     asked), dsinks fp32 (empty without sinks). The route is the forward's (``op_route``)."""
-    route, mask = op_route(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window,
-                           num_splits, write_lse, training)
-    grads = route.backward(unit_stride_head_dim(do), dlse, q, k, v, o, lse,
-                           row_stats if row_stats.numel() else None, mask, alibi, sinks, mask_needs_grad)
+    route, _ = op_route(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window,
+                        num_splits, write_lse, training)
+    grads = _route_backward(route, do, dlse, q, k, v, o, lse, row_stats if row_stats.numel() else None, attn_mask,
+                            alibi, sinks, mask_needs_grad)
     dq, dk, dv, dmask, dsinks = (g.clone() if g is not None and g._base is not None else g for g in grads)
     empty = q.new_empty((0,), dtype=torch.float32)  # a gradient not asked for (outputs may not alias each other)
-    dmask = dmask.sum_to_size(attn_mask.shape).float().contiguous() if dmask is not None else empty
+    dmask = dmask.float().contiguous() if dmask is not None else empty
     return dq, dk, dv, dmask, dsinks.float().clone() if dsinks is not None else empty.clone()
 
 
@@ -223,6 +218,19 @@ def _(do, dlse, q, k, v, o, lse, row_stats, attn_mask, cache_seqlens, alibi, sin
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     dmask = q.new_empty(attn_mask.shape if mask_needs_grad else (0,), dtype=torch.float32)
     return dq, dk, dv, dmask, q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
+
+
+def _route_backward(route: Route, do, dlse, q, k, v, o, lse, row_stats, attn_mask, alibi, sinks,
+                    mask_needs_grad: bool) -> tuple:
+    """``Route.backward`` of a call from its saved tensors and the user's ``attn_mask``, the mask's gradient summed
+    to that mask's shape (in fp32: rounding each of its broadcast terms first would leave their rounding in the
+    sum). What the op's backward and the eager path both run."""
+    mask = _mask_view(attn_mask, q, k)[0]
+    dq, dk, dv, dmask, dsinks = route.backward(unit_stride_head_dim(do), dlse, q, k, v, o, lse, row_stats, mask,
+                                               alibi, sinks, mask_needs_grad)
+    if dmask is not None:
+        dmask = dmask.sum_to_size(attn_mask.shape)
+    return dq, dk, dv, dmask, dsinks
 
 
 def _save_for_backward(ctx, q, k, v, attn_mask, alibi, sinks, o, lse, row_stats, mask_index: int) -> None:
@@ -280,29 +288,11 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         route = ctx.route
-
-        def run(do, dlse, q, k, v, o, lse, row_stats, attn_mask, alibi, sinks, mask_needs_grad):
-            mask = _mask_view(attn_mask, q, k)[0]
-            dq, dk, dv, dmask, dsinks = route.backward(unit_stride_head_dim(do), dlse, q, k, v, o, lse, row_stats,
-                                                       mask, alibi, sinks, mask_needs_grad)
-            if dmask is not None:
-                dmask = dmask.sum_to_size(attn_mask.shape)
-            return dq, dk, dv, dmask, dsinks
-
-        dq, dk, dv, dmask, dsinks = _gradients(ctx, do, dlse, run)
+        dq, dk, dv, dmask, dsinks = _gradients(ctx, do, dlse, lambda *args: _route_backward(route, *args))
         return None, dq, dk, dv, dmask, None, None, None, dsinks
 
 
 # ----------------------------------------------------------------------------- the public function
-
-
-class _Call:
-    """A checked eager call's route and the normalised options it was planned with (kept by ``call_key``)."""
-
-    __slots__ = ("route", "write_lse")
-
-    def __init__(self, route: Route, write_lse: bool):
-        self.route, self.write_lse = route, write_lse
 
 
 def _check_call(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse,
@@ -424,29 +414,28 @@ def flash_attention(
                               return_lse, num_splits, cache_seqlens, training)
     key = call_key(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse,
                    num_splits, cache_seqlens, training)
-    call = _ROUTES.get(key) if key is not None else None
-    if call is None:  # checked and planned once per signature
-        mask, mask_is_bool, causal_, scale_, softcap_, window, return_lse_ = _check_call(
+    route = _ROUTES.get(key) if key is not None else None
+    if route is None:  # checked and planned once per signature (a kept key holds return_lse as a bool)
+        mask, mask_is_bool, causal_, scale_, softcap_, window, return_lse = _check_call(
             q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse, num_splits,
             cache_seqlens)
         qu, ku, vu = (unit_stride_head_dim(t) for t in (q, k, v))
         if num_splits is None:  # training keeps the forward kernel: the split path has no backward
             num_splits = 1 if training or not runs_kernels(q) else auto_num_splits(qu, ku, mask)
-        call = _Call(Route(qu, ku, vu, mask, mask_is_bool, causal_, scale_, softcap_, window, alibi_slopes is not None,
-                           sinks is not None, return_lse_, training, num_splits, cache_seqlens is not None),
-                     return_lse_)
+        route = Route(qu, ku, vu, mask, mask_is_bool, causal_, scale_, softcap_, window, alibi_slopes is not None,
+                      sinks is not None, return_lse, training, num_splits, cache_seqlens is not None)
         if key is not None:
-            _keep(key, call)
+            _keep(key, route)
     q, k, v = unit_stride_head_dim(q), unit_stride_head_dim(k), unit_stride_head_dim(v)
     mask = None if attn_mask is None else _mask_view(attn_mask, q, k)[0]
     alibi = None if alibi_slopes is None else alibi_view(alibi_slopes, q.shape[0])
     if sinks is not None:
         sinks = sinks.contiguous()  # the kernels read one per head (differentiable)
     if training:
-        o, lse = _Attention.apply(call.route, q, k, v, attn_mask, mask, cache_seqlens, alibi, sinks)
+        o, lse = _Attention.apply(route, q, k, v, attn_mask, mask, cache_seqlens, alibi, sinks)
     else:  # inference: no autograd node to build
-        o, lse, _ = call.route.forward(q, k, v, mask, cache_seqlens, alibi, sinks)
-    return (o, lse) if call.write_lse else o
+        o, lse, _ = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks)
+    return (o, lse) if return_lse else o
 
 
 def _compiled_call(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse,

@@ -94,7 +94,8 @@ from . import tuning
 from .backward_hopper import HopperBackwardLaunch, wgmma_backward_eligible
 from .forward import alibi_slope
 from .plan import (
-    NATURAL_BIAS, default_backward_config, head_dim_padded, kv_loop_flags, qk_scale_for, query_tile, variant_args,
+    NATURAL_BIAS, OutputLayout, default_backward_config, head_dim_padded, kv_loop_flags, qk_scale_for, query_tile,
+    variant_args,
 )
 from .reference import attention_backward_torch
 from .tuning import AttentionConfig, BackwardConfig, WgmmaBackwardConfig
@@ -522,8 +523,6 @@ class BackwardLaunch:
         additive = mask is not None and not mask_is_bool
         self.additive, self.mask_needs_grad = additive, mask_needs_grad
         self.delta_shape = (batch, n_heads, seqlen_q)
-        self.grad_strides = [torch.empty_like(torch.empty_strided(t.shape, t.stride(), device="meta")).stride()
-                             for t in (q, k, v)]  # dq, dk, dv: laid out as empty_like lays them out
         variant_scalars, variant_meta = variant_args(q, additive, softcap, window, has_alibi, False, seqlen_q,
                                                      seqlen_k)
         variant_meta.pop("HAS_SINKS")  # the sinks' gradient is taken here, from δ; the kernels see the LSE alone
@@ -547,7 +546,8 @@ class BackwardLaunch:
         self.mask_strides = (*mask_strides, 0)  # (the ALiBi slopes' batch stride is the call's)
         self.common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, head_dim_v,
                        qk_scale_for(scale, additive), scale, *variant_scalars)
-        grad_like = [torch.empty_strided(t.shape, st, device="meta") for t, st in zip((q, k, v), self.grad_strides)]
+        self.grads = [OutputLayout(t, t.shape[3]) for t in (q, k, v)]  # dq, dk, dv: laid out as empty_like
+        grad_like = [layout.meta(q.dtype) for layout in self.grads]
         self.input_strides = (*_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do))
         self.dkdv_strides = (*self.input_strides, *_bhl_strides(grad_like[1]), *_bhl_strides(grad_like[2]), 0, 0, 0)
         self.dq_strides = (*self.input_strides, *_bhl_strides(grad_like[0]))
@@ -600,8 +600,7 @@ class BackwardLaunch:
         if self.hopper is not None:
             dq, dk, dv = self.hopper(do, q, k, v, stats, delta, alibi)
         else:
-            dq, dk, dv = (torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
-                          for t, st in zip((q, k, v), self.grad_strides))
+            dq, dk, dv = (layout.empty(t) for layout, t in zip(self.grads, (q, k, v)))
             mask_strides = (*self.mask_strides[:4], alibi.stride(0) if alibi is not None else 0)
             if self.delta_pass is not None:
                 self.delta_pass(q, k, v, do, stats, delta, dlse, dq, None, mask, alibi, *self.dq_strides,

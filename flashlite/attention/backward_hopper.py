@@ -55,7 +55,7 @@ from .forward import alibi_slope
 from .gluon_tiles import (
     WGMMA_CAPABILITY, gluon, gluon_descriptor, issue_kv_load, thread_barrier, tma_load, tma_store, wait_kv,
 )
-from .plan import NO_VARIANTS, head_dim_padded, query_tile
+from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, query_tile
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -454,10 +454,8 @@ class HopperBackwardLaunch:
         seqlen_k, head_dim_v = k.shape[2], v.shape[3]
         hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
         config = config or tuning.WGMMA_BACKWARD_CONFIGS[max(hd_pad, dv_pad)]
-        like = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, k, v)]
-        self.grad_strides = [torch.empty_like(t).stride() for t in like]  # dq, dk, dv: laid out as empty_like
-        dq_like, dk_like, dv_like = (torch.empty_strided(t.shape, st, dtype=t.dtype, device="meta")
-                                     for t, st in zip(like, self.grad_strides))
+        self.grads = [OutputLayout(t, t.shape[3]) for t in (q, k, v)]  # dq, dk, dv: laid out as empty_like
+        dq_like, dk_like, dv_like = (layout.meta(q.dtype) for layout in self.grads)
         self.dkdv_descriptors = tuple(gluon_descriptor(t, rows, width) for t, rows, width in (
             (q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad),
             (do, config.block_m, dv_pad), (dk_like, config.block_n, hd_pad), (dv_like, config.block_n, dv_pad)))
@@ -476,8 +474,7 @@ class HopperBackwardLaunch:
         self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
         delta: torch.Tensor, alibi: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dq, dk, dv = (torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
-                      for t, st in zip((q, k, v), self.grad_strides))
+        dq, dk, dv = (layout.empty(t) for layout, t in zip(self.grads, (q, k, v)))
         stride_alibi = alibi.stride(0) if alibi is not None else 0
         descs = [rebind_descriptor(d, t) for d, t in zip(self.dkdv_descriptors, (q, k, v, do, dk, dv))]
         self.dkdv(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)

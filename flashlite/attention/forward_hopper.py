@@ -482,7 +482,7 @@ class HopperForwardLaunch:
         # on the output's store, so a head dim that is not a power of two costs the padded tile's products,
         # nothing more.
         hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
-        o_like = torch.empty_strided(self.output.shape, self.output.strides, dtype=q.dtype, device="meta")
+        o_like = self.output.meta(q.dtype)
         self.descriptors = tuple(
             gluon_descriptor(t, rows, width)
             for t, rows, width in ((q, config.block_m, hd_pad), (k, config.block_n, hd_pad),

@@ -129,7 +129,9 @@ def output_like(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:
 
 class OutputLayout:
     """The (B, H, Lq, Dv) output of a call signature: ``output_like``'s shape and strides, worked out once from q's
-    shape and strides; ``empty(q)`` allocates one in q's dtype and on q's device."""
+    shape and strides; ``empty(q)`` allocates one in q's dtype and on q's device, ``meta(dtype)`` one that holds
+    no memory (descriptor templates). With ``head_dim_v`` q's own head dim it is ``torch.empty_like(q)``'s layout:
+    the gradient of a (B, H, L, D) input."""
 
     __slots__ = ("shape", "strides")
 
@@ -139,6 +141,9 @@ class OutputLayout:
 
     def empty(self, q: torch.Tensor) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.strides, dtype=q.dtype, device=q.device)
+
+    def meta(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.strides, dtype=dtype, device="meta")
 
 
 def head_dim_padded(head_dim: int) -> int:

@@ -8,5 +8,6 @@
 * ``masking``: which (query, key) positions count, and how a bias is added;
 * ``tiles``: loading, storing and multiplying tiles, TMA descriptors;
 * ``runtime``: where kernels run, device properties, launches;
-* ``checks``: argument checks shared by the public functions.
+* ``checks``: argument checks shared by the public functions;
+* ``triton_compat``: every use of Triton's private API (fast launches, descriptors, ahead-of-time builds).
 """

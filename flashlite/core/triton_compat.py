@@ -71,10 +71,7 @@ def rebind_descriptor(template, tensor):
     Gluon's) whose base is ``tensor``: the same shape, strides, box, layout and padding, which the caller
     vouches for (a plan built the template from a tensor of the same signature). The dataclasses' own
     constructors check alignment and box shapes on every call; this costs one dict copy."""
-    desc = object.__new__(type(template))
-    desc.__dict__.update(template.__dict__)
-    desc.base = tensor
-    return desc
+    return new_descriptor(type(template), **{**template.__dict__, "base": tensor})
 
 
 def new_descriptor(cls, **fields):

@@ -147,7 +147,7 @@ def logsumexp_grad(x: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, g: torch
 # apply the same rules), without the dispatcher's host cost (attention.api's docstring has the figure).
 
 
-def _empty_rows_layout(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+def empty_rows_layout(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """An empty tensor of ``x``'s shape laid out as the launchers return it: contiguous with ``dim`` last,
     then moved back (``from_rows``)."""
     if x.dim() == 0:
@@ -165,7 +165,7 @@ def softmax_grad_torch(y: torch.Tensor, dy: torch.Tensor, dim: int, scale: float
 
 def _softmax_impl(x: torch.Tensor, dim: int, algorithm: str, dtype: torch.dtype) -> torch.Tensor:
     if x.numel() == 0 or not runs_kernels(x):
-        return _empty_rows_layout(x, dim, dtype).copy_(torch.softmax(x.float(), dim))
+        return empty_rows_layout(x, dim, dtype).copy_(torch.softmax(x.float(), dim))
     return softmax_rows(x, dim, dtype, algorithm)
 
 
@@ -180,13 +180,13 @@ def _softmax_op(x: torch.Tensor, dim: int, algorithm: str, dtype: torch.dtype) -
 
 @_softmax_op.register_fake
 def _(x, dim, algorithm, dtype):
-    return _empty_rows_layout(x, dim, dtype)
+    return empty_rows_layout(x, dim, dtype)
 
 
 def _softmax_backward_impl(y: torch.Tensor, dy: torch.Tensor, dim: int, algorithm: str,
                            dx_dtype: torch.dtype) -> torch.Tensor:
     if y.numel() == 0 or not runs_kernels(y):
-        return _empty_rows_layout(y, dim, dx_dtype).copy_(softmax_grad_torch(y, dy, dim, 1.0, False))
+        return empty_rows_layout(y, dim, dx_dtype).copy_(softmax_grad_torch(y, dy, dim, 1.0, False))
     y2d = as_rows(y, dim).contiguous()  # (rows, n): the kernel reads y with row stride n
     dy2d = as_rows(dy, dim)
     dx2d = softmax_backward(y2d, dy2d, dx_dtype, plan_softmax(y2d.shape[0], y2d.shape[1], y.device, algorithm,
@@ -203,7 +203,7 @@ def _softmax_backward_op(y: torch.Tensor, dy: torch.Tensor, dim: int, algorithm:
 
 @_softmax_backward_op.register_fake
 def _(y, dy, dim, algorithm, dx_dtype):
-    return _empty_rows_layout(y, dim, dx_dtype)
+    return empty_rows_layout(y, dim, dx_dtype)
 
 
 def _softmax_setup(ctx, inputs, output) -> None:
