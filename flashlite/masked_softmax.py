@@ -490,7 +490,8 @@ def _masked_softmax_impl(x: torch.Tensor, mask: torch.Tensor | None, scale: floa
         return out if x.numel() == 0 else out.copy_(masked_softmax_torch(x, mask, scale, causal, dim))
     if mask is not None and mask_view is None:
         mask_view = broadcast_mask(mask, x.shape)[0]
-    return forward_keys_last(x, mask_view, scale, causal, dim, algorithm).movedim(-1, dim)
+    y = forward_keys_last(x, mask_view, scale, causal, dim, algorithm)
+    return y if dim == x.dim() - 1 else y.movedim(-1, dim)
 
 
 @torch.library.custom_op(
