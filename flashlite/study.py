@@ -148,12 +148,12 @@ def _attention_trace_kernel(
         m_old = m
         # The production K/V loop (flash attention's attend_kv_tiles) over this one tile, masked:
         # scores, masks, online_update, and acc = acc * alpha + p v.
-        # No score modifiers: mods (softcap, slope, window) unused, MODS all off.
+        # No user mask (mask_bh unused) and no score modifiers: mods (softcap, slope, window) unused, MODS all off.
         acc, m, d = attend_kv_tiles(
-            acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, head_dim, head_dim,
-            t * BLOCK_N, (t + 1) * BLOCK_N, seqlen_q, seqlen_k, head_dim, head_dim, q_ptr, 0, 0, (1.0, 0.0, 0, 0),
-            BLOCK_N, HEAD_DIM, HEAD_DIM, True, BASE2_UNITS, IS_CAUSAL, False, False, False, EVEN_D, EVEN_D, False,
-            "ieee", False, (False, False, False, False),
+            acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, head_dim, head_dim, t * BLOCK_N, (t + 1) * BLOCK_N,
+            (seqlen_q, seqlen_k, head_dim, head_dim), mask_bh=(q_ptr, 0, 0), mods=(1.0, 0.0, 0, 0),
+            TILE=(BLOCK_N, HEAD_DIM, HEAD_DIM, EVEN_D, EVEN_D), MASKING=(IS_CAUSAL, False, False, False),
+            UNITS=BASE2_UNITS, MASKED=True, USE_TMA=False, DOTS=("ieee", False), MODS=(False, False, False, False),
         )
         alpha = rescale_factor(m_old, m, BASE2_UNITS)  # the factor the loop applied to d and acc
         here = t * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -294,9 +294,9 @@ def _key_range(q, q_idx, qk_scale, k_ptr, v_ptr, lo, hi, seqlen_q, seqlen_k,
     m, d = empty_state(BLOCK_M)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     return forward.attend_kv_tiles(
-        acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, D, D, lo, hi, seqlen_q, seqlen_k, D, D, None, 0, 0,
-        (1.0, 0.0, 0, 0), BLOCK_N, D, D, True, 1.0, True, False, False, False, True, True, False, "ieee", False,
-        (False, False, False, False),
+        acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, D, D, lo, hi, (seqlen_q, seqlen_k, D, D), (k_ptr, 0, 0),
+        (1.0, 0.0, 0, 0), TILE=(BLOCK_N, D, D, True, True), MASKING=(True, False, False, False), UNITS=1.0,
+        MASKED=True, USE_TMA=False, DOTS=("ieee", False), MODS=(False, False, False, False),
     )
 
 
@@ -331,11 +331,11 @@ def test_autotune_candidates():
     # tma_safe rules out for the call's mask layout.
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tuning.TUNE_SPACE]
     for hd in (16, 32, 64, 128, 256):
-        assert 1 <= len(plan.prune_tune_space(configs, {}, HEAD_DIM_PADDED=hd)) <= 6
+        assert 1 <= len(plan.prune_tune_space(configs, {}, DIMS=(hd, hd, True, True))) <= 6
         for layout in (plan.MASK_LAYOUT_PER_KEY, plan.MASK_LAYOUT_FULL):
-            masked = plan.prune_tune_space(configs, {"tune_mask_layout": layout}, HEAD_DIM_PADDED=hd)
+            masked = plan.prune_tune_space(configs, {"tune_mask_layout": layout}, DIMS=(hd, hd, True, True))
             assert masked and all(c.kwargs["BLOCK_N"] != hd for c in masked)
-    unmasked = plan.prune_tune_space(configs, {"tune_mask_layout": plan.MASK_LAYOUT_NONE}, HEAD_DIM_PADDED=64)
+    unmasked = plan.prune_tune_space(configs, {"tune_mask_layout": plan.MASK_LAYOUT_NONE}, DIMS=(64, 64, True, True))
     assert any(c.kwargs["BLOCK_N"] == 64 for c in unmasked)  # only masked calls lose them
 
 

@@ -24,10 +24,6 @@ Three kernels, FlashAttention-2 style:
    P and dS a second time (FlashAttention-2 trades these FLOPs for having no
    atomic adds), so every gradient is deterministic: two runs are bitwise equal.
 
-A one-pass variant (the dK/dV kernel adding each query tile's ``dS K`` to an fp32 dQ workspace by atomic adds)
-measured 0.67-0.76x two passes on the H200 (bench/results/h200/TUNING.md#backward-hopper) and was removed:
-every path takes two passes. (The dK/dV kernel still carries its ``ATOMIC_DQ`` switch, always off.)
-
 P is never stored: both kernels recompute it from the scores and LSE, the
 scores as the forward made them (fp32 dots of the unscaled Q and K, then
 ``qk_scale``: ``flashlite.attention``'s units). In base-2 units the LSE is the
@@ -37,7 +33,7 @@ the core's ``safe_max`` (a row that saw no key has ``LSE = -inf``; ``safe_max``
 makes ``m = 0``, and every score of that row is ``-inf``, so its P is 0, never
 NaN). Under an additive mask the logits are in natural-log units, and P comes
 from each row's ``(m, log d)`` kept apart by the forward
-(``route.Route.forward``): ``P = 2^((s - m) · log2(e) - log2 d)``,
+(``api.forward_for_backward``): ``P = 2^((s - m) · log2(e) - log2 d)``,
 exact under a bias of any finite size.
 
 Key/query ranges under ``causal`` (bottom-right: query ``i`` sees key
@@ -72,7 +68,7 @@ dots with dO, Q and K (as FlashAttention); fp32 inputs use IEEE fp32 dots.
 Offsets that grow with batch, heads and rows are 64-bit.
 
 Hopper. fp16/bf16 calls without a user mask go to ``backward_hopper``'s Gluon
-kernels (the same two passes, or one, with TMA tiles and the products kept in
+kernels (the same two passes, with TMA tiles and the products kept in
 flight); these kernels serve the rest: masks, fp32 (the interpreter), other GPUs.
 
 Limits: Q/K/V by pointer loads (no TMA) and no persistent grid; the Triton
@@ -89,12 +85,12 @@ import triton.language as tl
 from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges, range_part
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.runtime import KernelLaunch
-from ..core.tiles import add_tile, dot, load_tile, store_tile
+from ..core.tiles import dot, load_tile, store_tile
 from . import tuning
 from .backward_hopper import HopperBackwardLaunch, wgmma_backward_eligible
 from .forward import alibi_slope
 from .plan import (
-    NATURAL_BIAS, OutputLayout, default_backward_config, head_dim_padded, kv_loop_flags, qk_scale_for, query_tile,
+    NATURAL_BIAS, OutputLayout, default_backward_config, head_dim_padded, kernel_switches, qk_scale_for, query_tile,
     variant_args,
 )
 from .reference import attention_backward_torch
@@ -125,11 +121,9 @@ def _load_row_stats(stats_ptr, rows, ok, n_rows, UNITS: tl.constexpr):
 
 @triton.jit
 def _probs_and_score_grads(
-    q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, cols_start, seqlen_q, seqlen_k,
-    mask_ptr, stride_mask_q, stride_mask_k, mods,
-    MASKED: tl.constexpr, UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr, KEYS_ON_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, MODS: tl.constexpr,
+    q, k, v, do, rows, qk_scale, q_idx, k_idx, cols_start, sizes, mask_bh, mods,
+    MASKING: tl.constexpr, UNITS: tl.constexpr, DOTS: tl.constexpr, MODS: tl.constexpr, MASKED: tl.constexpr,
+    KEYS_ON_ROWS: tl.constexpr,
 ):
     """``(P, dS, dS_scores)`` (fp32) of one (query tile, key tile) pair: dS is the gradient of the logits (a bias
     gets it), ``dS_scores`` that of the scaled scores, which the products with Q and K take (the same but under
@@ -142,15 +136,28 @@ def _probs_and_score_grads(
     ``q_idx``/``k_idx`` are the tiles' positions, ``cols_start`` the first column's (a query with
     ``KEYS_ON_ROWS``, else a key).
     The scores are fp32 dots of the unscaled tiles, as in the forward; ``qk_scale``
-    turns them into logits of ``UNITS``, and ``(row_m, row_logd2)`` are the rows'
-    final states (``_load_row_stats``). With ``MASKED``, positions that do not
+    turns them into logits of ``UNITS``, and ``rows = (row_m, row_logd2, delta)`` are the query rows' final
+    states (``_load_row_stats``) and δ. With ``MASKED``, positions that do not
     count (bounds, causal, the window, the user's mask) get ``P = 0``; without it every pair
     must count, and the scale folds into the exponential, as in the forward.
     The score modifiers ``mods``/``MODS`` (``core.masking.modify_scores``) apply as in the forward: under a
     softcap the logits are ``c · tanh(s / c)``, so ``dS_scores = dS · (1 - tanh²)``; ALiBi's bias has no
-    gradient to give and leaves dS as it is.
+    gradient to give and leaves dS as it is. ``sizes``, ``mask_bh``, ``MASKING``, ``DOTS``: ``forward``'s
+    module docstring.
     """
-    HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+    seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
+    mask_ptr, stride_mask_q, stride_mask_k = mask_bh
+    row_m, row_logd2, delta = rows
+    IS_CAUSAL: tl.constexpr = MASKING[0]
+    HAS_MASK: tl.constexpr = MASKING[1]
+    MASK_IS_BOOL: tl.constexpr = MASKING[2]
+    MASK_PER_KEY: tl.constexpr = MASKING[3]
+    DOT_PRECISION: tl.constexpr = DOTS[0]
+    UPCAST_DOTS: tl.constexpr = DOTS[1]
+    HAS_SOFTCAP: tl.constexpr = MODS[0]
+    FAST_TANH: tl.constexpr = MODS[1]
+    HAS_ALIBI: tl.constexpr = MODS[2]
+    HAS_WINDOW: tl.constexpr = MODS[3]
     softcap, alibi, window_left, window_right = mods
     if KEYS_ON_ROWS:
         s = dot(k, tl.trans(q), None, DOT_PRECISION, UPCAST_DOTS)
@@ -160,6 +167,7 @@ def _probs_and_score_grads(
         s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
         dp = dot(do, tl.trans(v), None, DOT_PRECISION, UPCAST_DOTS)
         query_m, query_logd2, query_delta = row_m[:, None], row_logd2[:, None], delta[:, None]
+    tanh = s  # tanh(s / softcap) under a softcap (below); named on every path, as Triton wants every name it reads
     if MASKED or HAS_SOFTCAP or HAS_ALIBI:
         if KEYS_ON_ROWS:  # keys on rows, the query tile across (ALiBi's positions: add_alibi)
             s, tanh = modify_scores(s * qk_scale, k_idx, cols_start, tl.arange(0, q_idx.shape[0]), seqlen_q,
@@ -194,24 +202,27 @@ def _load_rows(ptr, q_idx, seqlen_q):
 
 @triton.jit
 def _dkdv_over_query_tiles(
-    dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh_rows, n_stat_rows, delta_src, stride_qm, stride_dom,
-    dq_dst, stride_dqm, query_start, query_end, seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, scale,
-    mask_ptr, stride_mask_q, stride_mask_k, mods,
-    BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr, MASKED: tl.constexpr,
-    UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DQ_BY_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, MODS: tl.constexpr,
+    dk, dv, k, v, k_idx, q_src, do_src, stride_qm, stride_dom, row_src, query_start, query_end, sizes, qk_scale,
+    mask_bh, mods,
+    TILE: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr, DOTS: tl.constexpr, MODS: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Add the query tiles ``[query_start, query_end)`` of one query head to the key tile's (dk, dv) accumulators.
 
-    ``query_start`` must be a multiple of ``BLOCK_M``. Query rows are always
-    bounds-checked (rows past ``seqlen_q`` load as zeros and add nothing).
-    ``bh_rows`` is the flat row index of the head's query 0 in the row statistics.
-    With ``ATOMIC_DQ`` each query tile's share of dQ, ``dS K · scale``, is also
-    added to the head's fp32 rows at ``dq_dst`` (``add_tile``'s destination:
-    other key tiles' programs add to the same rows). Key rows past ``seqlen_k`` must then be
-    masked (``MASKED``): unmasked, their P is ``2^(-m)``, which can overflow.
+    ``TILE`` is the Q/dO tiles' shape (``BLOCK`` = ``BLOCK_M``). ``query_start`` must be a multiple of
+    ``BLOCK_M``. Query rows are always bounds-checked (rows past ``seqlen_q`` load as zeros and add nothing).
+    ``row_src = (stats_ptr, bh_rows, n_stat_rows, delta_src)``: the row statistics (``_load_row_stats``), the
+    flat row index of the head's query 0 in them, their row count (B·H·Lq), and the head's δ.
     """
+    seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
+    stats_ptr, bh_rows, n_stat_rows, delta_src = row_src
+    BLOCK_M: tl.constexpr = TILE[0]
+    HEAD_DIM_PADDED: tl.constexpr = TILE[1]
+    HEAD_DIM_V_PADDED: tl.constexpr = TILE[2]
+    EVEN_D: tl.constexpr = TILE[3]
+    EVEN_DV: tl.constexpr = TILE[4]
+    DOT_PRECISION: tl.constexpr = DOTS[0]
+    UPCAST_DOTS: tl.constexpr = DOTS[1]
     for start in tl.range(query_start, query_end, BLOCK_M):
         start = tl.multiple_of(start, BLOCK_M)
         q_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_M)
@@ -221,38 +232,38 @@ def _dkdv_over_query_tiles(
         row_m, row_logd2 = _load_row_stats(stats_ptr, bh_rows + q_idx, q_idx < seqlen_q, n_stat_rows, UNITS)
         delta = _load_rows(delta_src, q_idx, seqlen_q)
         p, _, ds = _probs_and_score_grads(
-            q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, start, seqlen_q, seqlen_k,
-            mask_ptr, stride_mask_q, stride_mask_k, mods,
-            MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, True, DOT_PRECISION, UPCAST_DOTS, MODS,
+            q, k, v, do, (row_m, row_logd2, delta), qk_scale, q_idx, k_idx, start, sizes, mask_bh, mods,
+            MASKING, UNITS, DOTS, MODS, MASKED=MASKED, KEYS_ON_ROWS=True,
         )
         dv = dot(p.to(do.dtype), do, dv, DOT_PRECISION, UPCAST_DOTS)
-        ds_in = ds.to(q.dtype)
-        dk = dot(ds_in, q, dk, DOT_PRECISION, UPCAST_DOTS)
-        if ATOMIC_DQ:
-            dq = dot(tl.trans(ds_in), k, None, DOT_PRECISION, UPCAST_DOTS) * scale
-            add_tile(dq_dst, dq, start, seqlen_q, stride_dqm, head_dim, BLOCK_M, HEAD_DIM_PADDED, DQ_BY_TMA)
+        dk = dot(ds.to(q.dtype), q, dk, DOT_PRECISION, UPCAST_DOTS)
     return dk, dv
 
 
 @triton.jit
 def _dq_over_key_tiles(
-    dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, stride_dsm,
-    key_start, key_end, seqlen_q, seqlen_k, head_dim, head_dim_v,
-    mask_ptr, stride_mask_q, stride_mask_k, mods,
-    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr, MASKED: tl.constexpr,
-    UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, STORE_DS: tl.constexpr,
-    ROW_SUMS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, MODS: tl.constexpr,
+    dq, q, do, rows, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst, key_start, key_end, sizes,
+    mask_bh, mods,
+    TILE: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr, DOTS: tl.constexpr, MODS: tl.constexpr,
+    MASKED: tl.constexpr, STORE_DS: tl.constexpr, ROW_SUMS: tl.constexpr,
 ):
     """Add keys ``[key_start, key_end)`` to the query tile's dq accumulator (unscaled: ``Σ dS K``).
 
-    As ``attend_kv_tiles``: ``key_start`` a multiple of ``BLOCK_N``; with
+    As ``attend_kv_tiles``: ``key_start`` a multiple of ``BLOCK_N`` (``TILE``'s ``BLOCK``); with
     ``MASKED`` K/V rows are bounds-checked and ``apply_masks`` runs, without it
-    every key of the range counts for every row. ``STORE_DS`` also writes dS
-    (the bias gradient) to ``ds_dst``, the (batch, head)'s (Lq, Lk) fp32 matrix.
+    every key of the range counts for every row. ``rows``: ``_probs_and_score_grads``'. ``STORE_DS`` also
+    writes dS (the bias gradient) to ``ds_dst``, the (batch, head)'s contiguous (Lq, Lk) fp32 matrix.
     With ``ROW_SUMS`` ``dq`` is a ``[BLOCK_M]`` vector instead, which gets
-    ``Σ_j dS_ij`` (with ``delta`` 0: ``Σ_j P_ij dP_ij``, δ from this P itself).
+    ``Σ_j dS_ij`` (with δ 0: ``Σ_j P_ij dP_ij``, δ from this P itself).
     """
+    seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
+    BLOCK_N: tl.constexpr = TILE[0]
+    HEAD_DIM_PADDED: tl.constexpr = TILE[1]
+    HEAD_DIM_V_PADDED: tl.constexpr = TILE[2]
+    EVEN_D: tl.constexpr = TILE[3]
+    EVEN_DV: tl.constexpr = TILE[4]
+    DOT_PRECISION: tl.constexpr = DOTS[0]
+    UPCAST_DOTS: tl.constexpr = DOTS[1]
     for start in tl.range(key_start, key_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
         k_idx = tl.cast(start, tl.int64) + tl.arange(0, BLOCK_N)
@@ -260,16 +271,15 @@ def _dq_over_key_tiles(
         v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, MASKED, EVEN_DV,
                       False)
         p, ds, ds_scores = _probs_and_score_grads(
-            q, k, v, do, row_m, row_logd2, delta, qk_scale, q_idx, k_idx, start, seqlen_q, seqlen_k,
-            mask_ptr, stride_mask_q, stride_mask_k, mods,
-            MASKED, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, False, DOT_PRECISION, UPCAST_DOTS, MODS,
+            q, k, v, do, rows, qk_scale, q_idx, k_idx, start, sizes, mask_bh, mods,
+            MASKING, UNITS, DOTS, MODS, MASKED=MASKED, KEYS_ON_ROWS=False,
         )
         if ROW_SUMS:
             dq += tl.sum(ds, axis=1)
         else:
             if STORE_DS:
                 ok = (q_idx < seqlen_q)[:, None] & (k_idx < seqlen_k)[None, :]
-                tl.store(ds_dst + q_idx[:, None] * stride_dsm + k_idx[None, :], ds, mask=ok)
+                tl.store(ds_dst + q_idx[:, None] * seqlen_k + k_idx[None, :], ds, mask=ok)
             dq = dot(ds_scores.to(k.dtype), k, dq, DOT_PRECISION, UPCAST_DOTS)
     return dq
 
@@ -282,7 +292,7 @@ def _attention_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     # For one tile of BLOCK_M rows of one (batch, head): δ = rowsum(dO ⊙ O) - dLSE (dLSE is (B, H, Lq)
-    # contiguous). O is the forward's output, or its fp32 copy (route.Route.forward); head_dim is O's (Dv).
+    # contiguous). O is the forward's output, or its fp32 copy (forward_for_backward); head_dim is O's (Dv).
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     bh = tl.program_id(0) // n_query_tiles
     m_start = (tl.program_id(0) % n_query_tiles) * BLOCK_M
@@ -302,26 +312,30 @@ def _attention_bwd_preprocess_kernel(
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, dq_desc, mask_ptr, alibi_ptr,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    stride_dqb, stride_dqh, stride_dqm,
-    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_alibi_b,
-    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, scale, softcap, window_left,
-    window_right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, UNITS: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DQ_BY_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    FAST_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr,
+    mask, q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, stride_alibi_b,
+    heads, sizes, qk_scale, scale, variants,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIMS: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr,
+    DOTS: tl.constexpr, MODS: tl.constexpr,
 ):
     # Tiles numbered per (batch, kv head), key tile fastest; under causal the first key tiles see the most
-    # queries, and they are the first to start. With ATOMIC_DQ (the one-pass backward) dQ is added, in fp32,
-    # to dq_ptr's (B, H, Lq, D) workspace as well: through dq_desc, its TMA descriptor, with DQ_BY_TMA.
+    # queries, and they are the first to start. Arguments grouped as the forward kernel's (forward's docstring).
+    n_heads, kv_group, n_bh = heads
+    seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
+    softcap, window_left, window_right = variants
+    HEAD_DIM_PADDED: tl.constexpr = DIMS[0]
+    HEAD_DIM_V_PADDED: tl.constexpr = DIMS[1]
+    EVEN_D: tl.constexpr = DIMS[2]
+    EVEN_DV: tl.constexpr = DIMS[3]
+    IS_CAUSAL: tl.constexpr = MASKING[0]
+    HAS_MASK: tl.constexpr = MASKING[1]
+    MASK_IS_BOOL: tl.constexpr = MASKING[2]
+    MASK_PER_KEY: tl.constexpr = MASKING[3]
+    HAS_SOFTCAP: tl.constexpr = MODS[0]
+    FAST_TANH: tl.constexpr = MODS[1]
+    HAS_ALIBI: tl.constexpr = MODS[2]
+    HAS_WINDOW: tl.constexpr = MODS[3]
+    Q_TILE: tl.constexpr = (BLOCK_M, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV)
     n_key_tiles = tl.cdiv(seqlen_k, BLOCK_N)
     bh_kv = tl.program_id(0) // n_key_tiles
     n_start = (tl.program_id(0) % n_key_tiles) * BLOCK_N
@@ -330,37 +344,32 @@ def _attention_bwd_dkdv_kernel(
     h_kv64 = tl.cast(bh_kv % n_kv_heads, tl.int64)
     n_stat_rows = tl.cast(n_bh, tl.int64) * seqlen_q  # B·H·Lq
 
-    k_src = k_ptr + b64 * stride_kb + h_kv64 * stride_kh
-    v_src = v_ptr + b64 * stride_vb + h_kv64 * stride_vh
-    k = load_tile(k_src, n_start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, True, EVEN_D, False)
-    v = load_tile(v_src, n_start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, True, EVEN_DV, False)
+    k_src = k_ptr + b64 * k_strides[0] + h_kv64 * k_strides[1]
+    v_src = v_ptr + b64 * v_strides[0] + h_kv64 * v_strides[1]
+    k = load_tile(k_src, n_start, seqlen_k, k_strides[2], head_dim, BLOCK_N, HEAD_DIM_PADDED, True, EVEN_D, False)
+    v = load_tile(v_src, n_start, seqlen_k, v_strides[2], head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, True, EVEN_DV,
+                  False)
     k_idx = tl.cast(n_start, tl.int64) + tl.arange(0, BLOCK_N)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PADDED], tl.float32)
-    MODS: tl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
 
     # [full_start, full_end): query tiles that see every key of this tile; the rest of [query_start, query_end):
     # masked ones (the causal diagonal, the window's edges, or all with a user mask). See the docstring's example.
     query_start, full_start, full_end, query_end = query_ranges(
         n_start, n_start + BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
-    if HAS_MASK or (ATOMIC_DQ and n_start + BLOCK_N > seqlen_k):  # every tile masked (see _dkdv_over_query_tiles)
+    if HAS_MASK:  # every tile masked
         full_start = tl.cdiv(query_end, BLOCK_M) * BLOCK_M
         full_end = full_start
 
     for g in range(0, kv_group):  # every query head that reads this K/V head
         h64 = h_kv64 * kv_group + g
         bh64 = b64 * n_heads + h64
-        q_src = q_ptr + b64 * stride_qb + h64 * stride_qh
-        do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
-        delta_src = delta_ptr + bh64 * seqlen_q
-        dq_dst = dq_ptr
-        if DQ_BY_TMA:
-            dq_dst = (dq_desc, b64.to(tl.int32), h64.to(tl.int32))
-        elif ATOMIC_DQ:
-            dq_dst = dq_ptr + b64 * stride_dqb + h64 * stride_dqh
-        mask_bh = mask_ptr
+        q_src = q_ptr + b64 * q_strides[0] + h64 * q_strides[1]
+        do_src = do_ptr + b64 * do_strides[0] + h64 * do_strides[1]
+        row_src = (stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_ptr + bh64 * seqlen_q)
+        mask_bh = (mask[0], mask[3], mask[4])  # this (batch, head)'s mask (core.masking)
         if HAS_MASK:
-            mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
+            mask_bh = (mask[0] + b64 * mask[1] + h64 * mask[2], mask[3], mask[4])
         mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h64, UNITS, HAS_ALIBI), window_left,
                 window_right)
         # The diagonal (or the window's near edge), the full tiles, then the window's far edge: query tiles that
@@ -369,38 +378,46 @@ def _attention_bwd_dkdv_kernel(
             first, last = range_part(part, query_start, full_start, full_end, query_end)
             if (part != 1 or not HAS_MASK) and (part != 2 or HAS_WINDOW):
                 dk, dv = _dkdv_over_query_tiles(
-                    dk, dv, k, v, k_idx, q_src, do_src, stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_src,
-                    stride_qm, stride_dom, dq_dst, stride_dqm, first, last, seqlen_q, seqlen_k, head_dim, head_dim_v,
-                    qk_scale, scale, mask_bh, stride_mask_q, stride_mask_k, mods,
-                    BLOCK_M, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, part != 1, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
-                    MASK_PER_KEY, EVEN_D, EVEN_DV, ATOMIC_DQ, DQ_BY_TMA, DOT_PRECISION, UPCAST_DOTS, MODS,
+                    dk, dv, k, v, k_idx, q_src, do_src, q_strides[2], do_strides[2], row_src, first, last, sizes,
+                    qk_scale, mask_bh, mods, Q_TILE, MASKING, UNITS, DOTS, MODS,
+                    MASKED=part != 1,
                 )
 
-    dk_dst = dk_ptr + b64 * stride_dkb + h_kv64 * stride_dkh
-    dv_dst = dv_ptr + b64 * stride_dvb + h_kv64 * stride_dvh
-    store_tile(dk_dst, (dk * scale).to(k.dtype), n_start, seqlen_k, stride_dkn, head_dim, BLOCK_N, HEAD_DIM_PADDED, EVEN_D)
-    store_tile(dv_dst, dv.to(v.dtype), n_start, seqlen_k, stride_dvn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, EVEN_DV)
+    dk_dst = dk_ptr + b64 * dk_strides[0] + h_kv64 * dk_strides[1]
+    dv_dst = dv_ptr + b64 * dv_strides[0] + h_kv64 * dv_strides[1]
+    store_tile(dk_dst, (dk * scale).to(k.dtype), n_start, seqlen_k, dk_strides[2], head_dim, BLOCK_N,
+               HEAD_DIM_PADDED, EVEN_D)
+    store_tile(dv_dst, dv.to(v.dtype), n_start, seqlen_k, dv_strides[2], head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED,
+               EVEN_DV)
 
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dlse_ptr, dq_ptr, ds_ptr, mask_ptr, alibi_ptr,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom,
-    stride_dqb, stride_dqh, stride_dqm,
-    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_alibi_b,
-    n_heads, kv_group, n_bh, seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, scale, softcap, window_left,
-    window_right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, UNITS: tl.constexpr, STORE_DS: tl.constexpr,
-    HAS_DLSE: tl.constexpr, DELTA_PASS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dlse_ptr, dq_ptr, ds_ptr, alibi_ptr,
+    mask, q_strides, k_strides, v_strides, do_strides, dq_strides, stride_alibi_b,
+    heads, sizes, qk_scale, scale, variants,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIMS: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr,
+    STORE_DS: tl.constexpr, HAS_DLSE: tl.constexpr, DELTA_PASS: tl.constexpr, DOTS: tl.constexpr,
+    MODS: tl.constexpr,
 ):
     # Numbered as the forward (``query_tile``). With DELTA_PASS the same walk over the keys writes
     # δ = Σ_j P_ij dP_ij - dLSE per row (from this P, not from the forward's rounded O) instead of dQ.
+    n_heads, kv_group, n_bh = heads
+    seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
+    softcap, window_left, window_right = variants
+    HEAD_DIM_PADDED: tl.constexpr = DIMS[0]
+    HEAD_DIM_V_PADDED: tl.constexpr = DIMS[1]
+    EVEN_D: tl.constexpr = DIMS[2]
+    EVEN_DV: tl.constexpr = DIMS[3]
+    IS_CAUSAL: tl.constexpr = MASKING[0]
+    HAS_MASK: tl.constexpr = MASKING[1]
+    MASK_IS_BOOL: tl.constexpr = MASKING[2]
+    MASK_PER_KEY: tl.constexpr = MASKING[3]
+    HAS_SOFTCAP: tl.constexpr = MODS[0]
+    FAST_TANH: tl.constexpr = MODS[1]
+    HAS_ALIBI: tl.constexpr = MODS[2]
+    HAS_WINDOW: tl.constexpr = MODS[3]
+    KV_TILE: tl.constexpr = (BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV)
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     bh, m_start = query_tile(tl.program_id(0), n_query_tiles, BLOCK_M, IS_CAUSAL)
     b64 = tl.cast(bh // n_heads, tl.int64)
@@ -408,21 +425,21 @@ def _attention_bwd_dq_kernel(
     h_kv64 = h64 // kv_group
     bh64 = tl.cast(bh, tl.int64)
 
-    q_src = q_ptr + b64 * stride_qb + h64 * stride_qh
-    do_src = do_ptr + b64 * stride_dob + h64 * stride_doh
-    k_src = k_ptr + b64 * stride_kb + h_kv64 * stride_kh
-    v_src = v_ptr + b64 * stride_vb + h_kv64 * stride_vh
-    mask_bh = mask_ptr
+    q_src = q_ptr + b64 * q_strides[0] + h64 * q_strides[1]
+    do_src = do_ptr + b64 * do_strides[0] + h64 * do_strides[1]
+    k_src = k_ptr + b64 * k_strides[0] + h_kv64 * k_strides[1]
+    v_src = v_ptr + b64 * v_strides[0] + h_kv64 * v_strides[1]
+    mask_bh = (mask[0], mask[3], mask[4])  # this (batch, head)'s mask (core.masking)
     if HAS_MASK:
-        mask_bh = mask_ptr + b64 * stride_mask_b + h64 * stride_mask_h
+        mask_bh = (mask[0] + b64 * mask[1] + h64 * mask[2], mask[3], mask[4])
     ds_dst = ds_ptr
     if STORE_DS:  # a (B, H, Lq, Lk) contiguous fp32 buffer
         ds_dst = ds_ptr + bh64 * seqlen_q * seqlen_k
     mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h64, UNITS, HAS_ALIBI), window_left, window_right)
-    MODS: tl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
 
-    q = load_tile(q_src, m_start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
-    do = load_tile(do_src, m_start, seqlen_q, stride_dom, head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED, True, EVEN_DV, False)
+    q = load_tile(q_src, m_start, seqlen_q, q_strides[2], head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+    do = load_tile(do_src, m_start, seqlen_q, do_strides[2], head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED, True, EVEN_DV,
+                   False)
     q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
     row_m, row_logd2 = _load_row_stats(stats_ptr, bh64 * seqlen_q + q_idx, q_idx < seqlen_q,
                                        tl.cast(n_bh, tl.int64) * seqlen_q, UNITS)
@@ -443,11 +460,10 @@ def _attention_bwd_dq_kernel(
         first, last = range_part(part, key_start, full_start, full_end, key_end)
         if (part != 0 or HAS_WINDOW) and (part != 1 or not HAS_MASK):
             dq = _dq_over_key_tiles(
-                dq, q, do, row_m, row_logd2, delta, qk_scale, q_idx, k_src, v_src, stride_kn, stride_vn, ds_dst,
-                seqlen_k, first, last, seqlen_q, seqlen_k, head_dim, head_dim_v, mask_bh, stride_mask_q,
-                stride_mask_k, mods, BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, part != 1, UNITS, IS_CAUSAL, HAS_MASK,
-                MASK_IS_BOOL, MASK_PER_KEY, EVEN_D, EVEN_DV, STORE_DS and part != 1 and not DELTA_PASS, DELTA_PASS,
-                DOT_PRECISION, UPCAST_DOTS, MODS,
+                dq, q, do, (row_m, row_logd2, delta), qk_scale, q_idx, k_src, v_src, k_strides[2], v_strides[2],
+                ds_dst, first, last, sizes, mask_bh, mods,
+                KV_TILE, MASKING, UNITS, DOTS, MODS, MASKED=part != 1,
+                STORE_DS=STORE_DS and part != 1 and not DELTA_PASS, ROW_SUMS=DELTA_PASS,
             )
     # Two branches, no early return: Triton 3.6 still builds the code after a `return` inside a constexpr `if`,
     # where the delta pass's [BLOCK_M] dq does not fit the [BLOCK_M, HEAD_DIM_PADDED] store (a compile error).
@@ -456,8 +472,8 @@ def _attention_bwd_dq_kernel(
             dq -= tl.load(dlse_ptr + rows, mask=q_idx < seqlen_q, other=0.0)
         tl.store(delta_ptr + rows, dq, mask=q_idx < seqlen_q)
     else:
-        dq_dst = dq_ptr + b64 * stride_dqb + h64 * stride_dqh
-        store_tile(dq_dst, (dq * scale).to(q.dtype), m_start, seqlen_q, stride_dqm, head_dim, BLOCK_M,
+        dq_dst = dq_ptr + b64 * dq_strides[0] + h64 * dq_strides[1]
+        store_tile(dq_dst, (dq * scale).to(q.dtype), m_start, seqlen_q, dq_strides[2], head_dim, BLOCK_M,
                    HEAD_DIM_PADDED, EVEN_D)
 
 
@@ -542,27 +558,19 @@ class BackwardLaunch:
                                                hopper_config)
             return
         config = config or default_backward_config(max(head_dim, head_dim_v), q.dtype, q.device)
-        mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
-        self.mask_strides = (*mask_strides, 0)  # (the ALiBi slopes' batch stride is the call's)
-        self.common = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, head_dim_v,
-                       qk_scale_for(scale, additive), scale, *variant_scalars)
+        self.mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)  # core.masking's `mask` tuple
+        self.sizes = ((n_heads, n_heads // k.shape[1], bh), (seqlen_q, seqlen_k, head_dim, head_dim_v),
+                      qk_scale_for(scale, additive), scale, variant_scalars)
         self.grads = [OutputLayout(t, t.shape[3]) for t in (q, k, v)]  # dq, dk, dv: laid out as empty_like
         grad_like = [layout.meta(q.dtype) for layout in self.grads]
-        self.input_strides = (*_bhl_strides(q), *_bhl_strides(k), *_bhl_strides(v), *_bhl_strides(do))
-        self.dkdv_strides = (*self.input_strides, *_bhl_strides(grad_like[1]), *_bhl_strides(grad_like[2]), 0, 0, 0)
-        self.dq_strides = (*self.input_strides, *_bhl_strides(grad_like[0]))
-        meta = dict(
-            HEAD_DIM_PADDED=hd_pad, HEAD_DIM_V_PADDED=dv_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see core.tiles.dot)
-            **variant_meta,
-            **kv_loop_flags(mask, mask_is_bool, mask_strides[2], head_dim, hd_pad, head_dim_v, dv_pad),
-        )
+        inputs = (_bhl_strides(q), _bhl_strides(k), _bhl_strides(v), _bhl_strides(do))
+        self.dkdv_strides = (*inputs, _bhl_strides(grad_like[1]), _bhl_strides(grad_like[2]))
+        self.dq_strides = (*inputs, _bhl_strides(grad_like[0]))
+        meta = kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta)
         c = config.dkdv
         self.dkdv = KernelLaunch(
             _attention_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],),
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
-            ATOMIC_DQ=False, DQ_BY_TMA=False, **meta)
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
         c = config.dq
         dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
         dq_meta = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
@@ -601,15 +609,13 @@ class BackwardLaunch:
             dq, dk, dv = self.hopper(do, q, k, v, stats, delta, alibi)
         else:
             dq, dk, dv = (layout.empty(t) for layout, t in zip(self.grads, (q, k, v)))
-            mask_strides = (*self.mask_strides[:4], alibi.stride(0) if alibi is not None else 0)
+            mask_arg = (mask, *self.mask_strides)
+            common = (alibi.stride(0) if alibi is not None else 0, *self.sizes)
             if self.delta_pass is not None:
-                self.delta_pass(q, k, v, do, stats, delta, dlse, dq, None, mask, alibi, *self.dq_strides,
-                                *mask_strides, *self.common)
+                self.delta_pass(q, k, v, do, stats, delta, dlse, dq, None, alibi, mask_arg, *self.dq_strides, *common)
                 ds = torch.zeros(self.ds_shape, dtype=torch.float32, device=q.device)
-            self.dkdv(q, k, v, do, stats, delta, dk, dv, None, None, mask, alibi, *self.dkdv_strides, *mask_strides,
-                      *self.common)
-            self.dq(q, k, v, do, stats, delta, None, dq, ds, mask, alibi, *self.dq_strides, *mask_strides,
-                    *self.common)
+            self.dkdv(q, k, v, do, stats, delta, dk, dv, alibi, mask_arg, *self.dkdv_strides, *common)
+            self.dq(q, k, v, do, stats, delta, None, dq, ds, alibi, mask_arg, *self.dq_strides, *common)
         dsinks = sink_gradient(sinks, lse, delta) if sinks is not None else None
         return dq, dk, dv, ds, dsinks
 

@@ -66,7 +66,7 @@ from ..core.triton_compat import rebind_descriptor
 from ..core.tiles import dot, load_tile, store_tile, tensor_descriptor, tma_usable
 from . import tuning
 from .plan import (
-    NATURAL_BIAS, OutputLayout, autotune_enabled, default_config, head_dim_padded, kv_loop_flags, mask_layout,
+    NATURAL_BIAS, OutputLayout, autotune_enabled, default_config, head_dim_padded, kernel_switches, mask_layout,
     prune_tune_space, qk_scale_for, query_tile, tma_safe, variant_args,
 )
 from .tuning import AttentionConfig
@@ -91,14 +91,9 @@ def positive_scale(q, qk_scale):
 
 @triton.jit
 def attend_kv_tiles(
-    acc, m, d, q, q_idx, qk_scale,
-    k_src, v_src, stride_kn, stride_vn,
-    key_start, key_end, seqlen_q, seqlen_k, head_dim, head_dim_v,
-    mask_ptr, stride_mask_q, stride_mask_k, mods,
-    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr, MASKED: tl.constexpr,
-    UNITS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-    MASK_PER_KEY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, MODS: tl.constexpr,
+    acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, key_start, key_end, sizes, mask_bh, mods,
+    TILE: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+    DOTS: tl.constexpr, MODS: tl.constexpr,
 ):
     """Fold keys ``[key_start, key_end)`` into the running ``(acc, m, d)`` of the query tile ``q``.
 
@@ -106,18 +101,35 @@ def attend_kv_tiles(
     (>= 0, ``positive_scale``) turns its fp32 scores into logits of ``UNITS``
     (``BASE2_UNITS``: ``scale · log2(e)``; ``LOG2E``, under an additive mask:
     ``scale``). ``q_idx`` (64-bit) are its rows. ``key_start`` must be a
-    multiple of ``BLOCK_N``. With ``MASKED`` every tile is scaled, then goes
-    through ``apply_masks`` (bounds, causal, the window, the user's mask) and its K/V rows are
+    multiple of ``BLOCK_N`` (``TILE``'s ``BLOCK``: the K/V tiles). With ``MASKED`` every tile is scaled, then goes
+    through ``apply_masks`` (bounds, causal, the window, the user's mask ``mask_bh``) and its K/V rows are
     bounds-checked; without it every key of the range must count for every row
     (base-2 units only), and the scale is folded into the exponential. The score modifiers
     ``mods``/``MODS`` (``core.masking``: softcap, ALiBi, the window) apply to the scaled scores of every
     tile (``modify_scores``), before the masks. V tiles are ``head_dim_v`` wide (padded to
-    ``HEAD_DIM_V_PADDED``), and so is ``acc``.
+    ``HEAD_DIM_V_PADDED``), and so is ``acc``. ``sizes``, ``TILE``, ``DOTS``: the module docstring;
+    ``mask_bh``, ``MASKING``: ``core.masking``'s.
     ``k_src``/``v_src`` are the (batch, kv head)'s base pointers, or with
     ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``).
     Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
     """
-    HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+    seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
+    mask_ptr, stride_mask_q, stride_mask_k = mask_bh
+    BLOCK_N: tl.constexpr = TILE[0]
+    HEAD_DIM_PADDED: tl.constexpr = TILE[1]
+    HEAD_DIM_V_PADDED: tl.constexpr = TILE[2]
+    EVEN_D: tl.constexpr = TILE[3]
+    EVEN_DV: tl.constexpr = TILE[4]
+    IS_CAUSAL: tl.constexpr = MASKING[0]
+    HAS_MASK: tl.constexpr = MASKING[1]
+    MASK_IS_BOOL: tl.constexpr = MASKING[2]
+    MASK_PER_KEY: tl.constexpr = MASKING[3]
+    DOT_PRECISION: tl.constexpr = DOTS[0]
+    UPCAST_DOTS: tl.constexpr = DOTS[1]
+    HAS_SOFTCAP: tl.constexpr = MODS[0]
+    FAST_TANH: tl.constexpr = MODS[1]
+    HAS_ALIBI: tl.constexpr = MODS[2]
+    HAS_WINDOW: tl.constexpr = MODS[3]
     softcap, alibi, window_left, window_right = mods
     for start in tl.range(key_start, key_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
@@ -144,28 +156,30 @@ def attend_kv_tiles(
 
 @triton.jit
 def attend_key_range(
-    acc, m, d, q, q_idx, qk_scale,
-    k_src, v_src, stride_kn, stride_vn,
-    key_start, full_start, full_end, key_stop, seqlen_q, seqlen_k, head_dim, head_dim_v,
-    mask_ptr, stride_mask_q, stride_mask_k, mods,
-    BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr, UNITS: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, MODS: tl.constexpr,
+    acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, key_cut, sizes, mask_bh, mods,
+    TILE: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr, USE_TMA: tl.constexpr, DOTS: tl.constexpr,
+    MODS: tl.constexpr,
 ):
-    """``attend_kv_tiles`` over keys ``[key_start, key_stop)`` cut as ``key_ranges`` cuts them: ``[key_start,
-    full_start)`` masked (only under a window; without one ``full_start`` must be ``key_start``), ``[full_start,
-    full_end)`` seen whole by every row (no mask arithmetic; under a user mask that part must be empty, and is
-    not built), then ``[full_end, key_stop)`` masked. The forward and split-K/V kernels' walk over their keys."""
-    HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+    """``attend_kv_tiles`` over keys ``[key_start, key_stop)`` cut as ``key_ranges`` cuts them, ``key_cut =
+    (key_start, full_start, full_end, key_stop)``: ``[key_start, full_start)`` masked (only under a window;
+    without one ``full_start`` must be ``key_start``), ``[full_start, full_end)`` seen whole by every row (no mask
+    arithmetic; under a user mask that part must be empty, and is not built), then ``[full_end, key_stop)``
+    masked. The forward and split-K/V kernels' walk over their keys."""
+    IS_CAUSAL: tl.constexpr = MASKING[0]
+    HAS_MASK: tl.constexpr = MASKING[1]
+    MASK_IS_BOOL: tl.constexpr = MASKING[2]
+    MASK_PER_KEY: tl.constexpr = MASKING[3]
+    HAS_SOFTCAP: tl.constexpr = MODS[0]
+    FAST_TANH: tl.constexpr = MODS[1]
+    HAS_ALIBI: tl.constexpr = MODS[2]
+    HAS_WINDOW: tl.constexpr = MODS[3]
+    key_start, full_start, full_end, key_stop = key_cut
     for part in tl.static_range(3):  # the window's near edge, the full tiles, the far edge
         first, last = range_part(part, key_start, full_start, full_end, key_stop)
         if (part != 0 or HAS_WINDOW) and (part != 1 or not HAS_MASK):
             acc, m, d = attend_kv_tiles(
-                acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, first, last, seqlen_q, seqlen_k,
-                head_dim, head_dim_v, mask_ptr, stride_mask_q, stride_mask_k, mods,
-                BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, part != 1, UNITS, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
-                MASK_PER_KEY, EVEN_D, EVEN_DV, USE_TMA, DOT_PRECISION, UPCAST_DOTS, MODS,
+                acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, first, last, sizes, mask_bh, mods,
+                TILE, MASKING, UNITS, MASKED=part != 1, USE_TMA=USE_TMA, DOTS=DOTS, MODS=MODS,
             )
     return acc, m, d
 
@@ -193,27 +207,34 @@ def finish_rows(acc, m, d, sinks_ptr, heads, UNITS: tl.constexpr, HAS_SINKS: tl.
 
 @triton.jit(do_not_specialize=["tune_bucket", "tune_mask_layout"])
 def attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, mask_ptr, alibi_ptr, sinks_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, alibi_ptr, sinks_ptr,
     q_desc, k_desc, v_desc,  # (B, H, L, D) tensor descriptors under USE_TMA, else None
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
-    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_alibi_b,
-    n_heads, kv_group, n_bh,
-    seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, softcap, window_left, window_right,
+    mask, q_strides, k_strides, v_strides, o_strides, stride_alibi_b, heads, sizes, qk_scale, variants,
     # Read by the autotuner's key only: a power-of-two bucket of seqlen_k, and the mask's
     # layout (MASK_LAYOUT_*), which the heuristics above derive too late for a key.
     tune_bucket, tune_mask_layout,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, UNITS: tl.constexpr, WRITE_LSE: tl.constexpr,
-    WRITE_STATS: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIMS: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr,
+    WRITE_LSE: tl.constexpr, WRITE_STATS: tl.constexpr, USE_TMA: tl.constexpr, DOTS: tl.constexpr,
+    MODS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # Tiles are numbered as ``query_tile`` says. Any grid size is correct: one
     # program per tile, or a persistent grid where each program takes several.
+    n_heads, kv_group, n_bh = heads
+    seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
+    softcap, window_left, window_right = variants
+    HEAD_DIM_PADDED: tl.constexpr = DIMS[0]
+    HEAD_DIM_V_PADDED: tl.constexpr = DIMS[1]
+    EVEN_D: tl.constexpr = DIMS[2]
+    EVEN_DV: tl.constexpr = DIMS[3]
+    IS_CAUSAL: tl.constexpr = MASKING[0]
+    HAS_MASK: tl.constexpr = MASKING[1]
+    MASK_IS_BOOL: tl.constexpr = MASKING[2]
+    MASK_PER_KEY: tl.constexpr = MASKING[3]
+    HAS_SOFTCAP: tl.constexpr = MODS[0]
+    FAST_TANH: tl.constexpr = MODS[1]
+    HAS_ALIBI: tl.constexpr = MODS[2]
+    HAS_WINDOW: tl.constexpr = MODS[3]
+    KV_TILE: tl.constexpr = (BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV)
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     n_tiles = n_query_tiles * n_bh
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
@@ -223,23 +244,23 @@ def attention_fwd_kernel(
         h_kv = h // kv_group
         b64 = tl.cast(b, tl.int64)
 
-        o_dst = o_ptr + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh
+        o_dst = o_ptr + b64 * o_strides[0] + tl.cast(h, tl.int64) * o_strides[1]
         if USE_TMA:
             q_src = (q_desc, b, h)
             k_src = (k_desc, b, h_kv)
             v_src = (v_desc, b, h_kv)
         else:
-            q_src = q_ptr + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh
-            k_src = k_ptr + b64 * stride_kb + tl.cast(h_kv, tl.int64) * stride_kh
-            v_src = v_ptr + b64 * stride_vb + tl.cast(h_kv, tl.int64) * stride_vh
-        mask_bh = mask_ptr
+            q_src = q_ptr + b64 * q_strides[0] + tl.cast(h, tl.int64) * q_strides[1]
+            k_src = k_ptr + b64 * k_strides[0] + tl.cast(h_kv, tl.int64) * k_strides[1]
+            v_src = v_ptr + b64 * v_strides[0] + tl.cast(h_kv, tl.int64) * v_strides[1]
+        mask_bh = (mask[0], mask[3], mask[4])  # this (batch, head)'s mask (core.masking)
         if HAS_MASK:
-            mask_bh = mask_ptr + b64 * stride_mask_b + tl.cast(h, tl.int64) * stride_mask_h
+            mask_bh = (mask[0] + b64 * mask[1] + tl.cast(h, tl.int64) * mask[2], mask[3], mask[4])
         # The score modifiers (core.masking): run-time values and constexpr switches.
         mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h, UNITS, HAS_ALIBI), window_left, window_right)
-        MODS: tl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
 
-        q = load_tile(q_src, m_start, seqlen_q, stride_qm, head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, USE_TMA)
+        q = load_tile(q_src, m_start, seqlen_q, q_strides[2], head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D,
+                      USE_TMA)
         q, tile_scale = positive_scale(q, qk_scale)
         q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
         m, d = empty_state(BLOCK_M)
@@ -247,24 +268,22 @@ def attention_fwd_kernel(
 
         # [full_start, full_end): tiles every row of this query tile sees whole (none under a user mask);
         # the rest of [key_start, key_end): masked tiles.
-        key_start, full_start, full_end, key_end = key_ranges(
+        key_cut = key_ranges(
             m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK,
             window_left, window_right, HAS_WINDOW)
         acc, m, d = attend_key_range(
-            acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
-            key_start, full_start, full_end, key_end, seqlen_q, seqlen_k, head_dim, head_dim_v, mask_bh,
-            stride_mask_q, stride_mask_k, mods, BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, UNITS, IS_CAUSAL,
-            HAS_MASK, MASK_IS_BOOL, MASK_PER_KEY, EVEN_D, EVEN_DV, USE_TMA, DOT_PRECISION, UPCAST_DOTS, MODS,
+            acc, m, d, q, q_idx, tile_scale, k_src, v_src, k_strides[2], v_strides[2], key_cut, sizes,
+            mask_bh, mods, KV_TILE, MASKING, UNITS, USE_TMA, DOTS, MODS,
         )
         acc, m, d = finish_rows(acc, m, d, sinks_ptr, h, UNITS, HAS_SINKS)
 
         rows = tl.cast(bh, tl.int64) * seqlen_q + q_idx
         if WRITE_LSE:
             tl.store(lse_ptr + rows, state_logsumexp(m, d, UNITS), mask=q_idx < seqlen_q)
-        if WRITE_STATS:  # (m, log d) apart, natural-log units (route.Route.forward)
+        if WRITE_STATS:  # (m, log d) apart, natural-log units (forward_for_backward)
             _store_row_stats(stats_ptr, rows, n_bh * seqlen_q, m, d, q_idx < seqlen_q, UNITS)
         o = normalize(acc, d, True)  # rows that saw no key (d = 0) give zeros
-        store_tile(o_dst, o.to(q.dtype), m_start, seqlen_q, stride_om, head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED,
+        store_tile(o_dst, o.to(q.dtype), m_start, seqlen_q, o_strides[2], head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED,
                    EVEN_DV)
 
 
@@ -273,17 +292,18 @@ def attention_fwd_kernel(
 
 def _set_descriptor_blocks(nargs: dict) -> None:
     """Autotune pre-hook: box the descriptors to the BLOCK_M/BLOCK_N being tried."""
-    for name, rows, width in (("q_desc", "BLOCK_M", "HEAD_DIM_PADDED"), ("k_desc", "BLOCK_N", "HEAD_DIM_PADDED"),
-                              ("v_desc", "BLOCK_N", "HEAD_DIM_V_PADDED")):
+    hd_pad, dv_pad = nargs["DIMS"][:2]
+    for name, rows, width in (("q_desc", "BLOCK_M", hd_pad), ("k_desc", "BLOCK_N", hd_pad), ("v_desc", "BLOCK_N", dv_pad)):
         if nargs[name] is not None:
-            nargs[name].block_shape = [1, 1, nargs[rows], nargs[width]]
+            nargs[name].block_shape = [1, 1, nargs[rows], width]
 
 
 @functools.lru_cache(maxsize=None)
 def autotuned_kernel():
     """``attention_fwd_kernel`` under triton.autotune, built on first use (nothing happens at import).
 
-    Keyed on the head dim (exact and padded), causal, the mask's dtype and layout and
+    Keyed on the padded head dims (and whether they are exact), the masking and score-modifier switches, the mask's
+    layout and
     a power-of-two bucket of seqlen_k; the winners are kept on disk where this Triton can (``cache_results``).
     """
     options = {}
@@ -294,8 +314,7 @@ def autotuned_kernel():
         for bm, bn, w, s in tuning.TUNE_SPACE
     ]
     return triton.autotune(
-        configs, key=["tune_bucket", "tune_mask_layout", "head_dim", "HEAD_DIM_PADDED", "head_dim_v", "IS_CAUSAL",
-                      "MASK_IS_BOOL", "WRITE_LSE", "HAS_WINDOW", "HAS_SOFTCAP", "HAS_ALIBI"],
+        configs, key=["tune_bucket", "tune_mask_layout", "DIMS", "MASKING", "WRITE_LSE", "MODS"],
         prune_configs_by={"early_config_prune": prune_tune_space}, **options,
     )(attention_fwd_kernel)
 
@@ -340,19 +359,16 @@ class TlForwardLaunch:
         additive = mask is not None and not mask_is_bool
         variant_scalars, variant_meta = variant_args(q, additive, softcap, window, has_alibi, has_sinks,
                                                      seqlen_q, seqlen_k)
-        # Everything after the tensors' strides: the scale goes in as a float (a run-time argument, one kernel
-        # for any scale).
-        self.sizes = (n_heads, n_heads // k.shape[1], bh, seqlen_q, seqlen_k, head_dim, head_dim_v,
-                      qk_scale_for(scale, additive), *variant_scalars, triton.next_power_of_2(seqlen_k),
+        # The arguments after the tensors: the scale goes in as a float (a run-time argument, one kernel for any
+        # scale); the last two are read by the autotuner's key only.
+        self.strides = (q.stride()[:3], k.stride()[:3], v.stride()[:3], self.output.strides[:3])
+        self.sizes = ((n_heads, n_heads // k.shape[1], bh), (seqlen_q, seqlen_k, head_dim, head_dim_v),
+                      qk_scale_for(scale, additive), variant_scalars, triton.next_power_of_2(seqlen_k),
                       mask_layout(mask))
-        self.strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *self.output.strides[:3])
         meta = dict(
-            HEAD_DIM_PADDED=hd_pad, HEAD_DIM_V_PADDED=dv_pad, IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool,
-            WRITE_LSE=write_lse, WRITE_STATS=write_stats,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see dot)
-            USE_TMA=self.descriptors is not None, **variant_meta,
-            **kv_loop_flags(mask, mask_is_bool, self.mask_strides[2], head_dim, hd_pad, head_dim_v, dv_pad),
+            WRITE_LSE=write_lse, WRITE_STATS=write_stats, USE_TMA=self.descriptors is not None,
+            HAS_SINKS=variant_meta["HAS_SINKS"],
+            **kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta),
         )
         self.n_tiles = triton.cdiv(seqlen_q, config.block_m) * bh
         self.grid_rows = (seqlen_q, bh)
@@ -379,8 +395,8 @@ class TlForwardLaunch:
         descs = (None, None, None)
         if self.descriptors is not None:
             descs = tuple(rebind_descriptor(d, t) for d, t in zip(self.descriptors, (q, k, v)))
-        args = (q, k, v, o, lse if lse is not None else o, row_stats, mask, alibi, sinks, *descs, *self.strides,
-                *self.mask_strides, alibi.stride(0) if alibi is not None else 0, *self.sizes)
+        args = (q, k, v, o, lse if lse is not None else o, row_stats, alibi, sinks, *descs, (mask, *self.mask_strides),
+                *self.strides, alibi.stride(0) if alibi is not None else 0, *self.sizes)
         if self.kernel is not None:
             self.kernel(*args)
         elif self.tuned:

@@ -2,7 +2,8 @@
 
 Pure functions of the call's shapes, dtypes and the tables of ``tuning``:
 ``default_config`` (the ``triton.language`` forward), ``wgmma_config`` (the
-Hopper forward), ``default_backward_config``; ``kv_loop_flags`` (the constexprs derived from the arguments), the logits' units
+Hopper forward), ``default_backward_config``; ``kv_loop_flags`` and
+``kernel_switches`` (the constexprs derived from the arguments), the logits' units
 (``logit_units``, ``qk_scale_for``), and how query tiles are numbered
 (``query_tile``, shared by every forward kernel and the backward's dQ kernel).
 """
@@ -58,6 +59,24 @@ def logit_units(additive_mask: bool) -> float:
 def qk_scale_for(scale: float, additive_mask: bool) -> float:
     """The factor a kernel multiplies its fp32 scores by: ``scale`` in the units of ``logit_units``."""
     return scale if additive_mask else scale * LOG2E.value
+
+
+def kernel_switches(q: torch.Tensor, causal: bool, mask: torch.Tensor | None, mask_is_bool: bool, head_dim: int,
+                    head_dim_v: int, variant_meta: dict) -> dict:
+    """The constexpr tuples every ``triton.language`` attention kernel takes (``forward``'s module docstring):
+    ``DIMS``, ``MASKING``, ``UNITS``, ``DOTS`` and ``MODS``, for a call on ``q`` with ``mask`` broadcast to
+    (B, H, Lq, Lk) and ``variant_meta`` from ``variant_args``."""
+    hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+    flags = kv_loop_flags(mask, mask_is_bool, mask.stride(2) if mask is not None else 0, head_dim, hd_pad,
+                          head_dim_v, dv_pad)
+    return dict(
+        DIMS=(hd_pad, dv_pad, flags["EVEN_D"], flags["EVEN_DV"]),
+        MASKING=(causal, flags["HAS_MASK"], mask_is_bool, flags["MASK_PER_KEY"]),
+        UNITS=flags["UNITS"],
+        DOTS=("ieee" if q.dtype == torch.float32 else "tf32",
+              q.dtype == torch.bfloat16 and not q.is_cuda),  # UPCAST_DOTS: the interpreter (core.tiles.dot)
+        MODS=tuple(variant_meta[name] for name in ("HAS_SOFTCAP", "FAST_TANH", "HAS_ALIBI", "HAS_WINDOW")),
+    )
 
 
 def visibility(causal: bool, window: tuple[int, int] | None) -> tuple[bool, tuple[int, int] | None]:
@@ -200,8 +219,7 @@ def mask_layout(mask: torch.Tensor | None) -> int:
 
 
 def prune_tune_space(configs, named_args, **kwargs):
-    hd_pad = kwargs["HEAD_DIM_PADDED"]
-    dv_pad = kwargs.get("HEAD_DIM_V_PADDED", hd_pad)
+    hd_pad, dv_pad = kwargs["DIMS"][:2]
     keep = tuning.TUNE_CANDIDATES[max(64, hd_pad, dv_pad)]
     has_mask = named_args.get("tune_mask_layout", MASK_LAYOUT_NONE) != MASK_LAYOUT_NONE
     return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in keep

@@ -69,7 +69,9 @@ from ..core.online_softmax import (
 )
 from ..core.runtime import compiled_launcher, device_info, launch
 from .forward import alibi_slope, attend_key_range, finish_rows, positive_scale
-from .plan import default_config, head_dim_padded, kv_loop_flags, logit_units, output_like, qk_scale_for, variant_args
+from .plan import (
+    default_config, head_dim_padded, kernel_switches, logit_units, output_like, qk_scale_for, variant_args,
+)
 from .tuning import AttentionConfig
 
 
@@ -99,20 +101,28 @@ def _partials(part_ptr, n_splits, n_out_rows):
 
 @triton.jit
 def _split_kv_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, alibi_ptr, cache_seqlens_ptr, part_ptr,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_mask_b, stride_mask_h, stride_mask_q, stride_mask_k, stride_alibi_b, stride_cache_seqlens,
-    n_heads, kv_group, heads_per_program, n_groups, n_splits, n_out_rows,
-    seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale, softcap, window_left, window_right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEAD_DIM_V_PADDED: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, MASK_PER_KEY: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, UNITS: tl.constexpr, HAS_CACHE_SEQLENS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, alibi_ptr, cache_seqlens_ptr, part_ptr,
+    mask, q_strides, k_strides, v_strides, stride_alibi_b, stride_cache_seqlens,
+    n_heads, kv_group, heads_per_program, n_groups, n_splits, n_out_rows, sizes, qk_scale, variants,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIMS: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr,
+    HAS_CACHE_SEQLENS: tl.constexpr, DOTS: tl.constexpr, MODS: tl.constexpr,
 ):
-    # Axis 0: (batch, head group, row tile), row tile fastest; axis 1: the split.
+    # Axis 0: (batch, head group, row tile), row tile fastest; axis 1: the split. Arguments grouped as the
+    # forward kernel's (forward's module docstring).
+    seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
+    softcap, window_left, window_right = variants
+    HEAD_DIM_PADDED: tl.constexpr = DIMS[0]
+    HEAD_DIM_V_PADDED: tl.constexpr = DIMS[1]
+    EVEN_D: tl.constexpr = DIMS[2]
+    EVEN_DV: tl.constexpr = DIMS[3]
+    IS_CAUSAL: tl.constexpr = MASKING[0]
+    HAS_MASK: tl.constexpr = MASKING[1]
+    MASK_IS_BOOL: tl.constexpr = MASKING[2]
+    MASK_PER_KEY: tl.constexpr = MASKING[3]
+    HAS_SOFTCAP: tl.constexpr = MODS[0]
+    FAST_TANH: tl.constexpr = MODS[1]
+    HAS_ALIBI: tl.constexpr = MODS[2]
+    HAS_WINDOW: tl.constexpr = MODS[3]
     n_rows = heads_per_program * seqlen_q
     n_row_tiles = tl.cdiv(n_rows, BLOCK_M)
     row_tile = tl.program_id(0) % n_row_tiles
@@ -129,20 +139,19 @@ def _split_kv_kernel(
     heads, q_idx, valid = _packed_rows(row_tile * BLOCK_M, n_rows, seqlen_q, head_base, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_ok = dims < head_dim
-    q_ptrs = q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + q_idx[:, None] * stride_qm + dims[None, :]
+    q_ptrs = q_ptr + b64 * q_strides[0] + heads[:, None] * q_strides[1] + q_idx[:, None] * q_strides[2] + dims[None, :]
     q = tl.load(q_ptrs, mask=valid[:, None] & dim_ok[None, :], other=0.0)
     q, tile_scale = positive_scale(q, qk_scale)  # scores scaled in fp32, as in the forward kernel
-    k_src = k_ptr + b64 * stride_kb + tl.cast(h_kv, tl.int64) * stride_kh
-    v_src = v_ptr + b64 * stride_vb + tl.cast(h_kv, tl.int64) * stride_vh
-    mask_bh = mask_ptr
+    k_src = k_ptr + b64 * k_strides[0] + tl.cast(h_kv, tl.int64) * k_strides[1]
+    v_src = v_ptr + b64 * v_strides[0] + tl.cast(h_kv, tl.int64) * v_strides[1]
+    mask_bh = (mask[0], mask[3], mask[4])
     if HAS_MASK:  # packed rows share head_base's mask: the host packs only masks with stride 0 over heads
-        mask_bh = mask_ptr + b64 * stride_mask_b + tl.cast(head_base, tl.int64) * stride_mask_h
+        mask_bh = (mask[0] + b64 * mask[1] + tl.cast(head_base, tl.int64) * mask[2], mask[3], mask[4])
     # The score modifiers (core.masking); packed rows each take their own head's ALiBi slope, as a column.
     alibi = alibi_slope(alibi_ptr, stride_alibi_b, b64, tl.where(valid, heads, head_base), UNITS, HAS_ALIBI)
     if HAS_ALIBI:
         alibi = alibi[:, None]
     mods = (softcap, alibi, window_left, window_right)
-    MODS: tl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
 
     # The tile's keys: [key_begin, key_end), of which [full_start, full_end) seen whole by every row.
     key_begin, full_start, full_end, key_end = key_ranges(
@@ -159,10 +168,10 @@ def _split_kv_kernel(
     m, d = empty_state(BLOCK_M)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PADDED], tl.float32)
     acc, m, d = attend_key_range(
-        acc, m, d, q, q_idx, tile_scale, k_src, v_src, stride_kn, stride_vn,
-        key_start, split_full_start, split_full_end, key_stop, seqlen_q, seqlen_k, head_dim, head_dim_v, mask_bh,
-        stride_mask_q, stride_mask_k, mods, BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, UNITS, IS_CAUSAL, HAS_MASK,
-        MASK_IS_BOOL, MASK_PER_KEY, EVEN_D, EVEN_DV, False, DOT_PRECISION, UPCAST_DOTS, MODS,
+        acc, m, d, q, q_idx, tile_scale, k_src, v_src, k_strides[2], v_strides[2],
+        (key_start, split_full_start, split_full_end, key_stop), (seqlen_q, seqlen_k, head_dim, head_dim_v),
+        mask_bh, mods, (BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV),
+        MASKING, UNITS, USE_TMA=False, DOTS=DOTS, MODS=MODS,
     )
 
     # Partials are (n_splits, B, H, Lq) rows; acc rows are HEAD_DIM_V_PADDED wide (no column mask needed).
@@ -392,7 +401,6 @@ class SplitLaunch:
         self.num_splits = max(1, min(num_splits, triton.cdiv(seqlen_k, config.block_n), MAX_GRID_SPLITS))
         n_out_rows = batch * n_heads * seqlen_q
         additive = mask is not None and not mask_is_bool
-        mask_stride_q = mask.stride(2) if mask is not None else 0
         self.head_dim_v = head_dim_v
         self.workspace_size = self.num_splits * n_out_rows * (dv_pad + 2)  # m, d and acc (module docstring)
         self.lse_shape = (batch, n_heads, seqlen_q) if write_lse else None
@@ -401,16 +409,11 @@ class SplitLaunch:
                                                      seqlen_q, seqlen_k)
         self.split_sizes = (  # the split kernel's arguments after the pointers and strides
             n_heads, n_heads // k.shape[1], pack, n_heads // pack, self.num_splits, n_out_rows,
-            seqlen_q, seqlen_k, head_dim, head_dim_v, qk_scale_for(scale, additive), *variant_scalars,
+            (seqlen_q, seqlen_k, head_dim, head_dim_v), qk_scale_for(scale, additive), variant_scalars,
         )
         self.split_meta = dict(
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM_PADDED=hd_pad, HEAD_DIM_V_PADDED=dv_pad,
-            IS_CAUSAL=causal, MASK_IS_BOOL=mask_is_bool, HAS_CACHE_SEQLENS=has_cache_seqlens,
-            HAS_SOFTCAP=variant_meta["HAS_SOFTCAP"], FAST_TANH=variant_meta["FAST_TANH"],
-            HAS_ALIBI=variant_meta["HAS_ALIBI"], HAS_WINDOW=variant_meta["HAS_WINDOW"],
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST_DOTS=q.dtype == torch.bfloat16 and not q.is_cuda,  # the interpreter (see forward.dot)
-            **kv_loop_flags(mask, mask_is_bool, mask_stride_q, head_dim, hd_pad, head_dim_v, dv_pad),
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_CACHE_SEQLENS=has_cache_seqlens,
+            **kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         splits_block = min(triton.next_power_of_2(self.num_splits), MERGE_TILE_PARTS)
@@ -433,8 +436,8 @@ class SplitLaunch:
         o = output_like(q, self.head_dim_v)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if self.lse_shape else None
         split_args = (
-            q, k, v, mask, alibi, cache_seqlens, part, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *(mask.stride() if mask is not None else (0, 0, 0, 0)), alibi.stride(0) if alibi is not None else 0,
+            q, k, v, alibi, cache_seqlens, part, (mask, *(mask.stride() if mask is not None else (0, 0, 0, 0))),
+            q.stride()[:3], k.stride()[:3], v.stride()[:3], alibi.stride(0) if alibi is not None else 0,
             cache_seqlens.stride(0) if cache_seqlens is not None else 0, *self.split_sizes,
         )
         merge_args = (part, o, lse if lse is not None else part, sinks, *o.stride()[:3], *self.merge_scalars)

@@ -258,7 +258,10 @@ def modify_scores(s, rows, cols_start, cols, seqlen_q, seqlen_k, mods, MODS: tl.
     then ALiBi (positions as ``add_alibi`` takes them). Returns ``(s, t)``: ``t = tanh(s / softcap)`` under a
     softcap (the backward's ``1 - t²``), else the unmodified ``s`` (unused)."""
     softcap, alibi, window_left, window_right = mods
-    HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+    HAS_SOFTCAP: tl.constexpr = MODS[0]
+    FAST_TANH: tl.constexpr = MODS[1]
+    HAS_ALIBI: tl.constexpr = MODS[2]
+    HAS_WINDOW: tl.constexpr = MODS[3]
     t = s
     if HAS_SOFTCAP:
         s = soft_cap(s, softcap, FAST_TANH)
@@ -277,7 +280,10 @@ def modified_scores_scaled(s, qk_scale, rows, cols_start, cols, seqlen_q, seqlen
     than ``modify_scores`` on scaled logits (and with a softcap, two multiplies fewer). Masks may set ``x`` to
     ``-inf`` afterwards."""
     softcap, alibi, window_left, window_right = mods
-    HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
+    HAS_SOFTCAP: tl.constexpr = MODS[0]
+    FAST_TANH: tl.constexpr = MODS[1]
+    HAS_ALIBI: tl.constexpr = MODS[2]
+    HAS_WINDOW: tl.constexpr = MODS[3]
     x = s
     c = qk_scale
     if HAS_SOFTCAP:

@@ -3,7 +3,7 @@
 Attention's kernels move ``[BLOCK, HEAD_DIM_PADDED]`` tiles of one (batch, head)'s
 ``(L, D)`` matrix: ``load_tile`` gives zeros past its ends (through pointers, or
 through a TMA tensor descriptor on Hopper), ``store_tile`` drops what lies
-past them, ``add_tile`` adds to them atomically, ``dot`` multiplies in fp32. Row indices grow with batch and heads,
+past them, ``dot`` multiplies in fp32. Row indices grow with batch and heads,
 so they are 64-bit (``tile_rows``). Host side: ``tensor_descriptor`` and the
 checks TMA needs (``tma_usable``).
 """
@@ -68,29 +68,6 @@ def store_tile(
     if not EVEN_D:
         ok = ok & (dims < head_dim)[None, :]
     tl.store(ptrs, tile, mask=ok)
-
-
-@triton.jit
-def add_tile(
-    dst, tile, row_start, n_rows, stride_row, head_dim,
-    BLOCK: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_TMA: tl.constexpr,
-):
-    """Add fp32 ``tile`` to rows ``[row_start, row_start + BLOCK)`` of one head, atomically (other programs add to
-    the same rows), dropping rows and columns past the ends.
-
-    ``dst`` as ``load_tile``'s ``src``: the head's base pointer (one relaxed atomic add an element), or with
-    ``USE_TMA`` ``(desc, b, h)``, whose box is added by one TMA reduction (Hopper's bulk ``cp.reduce``; not in
-    the interpreter).
-    """
-    if USE_TMA:
-        desc, b, h = dst
-        desc.atomic_add([b, h, row_start, 0], tile.reshape(1, 1, BLOCK, HEAD_DIM_PADDED))
-    else:
-        rows = tl.arange(0, BLOCK)
-        dims = tl.arange(0, HEAD_DIM_PADDED)
-        ptrs = dst + tl.cast(row_start, tl.int64) * stride_row + (rows[:, None] * stride_row + dims[None, :])
-        ok = ((row_start + rows) < n_rows)[:, None] & (dims < head_dim)[None, :]
-        tl.atomic_add(ptrs, tile, mask=ok, sem="relaxed")
 
 
 @triton.jit
