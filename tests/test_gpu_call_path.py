@@ -57,6 +57,23 @@ def test_cuda_graph_capture_of_forward_and_backward(head_dim, causal):
             assert_attention_close(got, ref64, ref16, torch.bfloat16)
 
 
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_routes_keep_no_tensor_alive(head_dim):
+    # A route outlives its call: holding the tensors it was planned on would keep their memory (and, in a
+    # CUDA-graph pool, memory the graph does not account for) alive.
+    import gc
+    import weakref
+
+    tensors = [torch.randn(1, 4, 256, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3)]
+    o = flashlite.flash_attention(*tensors, causal=True)
+    grads = torch.autograd.grad(o, tensors, torch.randn_like(o))
+    refs = [weakref.ref(t) for t in (*tensors, o, *grads)]
+    del tensors, o, grads
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_compiled_training_step_of_the_layer(mode):
     torch.manual_seed(0)

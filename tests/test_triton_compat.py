@@ -35,6 +35,15 @@ def test_rebind_descriptor_keeps_everything_but_the_base():
     assert triton_compat.mangle_type(rebound) == triton_compat.mangle_type(template)
 
 
+def test_descriptor_template_drops_only_the_base():
+    a, b = torch.randn(2, 3, 64, 32), torch.randn(2, 3, 64, 32)
+    desc = tensor_descriptor(a, 16, 32)
+    template = triton_compat.descriptor_template(desc)
+    assert template.base is None and desc.base is a
+    rebound = triton_compat.rebind_descriptor(template, b)
+    assert rebound.base is b and triton_compat.mangle_type(rebound) == triton_compat.mangle_type(desc)
+
+
 def test_new_descriptor_fills_fields_directly():
     t = torch.randn(4, 16)
     desc = triton_compat.new_descriptor(type(tensor_descriptor(torch.randn(1, 1, 16, 16), 16, 16)), base=t,

@@ -49,7 +49,7 @@ from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.runtime import KernelLaunch, device_info
 from ..core.tiles import tma_usable
-from ..core.triton_compat import gluon_source, mangle_type, rebind_descriptor
+from ..core.triton_compat import descriptor_template, gluon_source, mangle_type, rebind_descriptor
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
@@ -456,10 +456,10 @@ class HopperBackwardLaunch:
         config = config or tuning.WGMMA_BACKWARD_CONFIGS[max(hd_pad, dv_pad)]
         self.grads = [OutputLayout(t, t.shape[3]) for t in (q, k, v)]  # dq, dk, dv: laid out as empty_like
         dq_like, dk_like, dv_like = (layout.meta(q.dtype) for layout in self.grads)
-        self.dkdv_descriptors = tuple(gluon_descriptor(t, rows, width) for t, rows, width in (
+        self.dkdv_descriptors = tuple(descriptor_template(gluon_descriptor(t, rows, width)) for t, rows, width in (
             (q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad),
             (do, config.block_m, dv_pad), (dk_like, config.block_n, hd_pad), (dv_like, config.block_n, dv_pad)))
-        self.dq_descriptors = tuple(gluon_descriptor(t, rows, width) for t, rows, width in (
+        self.dq_descriptors = tuple(descriptor_template(gluon_descriptor(t, rows, width)) for t, rows, width in (
             (q, config.dq_block_m, hd_pad), (k, config.dq_block_n, hd_pad), (v, config.dq_block_n, dv_pad),
             (do, config.dq_block_m, dv_pad), (dq_like, config.dq_block_m, hd_pad)))
         softcap, window_left, window_right = variant_scalars

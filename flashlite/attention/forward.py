@@ -62,7 +62,7 @@ from ..core.online_softmax import (
     state_logsumexp,
 )
 from ..core.runtime import KernelLaunch, launch_persistent
-from ..core.triton_compat import rebind_descriptor
+from ..core.triton_compat import descriptor_template, rebind_descriptor
 from ..core.tiles import dot, load_tile, store_tile, tensor_descriptor, tma_usable
 from . import tuning
 from .plan import (
@@ -352,8 +352,8 @@ class TlForwardLaunch:
         self.descriptors = None  # (q, k, v) descriptor templates: TMA loads
         if (config.use_tma and tma_safe(mask is not None, config.block_n, hd_pad)
                 and tma_safe(mask is not None, config.block_n, dv_pad) and tma_usable(q, k, v)):
-            self.descriptors = (tensor_descriptor(q, config.block_m, hd_pad), tensor_descriptor(k, config.block_n, hd_pad),
-                                tensor_descriptor(v, config.block_n, dv_pad))
+            self.descriptors = tuple(descriptor_template(tensor_descriptor(t, rows, width)) for t, rows, width in (
+                (q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad)))
         bh = batch * n_heads
         self.mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
         additive = mask is not None and not mask_is_bool

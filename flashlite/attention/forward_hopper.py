@@ -68,7 +68,7 @@ from ..core.masking import apply_masks, key_ranges, modified_scores_scaled
 from ..core.online_softmax import BASE2_UNITS, LOG2E, merge_sink, normalize, online_update_scaled, state_logsumexp
 from ..core.runtime import KernelLaunch, device_info
 from ..core.tiles import tma_usable
-from ..core.triton_compat import rebind_descriptor
+from ..core.triton_compat import descriptor_template, rebind_descriptor
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
@@ -484,7 +484,7 @@ class HopperForwardLaunch:
         hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
         o_like = self.output.meta(q.dtype)
         self.descriptors = tuple(
-            gluon_descriptor(t, rows, width)
+            descriptor_template(gluon_descriptor(t, rows, width))
             for t, rows, width in ((q, config.block_m, hd_pad), (k, config.block_n, hd_pad),
                                    (v, config.block_n, dv_pad), (o_like, config.block_m, dv_pad)))
         variant_scalars, variant_meta = variant_args(q, False, softcap, window, has_alibi, has_sinks,

@@ -9,6 +9,7 @@ one module to check (tests/test_triton_compat.py runs each function on the CPU):
 * ``run_compiled``: launch a ``CompiledKernel`` with every parameter's value, skipping ``JITFunction``'s
   per-call binding and specialization (``CompiledKernel.run`` with its ``packed_metadata``);
 * ``load_compiled``: load a kernel built by ``warmup`` so that its registers (``n_regs``) can be read;
+* ``descriptor_template``: a host tensor descriptor without its base tensor, for ``rebind_descriptor``;
 * ``rebind_descriptor``: a host tensor descriptor of another tensor with the same shape, strides and box,
   without the dataclass's checks (``object.__new__``);
 * ``gluon_source`` and ``mangle_type``: what ``triton.compile`` takes to build a Gluon kernel for a GPU
@@ -72,6 +73,13 @@ def rebind_descriptor(template, tensor):
     vouches for (a plan built the template from a tensor of the same signature). The dataclasses' own
     constructors check alignment and box shapes on every call; this costs one dict copy."""
     return new_descriptor(type(template), **{**template.__dict__, "base": tensor})
+
+
+def descriptor_template(desc):
+    """``desc`` without its base tensor: what a plan keeps to ``rebind_descriptor`` later. A plan that held the
+    tensor it was built from would keep that tensor alive for as long as the plan lives (and, inside a CUDA-graph
+    pool, a tensor the graph does not account for)."""
+    return new_descriptor(type(desc), **{**desc.__dict__, "base": None})
 
 
 def new_descriptor(cls, **fields):
