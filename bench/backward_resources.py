@@ -45,8 +45,8 @@ TUPLE_TYPES = dict(mask=("constexpr", "i32", "i32", "i32", "i32"), heads=("i32",
 def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int) -> str:
     kernel = backward._attention_bwd_dkdv_kernel
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, DIMS=(head_dim, head_dim, True, True),
-                  MASKING=(False, False, False, False), UNITS=1.0, DOTS=("tf32", False),
-                  MODS=(False, False, False, False), alibi_ptr=None)
+                  MASKING=(False, False, False, False, False), UNITS=1.0, DOTS=("tf32", False),
+                  MODS=(False, False, False, False), alibi_ptr=None, seqs=None)
     signature = {}
     for name in kernel.arg_names:
         if name in consts:

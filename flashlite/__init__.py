@@ -5,13 +5,13 @@ Layers, each importing only those below it (``.importlinter`` holds this):
 ``masked_softmax``; ``softmax``, ``textbook``; ``core``.
 """
 
-from .attention import flash_attention, merge_attention_states
+from .attention import flash_attention, flash_attention_varlen, merge_attention_states
 from .masked_softmax import masked_softmax
 from .softmax import logsumexp, softmax
 from . import nn, study, textbook  # noqa: E402,I001  (after the functions: flashlite.softmax is the function)
 from . import distributed  # noqa: E402,I001  ring attention over torch.distributed (touches no process group here)
 from . import integrations  # noqa: E402,I001  flashlite.integrations.transformers: imports transformers when first used
 
-__all__ = ["softmax", "logsumexp", "masked_softmax", "flash_attention", "merge_attention_states", "study", "nn",
-           "textbook", "distributed"]
+__all__ = ["softmax", "logsumexp", "masked_softmax", "flash_attention", "flash_attention_varlen", "merge_attention_states",
+           "study", "nn", "textbook", "distributed"]
 __version__ = "0.2.0"

@@ -257,7 +257,7 @@ def test_which_backward_runs(monkeypatch):
 def test_pytorch_stand_in(monkeypatch, causal):
     # CUDA fp32's backward (and every dtype's with TRITON_BACKWARD_ON_GPU off): the same gradients (GQA, an
     # additive mask with its gradient, a gradient through lse), checked here by switching the kernels off on CPU.
-    monkeypatch.setattr(fb, "triton_backward_enabled", lambda q: False)
+    monkeypatch.setattr(fb, "triton_backward_enabled", lambda q, packed=False: False)
     q, k, v = qkv(2, 4, 17, 40, 32, h_kv=2)
     bias = randn(2, 1, 1, 40, requires_grad=True)
     check_grads(q, k, v, attn_mask=bias, causal=causal)

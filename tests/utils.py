@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import pathlib
@@ -160,6 +161,62 @@ def attention_grads_ref(q, k, v, do, dtype=torch.float64, **kw):
             inputs.append(sinks)
     out = attention_ref(*inputs[:3], attn_mask=mask, dtype=dtype, sinks=sinks, **kw)
     return torch.autograd.grad(out, inputs, do.to(out.dtype))
+
+
+def cu_seqlens(lengths, device="cpu") -> torch.Tensor:
+    """int32 (B + 1,) cumulative lengths from 0 (FlashAttention's ``cu_seqlens``)."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def varlen_ref(q, k, v, lengths_q, lengths_k, dtype=torch.float64, return_lse=False, alibi_slopes=None, **kw):
+    """``attention_ref`` of each sequence of a packed batch (q (total_q, H, D), k/v (total_k, H_kv, ·)),
+    concatenated: (total_q, H, Dv), and with ``return_lse`` the (H, total_q) LSE."""
+    outs, lses = [], []
+    cq, ck = list(itertools.accumulate([0, *lengths_q])), list(itertools.accumulate([0, *lengths_k]))
+    for b in range(len(lengths_q)):
+        qb, kb, vb = (t[lo:hi].transpose(0, 1).unsqueeze(0) for t, lo, hi in
+                      ((q, cq[b], cq[b + 1]), (k, ck[b], ck[b + 1]), (v, ck[b], ck[b + 1])))
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+        o, lse = attention_ref(qb, kb, vb, dtype=dtype, return_lse=True, alibi_slopes=slopes, **kw)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    return (out, lse) if return_lse else out
+
+
+def check_attention_varlen(q, k, v, lengths_q, lengths_k, **kw):
+    """``flashlite.flash_attention_varlen`` on the packed batch of the given lengths: output, LSE and the gradients
+    of q, k, v (and of sinks that require grad, and through the LSE) against float64 per sequence, under
+    FlashAttention's rule. Returns ``(out, lse)``."""
+    import flashlite
+
+    cu_q, cu_k = cu_seqlens(lengths_q, q.device), cu_seqlens(lengths_k, q.device)
+    max_q, max_k = max(lengths_q, default=0), max(lengths_k, default=0)
+    out, lse = flashlite.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kw)
+    assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and lse.shape == (q.shape[1], q.shape[0])
+    ref, ref_lse = varlen_ref(q, k, v, lengths_q, lengths_k, return_lse=True, **kw)
+    assert_attention_close(out, ref, varlen_ref(q, k, v, lengths_q, lengths_k, dtype=q.dtype, **kw), q.dtype)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    low = q.dtype != torch.float32
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=2e-2 if low else 1e-5,
+                               rtol=1e-2 if low else 1e-5)
+    sinks = kw.get("sinks")
+    inputs = [q, k, v] + ([sinks] if sinks is not None and sinks.requires_grad else [])
+    do, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out, lse), inputs, (do, dlse))
+
+    def ref_grads(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        kw_ref = dict(kw, sinks=leaves[3]) if len(leaves) == 4 else kw
+        o, l = varlen_ref(*leaves[:3], lengths_q, lengths_k, dtype=dtype, return_lse=True, **kw_ref)
+        l = torch.where(torch.isfinite(l), l, 0.0)  # an empty row's -inf LSE: no gradient
+        return torch.autograd.grad((o, l), leaves, (do.to(dtype), dlse.to(dtype)))
+
+    for g, r, t in zip(grads, ref_grads(torch.float64), ref_grads(q.dtype)):
+        assert torch.isfinite(g).all()
+        assert_attention_close(g, r, t, q.dtype)
+    return out, lse
 
 
 # Triton 3.9's interpreter truncates fp32 -> bf16 (TOL above): each bf16 value the kernels store or feed to a

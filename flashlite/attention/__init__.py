@@ -20,7 +20,7 @@ Modules, each importing only those listed after it:
 * ``reference``: the PyTorch path (fp32, scores materialised) for tensors the kernels do not run on.
 """
 
-from .api import flash_attention
+from .api import flash_attention, flash_attention_varlen
 from .merge import merge_attention_states
 
-__all__ = ["flash_attention", "merge_attention_states"]
+__all__ = ["flash_attention", "flash_attention_varlen", "merge_attention_states"]

@@ -27,7 +27,7 @@ from .route import SPLIT_HAS_NO_BACKWARD, Route, attention_forward
 from .split_kv import auto_num_splits, check_split_args
 from .tuning import MAX_HEAD_DIM, MIN_HEAD_DIM
 
-__all__ = ["flash_attention", "attention_forward", "clear_routes", "SPLIT_HAS_NO_BACKWARD"]
+__all__ = ["flash_attention", "flash_attention_varlen", "attention_forward", "clear_routes", "SPLIT_HAS_NO_BACKWARD"]
 
 
 def check_inputs(
@@ -132,20 +132,25 @@ def call_key(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slop
 def op_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
              cache_seqlens: torch.Tensor | None, alibi: torch.Tensor | None, sinks: torch.Tensor | None,
              causal: bool, scale: float, softcap: float | None, window: list[int] | None, num_splits: int | None,
-             write_lse: bool, training: bool) -> tuple[Route, torch.Tensor | None]:
+             write_lse: bool, training: bool, cu_seqlens_q: torch.Tensor | None = None,
+             cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
+             max_seqlen_k: int = 0) -> tuple[Route, torch.Tensor | None]:
     """``(route, mask)`` of a call of the op from its (checked) arguments, and the mask broadcast as the kernels
     read it. Routes are kept by the op's signature, as ``call_key`` keeps the eager calls'."""
     mask, mask_is_bool = _mask_view(attn_mask, q, k)
     key = ("op", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
            q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal, scale, softcap,
            None if window is None else tuple(window), num_splits, write_lse, training, _tensor_key(attn_mask),
-           _tensor_key(alibi), _tensor_key(sinks), _tensor_key(cache_seqlens))
+           _tensor_key(alibi), _tensor_key(sinks), _tensor_key(cache_seqlens), _tensor_key(cu_seqlens_q),
+           _tensor_key(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
     route = _ROUTES.get(key)
     if route is None:
+        varlen = None if cu_seqlens_q is None else (cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
         if num_splits is None:
             num_splits = auto_num_splits(q, k, mask) if runs_kernels(q) else 1
         route = Route(q, k, v, mask, mask_is_bool, causal, scale, softcap, None if window is None else tuple(window),
-                      alibi is not None, sinks is not None, write_lse, training, num_splits, cache_seqlens is not None)
+                      alibi is not None, sinks is not None, write_lse, training, num_splits, cache_seqlens is not None,
+                      varlen)
         _keep(key, route)
     return route, mask
 
@@ -164,14 +169,17 @@ def _mask_view(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor)
     "flashlite::flash_attention", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cache_seqlens, Tensor? alibi, Tensor? sinks, "
            "bool causal, float scale, float? softcap, int[]? window, int? num_splits, bool write_lse, "
-           "bool training) -> (Tensor, Tensor, Tensor)",
+           "bool training, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
+           "int max_seqlen_k=0) -> (Tensor, Tensor, Tensor)",
 )
 def _flash_attention_op(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window, num_splits,
-                        write_lse, training):
-    """``(o, lse, row_stats)`` (``Route.forward``'s; an LSE not written and row_stats not kept are empty)."""
+                        write_lse, training, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    """``(o, lse, row_stats)`` (``Route.forward``'s; an LSE not written and row_stats not kept are empty). A
+    packed batch (``flash_attention_varlen``) comes as (1, H, total, D) tensors with its ``cu_seqlens``."""
+    seqs = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     route, mask = op_route(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window,
-                           num_splits, write_lse, training)
-    o, lse, row_stats = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks)
+                           num_splits, write_lse, training, *seqs)
+    o, lse, row_stats = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks, _seqs(seqs))
     empty = q.new_empty((0,), dtype=torch.float32)  # an output not written (outputs may not alias each other)
     return o, lse if lse is not None else empty, row_stats if row_stats is not None else empty.clone()
 
@@ -182,9 +190,19 @@ def _keeps_row_stats(attn_mask, num_splits, cache_seqlens, training) -> bool:
     return training and attn_mask is not None and attn_mask.dtype != torch.bool and not split
 
 
+def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple:
+    """The op's packed-batch arguments as one tuple (``op_route``'s last four)."""
+    return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+
+
+def _seqs(packed: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(cu_seqlens_q, cu_seqlens_k)`` of a packed batch, as ``Route`` takes them, or None."""
+    return None if packed[0] is None else packed[:2]
+
+
 @_flash_attention_op.register_fake
 def _(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window, num_splits, write_lse,
-      training):
+      training, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     o = output_like(q, v.shape[3])  # q's memory order, as the launches allocate it
     lse = q.new_empty(q.shape[:3] if write_lse or training else (0,), dtype=torch.float32)
     keeps = _keeps_row_stats(attn_mask, num_splits, cache_seqlens, training)
@@ -196,16 +214,19 @@ def _(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, w
     schema="(Tensor do, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor row_stats, "
            "Tensor? attn_mask, Tensor? cache_seqlens, Tensor? alibi, Tensor? sinks, bool causal, float scale, "
            "float? softcap, int[]? window, int? num_splits, bool write_lse, bool training, "
-           "bool mask_needs_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+           "bool mask_needs_grad, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
+           "int max_seqlen_k=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _flash_attention_backward_op(do, dlse, q, k, v, o, lse, row_stats, attn_mask, cache_seqlens, alibi, sinks,
-                                 causal, scale, softcap, window, num_splits, write_lse, training, mask_needs_grad):
+                                 causal, scale, softcap, window, num_splits, write_lse, training, mask_needs_grad,
+                                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     """``(dq, dk, dv, dmask, dsinks)``: dmask the fp32 gradient of ``attn_mask`` in its shape (empty when not
     asked), dsinks fp32 (empty without sinks). The route is the forward's (``op_route``)."""
+    seqs = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     route, _ = op_route(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window,
-                        num_splits, write_lse, training)
+                        num_splits, write_lse, training, *seqs)
     grads = _route_backward(route, do, dlse, q, k, v, o, lse, row_stats if row_stats.numel() else None, attn_mask,
-                            alibi, sinks, mask_needs_grad)
+                            alibi, sinks, mask_needs_grad, _seqs(seqs))
     dq, dk, dv, dmask, dsinks = (g.clone() if g is not None and g._base is not None else g for g in grads)
     empty = q.new_empty((0,), dtype=torch.float32)  # a gradient not asked for (outputs may not alias each other)
     dmask = dmask.float().contiguous() if dmask is not None else empty
@@ -214,20 +235,21 @@ def _flash_attention_backward_op(do, dlse, q, k, v, o, lse, row_stats, attn_mask
 
 @_flash_attention_backward_op.register_fake
 def _(do, dlse, q, k, v, o, lse, row_stats, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap,
-      window, num_splits, write_lse, training, mask_needs_grad):
+      window, num_splits, write_lse, training, mask_needs_grad, cu_seqlens_q=None, cu_seqlens_k=None,
+      max_seqlen_q=0, max_seqlen_k=0):
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     dmask = q.new_empty(attn_mask.shape if mask_needs_grad else (0,), dtype=torch.float32)
     return dq, dk, dv, dmask, q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
 
 
 def _route_backward(route: Route, do, dlse, q, k, v, o, lse, row_stats, attn_mask, alibi, sinks,
-                    mask_needs_grad: bool) -> tuple:
+                    mask_needs_grad: bool, seqs: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
     """``Route.backward`` of a call from its saved tensors and the user's ``attn_mask``, the mask's gradient summed
     to that mask's shape (in fp32: rounding each of its broadcast terms first would leave their rounding in the
     sum). What the op's backward and the eager path both run."""
     mask = _mask_view(attn_mask, q, k)[0]
     dq, dk, dv, dmask, dsinks = route.backward(unit_stride_head_dim(do), dlse, q, k, v, o, lse, row_stats, mask,
-                                               alibi, sinks, mask_needs_grad)
+                                               alibi, sinks, mask_needs_grad, seqs)
     if dmask is not None:
         dmask = dmask.sum_to_size(attn_mask.shape)
     return dq, dk, dv, dmask, dsinks
@@ -257,7 +279,8 @@ def _gradients(ctx, do, dlse, run_backward) -> tuple:
 
 def _setup_op(ctx, inputs, output) -> None:
     (q, k, v, attn_mask, cache_seqlens, alibi, sinks, *options) = inputs
-    ctx.op_options = (cache_seqlens, *options)
+    ctx.op_options = (cache_seqlens, *options[:7])  # causal .. training
+    ctx.packed = tuple(options[7:])
     _save_for_backward(ctx, q, k, v, attn_mask, alibi, sinks, *output, mask_index=3)
 
 
@@ -265,10 +288,12 @@ def _op_gradients(ctx, do, dlse, _drow_stats):
     def run(do, dlse, q, k, v, o, lse, row_stats, attn_mask, alibi, sinks, mask_needs_grad):
         cache_seqlens, *options = ctx.op_options
         return torch.ops.flashlite.flash_attention_backward(
-            do, dlse, q, k, v, o, lse, row_stats, attn_mask, cache_seqlens, alibi, sinks, *options, mask_needs_grad)
+            do, dlse, q, k, v, o, lse, row_stats, attn_mask, cache_seqlens, alibi, sinks, *options, mask_needs_grad,
+            *ctx.packed)
 
     dq, dk, dv, dmask, dsinks = _gradients(ctx, do, dlse, run)
-    return dq, dk, dv, dmask, None, None, dsinks, None, None, None, None, None, None, None
+    return (dq, dk, dv, dmask, None, None, dsinks, None, None, None, None, None, None, None,
+            *(None,) * len(ctx.packed))
 
 
 _flash_attention_op.register_autograd(_op_gradients, setup_context=_setup_op)
@@ -278,18 +303,18 @@ class _Attention(torch.autograd.Function):
     """The op's eager fast path: its implementation (``Route.forward``) and autograd rule, without the dispatcher."""
 
     @staticmethod
-    def forward(ctx, route, q, k, v, attn_mask, mask, cache_seqlens, alibi, sinks):
+    def forward(ctx, route, q, k, v, attn_mask, mask, cache_seqlens, alibi, sinks, seqs=None):
         ctx.set_materialize_grads(False)
-        o, lse, row_stats = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks)
-        ctx.route = route
+        o, lse, row_stats = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks, seqs)
+        ctx.route, ctx.seqs = route, seqs
         _save_for_backward(ctx, q, k, v, attn_mask, alibi, sinks, o, lse, row_stats, mask_index=4)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         route = ctx.route
-        dq, dk, dv, dmask, dsinks = _gradients(ctx, do, dlse, lambda *args: _route_backward(route, *args))
-        return None, dq, dk, dv, dmask, None, None, None, dsinks
+        dq, dk, dv, dmask, dsinks = _gradients(ctx, do, dlse, lambda *args: _route_backward(route, *args, ctx.seqs))
+        return None, dq, dk, dv, dmask, None, None, None, dsinks, None
 
 
 # ----------------------------------------------------------------------------- the public function
@@ -453,3 +478,99 @@ def _compiled_call(q, k, v, causal, scale, attn_mask, window_size, softcap, alib
         q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap,
         None if window is None else list(window), num_splits, return_lse, training)
     return (o, lse) if return_lse else o
+
+
+# ----------------------------------------------------------------------------- packed (variable-length) batches
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> int:
+    """Validate ``flash_attention_varlen``'s packed layout (errors name the argument); return the number of
+    sequences. On the CPU the offsets are checked too (from 0, non-decreasing, ending at the total, no sequence
+    longer than ``max_seqlen``), except while ``torch.compile`` traces; on a GPU they are not read (that would
+    wait for the device): the kernels clamp them to the tensors, so bad offsets give wrong rows, never reads or
+    writes outside them."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k give different batch sizes: {cu_seqlens_q.shape[0] - 1} "
+                         f"and {cu_seqlens_k.shape[0] - 1} sequences")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if type(value) is not int or value < 0:
+            raise TypeError(f"{name} must be a non-negative int, got {value!r}")
+    if not q.is_cuda and not is_compiling():  # values read on the host: not while tracing
+        for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+                                         ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
+            lengths = cu.diff()
+            if cu[0] != 0 or cu[-1] != total or bool((lengths < 0).any()):
+                raise ValueError(f"{name} must rise from 0 to the total number of rows ({total}), got "
+                                 f"{cu.tolist()}")
+            if lengths.numel() and int(lengths.max()) > longest:
+                name_max = "max_seqlen_q" if name == "cu_seqlens_q" else "max_seqlen_k"
+                raise ValueError(f"{name_max} ({longest}) is shorter than the longest sequence of {name} "
+                                 f"({int(lengths.max())})")
+    return cu_seqlens_q.shape[0] - 1
+
+
+def flash_attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False, scale: float | None = None,
+    window_size: tuple[int, int] | None = None, softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen convention):
+    per sequence exactly ``flash_attention`` on that sequence, no pair across two sequences, no padding.
+
+    Args:
+        q: (total_q, H, D); k: (total_k, H_kv, D); v: (total_k, H_kv, Dv). Any strides with the head dim
+            contiguous are read in place (views of a packed (total, H·D) projection).
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on q's device: sequence ``b`` owns query rows
+            ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` and key rows likewise. Sequences of length 0 are allowed.
+            The kernels read them on the device (no host synchronisation); on the CPU they are checked.
+        max_seqlen_q, max_seqlen_k: ints, at least the longest sequence (they size the kernels' grids).
+        causal, scale, window_size, softcap, sinks: as ``flash_attention``, within each sequence (causal
+            aligned bottom-right in each).
+        alibi_slopes: float32 (H,) or (B, H).
+        return_lse: also return the LSE, (H, total_q) float32 natural-log.
+
+    Returns:
+        ``o`` (total_q, H, Dv) in q's dtype, or ``(o, lse)``. Rows of a sequence without keys are 0 (LSE
+        ``-inf``, or the sink). Differentiable in q, k, v, sinks and through the LSE (the two-pass backward,
+        deterministic). Runs on the ``triton.language`` kernels (``core.packed``); CPU tensors without
+        ``TRITON_INTERPRET=1`` take the PyTorch path, one sequence at a time.
+    """
+    n_seqs = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # (1, H, total, D): core.packed's view
+    training = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or getattr(sinks, "requires_grad", False))
+    _, _, causal, scale, softcap, window, return_lse = _check_call(
+        q4, k4, v4, causal, scale, None, window_size, softcap, None, sinks, return_lse, 1, None)
+    check_alibi_slopes(alibi_slopes, q4, batch=n_seqs)
+    q4, k4, v4 = (unit_stride_head_dim(t) for t in (q4, k4, v4))
+    alibi = alibi_view(alibi_slopes, n_seqs)
+    sinks = None if sinks is None else sinks.contiguous()
+    if is_compiling():
+        o, lse, _ = torch.ops.flashlite.flash_attention(
+            q4, k4, v4, None, None, alibi, sinks, causal, scale, softcap, None if window is None else list(window),
+            1, return_lse, training, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    else:
+        route, _ = op_route(q4, k4, v4, None, None, alibi, sinks, causal, scale, softcap, window, 1, return_lse,
+                            training, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        seqs = (cu_seqlens_q, cu_seqlens_k)
+        if training:
+            o, lse = _Attention.apply(route, q4, k4, v4, None, None, None, alibi, sinks, seqs)
+        else:
+            o, lse, _ = route.forward(q4, k4, v4, None, None, alibi, sinks, seqs)
+    o = o[0].transpose(0, 1)
+    return (o, lse[0]) if return_lse else o

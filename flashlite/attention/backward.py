@@ -84,6 +84,7 @@ import triton.language as tl
 
 from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges, range_part
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
+from ..core.packed import sequence_bounds
 from ..core.runtime import KernelLaunch
 from ..core.tiles import dot, load_tile, store_tile
 from . import tuning
@@ -313,7 +314,7 @@ def _attention_bwd_preprocess_kernel(
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr,
-    mask, q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, stride_alibi_b,
+    mask, seqs, q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, stride_alibi_b,
     heads, sizes, qk_scale, scale, variants,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIMS: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr,
     DOTS: tl.constexpr, MODS: tl.constexpr,
@@ -331,6 +332,7 @@ def _attention_bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr = MASKING[1]
     MASK_IS_BOOL: tl.constexpr = MASKING[2]
     MASK_PER_KEY: tl.constexpr = MASKING[3]
+    VARLEN: tl.constexpr = MASKING[4]
     HAS_SOFTCAP: tl.constexpr = MODS[0]
     FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
@@ -342,59 +344,67 @@ def _attention_bwd_dkdv_kernel(
     n_kv_heads = n_heads // kv_group
     b64 = tl.cast(bh_kv // n_kv_heads, tl.int64)
     h_kv64 = tl.cast(bh_kv % n_kv_heads, tl.int64)
-    n_stat_rows = tl.cast(n_bh, tl.int64) * seqlen_q  # B·H·Lq
+    # A packed batch: sequence b's rows and lengths (core.packed); its key tiles past its end have no work.
+    q_row0, k_row0, len_q, len_k, stats_row0, stats_head_stride = sequence_bounds(
+        seqs, bh_kv // n_kv_heads, n_heads, seqlen_q, seqlen_k, VARLEN)
+    live = True
+    if VARLEN:
+        live = n_start < len_k
+    if live:
+        n_stat_rows = tl.cast(n_bh, tl.int64) * seqlen_q  # B·H·Lq
 
-    k_src = k_ptr + b64 * k_strides[0] + h_kv64 * k_strides[1]
-    v_src = v_ptr + b64 * v_strides[0] + h_kv64 * v_strides[1]
-    k = load_tile(k_src, n_start, seqlen_k, k_strides[2], head_dim, BLOCK_N, HEAD_DIM_PADDED, True, EVEN_D, False)
-    v = load_tile(v_src, n_start, seqlen_k, v_strides[2], head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, True, EVEN_DV,
-                  False)
-    k_idx = tl.cast(n_start, tl.int64) + tl.arange(0, BLOCK_N)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PADDED], tl.float32)
+        k_src = k_ptr + b64 * k_strides[0] + h_kv64 * k_strides[1] + k_row0 * k_strides[2]
+        v_src = v_ptr + b64 * v_strides[0] + h_kv64 * v_strides[1] + k_row0 * v_strides[2]
+        k = load_tile(k_src, n_start, len_k, k_strides[2], head_dim, BLOCK_N, HEAD_DIM_PADDED, True, EVEN_D, False)
+        v = load_tile(v_src, n_start, len_k, v_strides[2], head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, True, EVEN_DV,
+                      False)
+        k_idx = tl.cast(n_start, tl.int64) + tl.arange(0, BLOCK_N)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM_V_PADDED], tl.float32)
 
-    # [full_start, full_end): query tiles that see every key of this tile; the rest of [query_start, query_end):
-    # masked ones (the causal diagonal, the window's edges, or all with a user mask). See the docstring's example.
-    query_start, full_start, full_end, query_end = query_ranges(
-        n_start, n_start + BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
-    if HAS_MASK:  # every tile masked
-        full_start = tl.cdiv(query_end, BLOCK_M) * BLOCK_M
-        full_end = full_start
+        # [full_start, full_end): query tiles that see every key of this tile; the rest of [query_start,
+        # query_end): masked ones (the causal diagonal, the window's edges, or all with a user mask). See the
+        # docstring's example.
+        query_start, full_start, full_end, query_end = query_ranges(
+            n_start, n_start + BLOCK_N - 1, len_q, len_k, BLOCK_M, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
+        if HAS_MASK:  # every tile masked
+            full_start = tl.cdiv(query_end, BLOCK_M) * BLOCK_M
+            full_end = full_start
 
-    for g in range(0, kv_group):  # every query head that reads this K/V head
-        h64 = h_kv64 * kv_group + g
-        bh64 = b64 * n_heads + h64
-        q_src = q_ptr + b64 * q_strides[0] + h64 * q_strides[1]
-        do_src = do_ptr + b64 * do_strides[0] + h64 * do_strides[1]
-        row_src = (stats_ptr, bh64 * seqlen_q, n_stat_rows, delta_ptr + bh64 * seqlen_q)
-        mask_bh = (mask[0], mask[3], mask[4])  # this (batch, head)'s mask (core.masking)
-        if HAS_MASK:
-            mask_bh = (mask[0] + b64 * mask[1] + h64 * mask[2], mask[3], mask[4])
-        mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h64, UNITS, HAS_ALIBI), window_left,
-                window_right)
-        # The diagonal (or the window's near edge), the full tiles, then the window's far edge: query tiles that
-        # see only this tile's first keys (empty without a window).
-        for part in tl.static_range(3):
-            first, last = range_part(part, query_start, full_start, full_end, query_end)
-            if (part != 1 or not HAS_MASK) and (part != 2 or HAS_WINDOW):
-                dk, dv = _dkdv_over_query_tiles(
-                    dk, dv, k, v, k_idx, q_src, do_src, q_strides[2], do_strides[2], row_src, first, last, sizes,
-                    qk_scale, mask_bh, mods, Q_TILE, MASKING, UNITS, DOTS, MODS,
-                    MASKED=part != 1,
-                )
+        for g in range(0, kv_group):  # every query head that reads this K/V head
+            h64 = h_kv64 * kv_group + g
+            q_src = q_ptr + b64 * q_strides[0] + h64 * q_strides[1] + q_row0 * q_strides[2]
+            do_src = do_ptr + b64 * do_strides[0] + h64 * do_strides[1] + q_row0 * do_strides[2]
+            stats_row = stats_row0 + h64 * stats_head_stride
+            row_src = (stats_ptr, stats_row, n_stat_rows, delta_ptr + stats_row)
+            mask_bh = (mask[0], mask[3], mask[4])  # this (batch, head)'s mask (core.masking)
+            if HAS_MASK:
+                mask_bh = (mask[0] + b64 * mask[1] + h64 * mask[2], mask[3], mask[4])
+            mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h64, UNITS, HAS_ALIBI), window_left,
+                    window_right)
+            # The diagonal (or the window's near edge), the full tiles, then the window's far edge: query tiles
+            # that see only this tile's first keys (empty without a window).
+            for part in tl.static_range(3):
+                first, last = range_part(part, query_start, full_start, full_end, query_end)
+                if (part != 1 or not HAS_MASK) and (part != 2 or HAS_WINDOW):
+                    dk, dv = _dkdv_over_query_tiles(
+                        dk, dv, k, v, k_idx, q_src, do_src, q_strides[2], do_strides[2], row_src, first, last,
+                        (len_q, len_k, head_dim, head_dim_v), qk_scale, mask_bh, mods, Q_TILE, MASKING, UNITS, DOTS, MODS,
+                        MASKED=part != 1,
+                    )
 
-    dk_dst = dk_ptr + b64 * dk_strides[0] + h_kv64 * dk_strides[1]
-    dv_dst = dv_ptr + b64 * dv_strides[0] + h_kv64 * dv_strides[1]
-    store_tile(dk_dst, (dk * scale).to(k.dtype), n_start, seqlen_k, dk_strides[2], head_dim, BLOCK_N,
-               HEAD_DIM_PADDED, EVEN_D)
-    store_tile(dv_dst, dv.to(v.dtype), n_start, seqlen_k, dv_strides[2], head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED,
-               EVEN_DV)
+        dk_dst = dk_ptr + b64 * dk_strides[0] + h_kv64 * dk_strides[1] + k_row0 * dk_strides[2]
+        dv_dst = dv_ptr + b64 * dv_strides[0] + h_kv64 * dv_strides[1] + k_row0 * dv_strides[2]
+        store_tile(dk_dst, (dk * scale).to(k.dtype), n_start, len_k, dk_strides[2], head_dim, BLOCK_N,
+                   HEAD_DIM_PADDED, EVEN_D)
+        store_tile(dv_dst, dv.to(v.dtype), n_start, len_k, dv_strides[2], head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED,
+                   EVEN_DV)
 
 
 @triton.jit
 def _attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dlse_ptr, dq_ptr, ds_ptr, alibi_ptr,
-    mask, q_strides, k_strides, v_strides, do_strides, dq_strides, stride_alibi_b,
+    mask, seqs, q_strides, k_strides, v_strides, do_strides, dq_strides, stride_alibi_b,
     heads, sizes, qk_scale, scale, variants,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIMS: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr,
     STORE_DS: tl.constexpr, HAS_DLSE: tl.constexpr, DELTA_PASS: tl.constexpr, DOTS: tl.constexpr,
@@ -413,6 +423,7 @@ def _attention_bwd_dq_kernel(
     HAS_MASK: tl.constexpr = MASKING[1]
     MASK_IS_BOOL: tl.constexpr = MASKING[2]
     MASK_PER_KEY: tl.constexpr = MASKING[3]
+    VARLEN: tl.constexpr = MASKING[4]
     HAS_SOFTCAP: tl.constexpr = MODS[0]
     FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
@@ -421,60 +432,68 @@ def _attention_bwd_dq_kernel(
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     bh, m_start = query_tile(tl.program_id(0), n_query_tiles, BLOCK_M, IS_CAUSAL)
     b64 = tl.cast(bh // n_heads, tl.int64)
-    h64 = tl.cast(bh % n_heads, tl.int64)
-    h_kv64 = h64 // kv_group
-    bh64 = tl.cast(bh, tl.int64)
+    # A packed batch: sequence b's rows and lengths (core.packed); its tiles past its end have no work.
+    q_row0, k_row0, len_q, len_k, stats_row0, stats_head_stride = sequence_bounds(
+        seqs, bh // n_heads, n_heads, seqlen_q, seqlen_k, VARLEN)
+    live = True
+    if VARLEN:
+        live = m_start < len_q
+    if live:
+        h64 = tl.cast(bh % n_heads, tl.int64)
+        h_kv64 = h64 // kv_group
+        bh64 = tl.cast(bh, tl.int64)
 
-    q_src = q_ptr + b64 * q_strides[0] + h64 * q_strides[1]
-    do_src = do_ptr + b64 * do_strides[0] + h64 * do_strides[1]
-    k_src = k_ptr + b64 * k_strides[0] + h_kv64 * k_strides[1]
-    v_src = v_ptr + b64 * v_strides[0] + h_kv64 * v_strides[1]
-    mask_bh = (mask[0], mask[3], mask[4])  # this (batch, head)'s mask (core.masking)
-    if HAS_MASK:
-        mask_bh = (mask[0] + b64 * mask[1] + h64 * mask[2], mask[3], mask[4])
-    ds_dst = ds_ptr
-    if STORE_DS:  # a (B, H, Lq, Lk) contiguous fp32 buffer
-        ds_dst = ds_ptr + bh64 * seqlen_q * seqlen_k
-    mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h64, UNITS, HAS_ALIBI), window_left, window_right)
+        q_src = q_ptr + b64 * q_strides[0] + h64 * q_strides[1] + q_row0 * q_strides[2]
+        do_src = do_ptr + b64 * do_strides[0] + h64 * do_strides[1] + q_row0 * do_strides[2]
+        k_src = k_ptr + b64 * k_strides[0] + h_kv64 * k_strides[1] + k_row0 * k_strides[2]
+        v_src = v_ptr + b64 * v_strides[0] + h_kv64 * v_strides[1] + k_row0 * v_strides[2]
+        mask_bh = (mask[0], mask[3], mask[4])  # this (batch, head)'s mask (core.masking)
+        if HAS_MASK:
+            mask_bh = (mask[0] + b64 * mask[1] + h64 * mask[2], mask[3], mask[4])
+        ds_dst = ds_ptr
+        if STORE_DS:  # a (B, H, Lq, Lk) contiguous fp32 buffer
+            ds_dst = ds_ptr + bh64 * seqlen_q * seqlen_k
+        mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h64, UNITS, HAS_ALIBI), window_left,
+                window_right)
 
-    q = load_tile(q_src, m_start, seqlen_q, q_strides[2], head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
-    do = load_tile(do_src, m_start, seqlen_q, do_strides[2], head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED, True, EVEN_DV,
-                   False)
-    q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
-    row_m, row_logd2 = _load_row_stats(stats_ptr, bh64 * seqlen_q + q_idx, q_idx < seqlen_q,
-                                       tl.cast(n_bh, tl.int64) * seqlen_q, UNITS)
-    rows = bh64 * seqlen_q + q_idx
-    if DELTA_PASS:
-        delta = tl.zeros([BLOCK_M], tl.float32)
-        dq = tl.zeros([BLOCK_M], tl.float32)
-    else:
-        delta = _load_rows(delta_ptr + bh64 * seqlen_q, q_idx, seqlen_q)
-        dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+        q = load_tile(q_src, m_start, len_q, q_strides[2], head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D, False)
+        do = load_tile(do_src, m_start, len_q, do_strides[2], head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED, True, EVEN_DV,
+                       False)
+        q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
+        rows = stats_row0 + h64 * stats_head_stride + q_idx
+        row_m, row_logd2 = _load_row_stats(stats_ptr, rows, q_idx < len_q, tl.cast(n_bh, tl.int64) * seqlen_q,
+                                           UNITS)
+        if DELTA_PASS:
+            delta = tl.zeros([BLOCK_M], tl.float32)
+            dq = tl.zeros([BLOCK_M], tl.float32)
+        else:
+            delta = _load_rows(delta_ptr + stats_row0 + h64 * stats_head_stride, q_idx, len_q)
+            dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
 
-    # Key ranges as the forward's (attend_key_range): the window's near edge (masked), the full tiles (none under
-    # a user mask), the masked rest of [key_start, key_end).
-    key_start, full_start, full_end, key_end = key_ranges(
-        m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK,
-        window_left, window_right, HAS_WINDOW)
-    for part in tl.static_range(3):
-        first, last = range_part(part, key_start, full_start, full_end, key_end)
-        if (part != 0 or HAS_WINDOW) and (part != 1 or not HAS_MASK):
-            dq = _dq_over_key_tiles(
-                dq, q, do, (row_m, row_logd2, delta), qk_scale, q_idx, k_src, v_src, k_strides[2], v_strides[2],
-                ds_dst, first, last, sizes, mask_bh, mods,
-                KV_TILE, MASKING, UNITS, DOTS, MODS, MASKED=part != 1,
-                STORE_DS=STORE_DS and part != 1 and not DELTA_PASS, ROW_SUMS=DELTA_PASS,
-            )
-    # Two branches, no early return: Triton 3.6 still builds the code after a `return` inside a constexpr `if`,
-    # where the delta pass's [BLOCK_M] dq does not fit the [BLOCK_M, HEAD_DIM_PADDED] store (a compile error).
-    if DELTA_PASS:
-        if HAS_DLSE:
-            dq -= tl.load(dlse_ptr + rows, mask=q_idx < seqlen_q, other=0.0)
-        tl.store(delta_ptr + rows, dq, mask=q_idx < seqlen_q)
-    else:
-        dq_dst = dq_ptr + b64 * dq_strides[0] + h64 * dq_strides[1]
-        store_tile(dq_dst, (dq * scale).to(q.dtype), m_start, seqlen_q, dq_strides[2], head_dim, BLOCK_M,
-                   HEAD_DIM_PADDED, EVEN_D)
+        # Key ranges as the forward's (attend_key_range): the window's near edge (masked), the full tiles (none
+        # under a user mask), the masked rest of [key_start, key_end).
+        key_start, full_start, full_end, key_end = key_ranges(
+            m_start, tl.minimum(m_start + BLOCK_M, len_q) - 1, len_q, len_k, BLOCK_N, IS_CAUSAL, HAS_MASK,
+            window_left, window_right, HAS_WINDOW)
+        for part in tl.static_range(3):
+            first, last = range_part(part, key_start, full_start, full_end, key_end)
+            if (part != 0 or HAS_WINDOW) and (part != 1 or not HAS_MASK):
+                dq = _dq_over_key_tiles(
+                    dq, q, do, (row_m, row_logd2, delta), qk_scale, q_idx, k_src, v_src, k_strides[2], v_strides[2],
+                    ds_dst, first, last, (len_q, len_k, head_dim, head_dim_v), mask_bh, mods,
+                    KV_TILE, MASKING, UNITS, DOTS, MODS, MASKED=part != 1,
+                    STORE_DS=STORE_DS and part != 1 and not DELTA_PASS, ROW_SUMS=DELTA_PASS,
+                )
+        # Two branches, no early return: Triton 3.6 still builds the code after a `return` inside a constexpr
+        # `if`, where the delta pass's [BLOCK_M] dq does not fit the [BLOCK_M, HEAD_DIM_PADDED] store.
+        if DELTA_PASS:
+            if HAS_DLSE:
+                dq -= tl.load(dlse_ptr + rows, mask=q_idx < len_q, other=0.0)
+            tl.store(delta_ptr + rows, dq, mask=q_idx < len_q)
+        else:
+            dq_dst = dq_ptr + b64 * dq_strides[0] + h64 * dq_strides[1] + q_row0 * dq_strides[2]
+            store_tile(dq_dst, (dq * scale).to(q.dtype), m_start, len_q, dq_strides[2], head_dim, BLOCK_M,
+                       HEAD_DIM_PADDED, EVEN_D)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -489,9 +508,10 @@ def _attention_bwd_dq_kernel(
 TRITON_BACKWARD_ON_GPU = True
 
 
-def triton_backward_enabled(q: torch.Tensor) -> bool:
-    """True when ``attention_backward`` runs the Triton kernels for ``q`` (always off CUDA; on CUDA fp16/bf16)."""
-    return not q.is_cuda or (TRITON_BACKWARD_ON_GPU and q.dtype != torch.float32)
+def triton_backward_enabled(q: torch.Tensor, packed: bool = False) -> bool:
+    """True when ``attention_backward`` runs the Triton kernels for ``q`` (always off CUDA; on CUDA fp16/bf16, and
+    fp32 too for a ``packed`` batch, whose PyTorch stand-in would read the sequence lengths on the host)."""
+    return not q.is_cuda or (TRITON_BACKWARD_ON_GPU and (packed or q.dtype != torch.float32))
 
 
 def _bhl_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -526,19 +546,22 @@ class BackwardLaunch:
         self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
         mask: torch.Tensor | None, mask_is_bool: bool, mask_needs_grad: bool = False, has_dlse: bool = False,
         config: BackwardConfig | WgmmaBackwardConfig | None = None, softcap: float | None = None,
-        window: tuple[int, int] | None = None, has_alibi: bool = False,
+        window: tuple[int, int] | None = None, has_alibi: bool = False, varlen: tuple[int, int, int] | None = None,
     ):
         self.options = (causal, scale, mask_is_bool, mask_needs_grad, softcap, window)
-        self.torch_path = not triton_backward_enabled(q)
+        self.torch_path = not triton_backward_enabled(q, varlen is not None)
         if self.torch_path:
             return
         batch, n_heads, seqlen_q, head_dim = q.shape
         seqlen_k, head_dim_v = k.shape[2], v.shape[3]
         hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+        self.delta_shape = (batch, n_heads, seqlen_q)  # a packed batch's: (1, H, total_q), its LSE's layout
+        self.totals = (seqlen_q, seqlen_k)
+        if varlen is not None:  # (1, H, total, D) tensors of (sequences, max_seqlen_q, max_seqlen_k): core.packed
+            batch, seqlen_q, seqlen_k = varlen
         bh = batch * n_heads
         additive = mask is not None and not mask_is_bool
         self.additive, self.mask_needs_grad = additive, mask_needs_grad
-        self.delta_shape = (batch, n_heads, seqlen_q)
         variant_scalars, variant_meta = variant_args(q, additive, softcap, window, has_alibi, False, seqlen_q,
                                                      seqlen_k)
         variant_meta.pop("HAS_SINKS")  # the sinks' gradient is taken here, from δ; the kernels see the LSE alone
@@ -546,14 +569,15 @@ class BackwardLaunch:
         self.delta = None
         if not mask_needs_grad:
             self.delta = KernelLaunch(
-                _attention_bwd_preprocess_kernel, (triton.cdiv(seqlen_q, tuning.DELTA_BLOCK_M) * bh,),
+                _attention_bwd_preprocess_kernel,  # over the rows of every (batch, head): a packed batch's as one
+                (triton.cdiv(self.delta_shape[2], tuning.DELTA_BLOCK_M) * self.delta_shape[0] * n_heads,),
                 BLOCK_M=tuning.DELTA_BLOCK_M, HEAD_DIM_PADDED=dv_pad, EVEN_D=head_dim_v == dv_pad, HAS_DLSE=has_dlse)
-            self.delta_sizes = (n_heads, seqlen_q, head_dim_v)
+            self.delta_sizes = self.delta_shape[1:] + (head_dim_v,)  # a packed batch's rows as one sequence
         hopper_config = config if isinstance(config, WgmmaBackwardConfig) else None
         if hopper_config is not None:
             config = None
         self.hopper = None
-        if config is None and wgmma_backward_eligible(q, k, v, do, mask is not None, scale):
+        if config is None and varlen is None and wgmma_backward_eligible(q, k, v, do, mask is not None, scale):
             self.hopper = HopperBackwardLaunch(do, q, k, v, causal, scale, variant_scalars, variant_meta,
                                                hopper_config)
             return
@@ -566,7 +590,10 @@ class BackwardLaunch:
         inputs = (_bhl_strides(q), _bhl_strides(k), _bhl_strides(v), _bhl_strides(do))
         self.dkdv_strides = (*inputs, _bhl_strides(grad_like[1]), _bhl_strides(grad_like[2]))
         self.dq_strides = (*inputs, _bhl_strides(grad_like[0]))
-        meta = kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta)
+        if varlen is not None:  # one (1, H, total) row space: a sequence's rows start at its cu_seqlens
+            self.dkdv_strides, self.dq_strides = (tuple((0, *strides[1:]) for strides in group)
+                                                  for group in (self.dkdv_strides, self.dq_strides))
+        meta = kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta, varlen is not None)
         c = config.dkdv
         self.dkdv = KernelLaunch(
             _attention_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],),
@@ -590,8 +617,10 @@ class BackwardLaunch:
         self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
         lse: torch.Tensor, dlse: torch.Tensor | None, mask: torch.Tensor | None = None,
         alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None, row_stats: torch.Tensor | None = None,
+        seqs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(dq, dk, dv, dmask, dsinks)`` (see ``attention_backward``)."""
+        """``(dq, dk, dv, dmask, dsinks)`` (see ``attention_backward``); a packed batch brings ``seqs =
+        (cu_seqlens_q, cu_seqlens_k)``."""
         if self.torch_path:
             causal, scale, mask_is_bool, mask_needs_grad, softcap, window = self.options
             return attention_backward_torch(do, q, k, v, dlse, causal, scale, mask, mask_is_bool, mask_needs_grad,
@@ -609,13 +638,13 @@ class BackwardLaunch:
             dq, dk, dv = self.hopper(do, q, k, v, stats, delta, alibi)
         else:
             dq, dk, dv = (layout.empty(t) for layout, t in zip(self.grads, (q, k, v)))
-            mask_arg = (mask, *self.mask_strides)
+            visible = ((mask, *self.mask_strides), (*seqs, *self.totals) if seqs is not None else None)
             common = (alibi.stride(0) if alibi is not None else 0, *self.sizes)
             if self.delta_pass is not None:
-                self.delta_pass(q, k, v, do, stats, delta, dlse, dq, None, alibi, mask_arg, *self.dq_strides, *common)
+                self.delta_pass(q, k, v, do, stats, delta, dlse, dq, None, alibi, *visible, *self.dq_strides, *common)
                 ds = torch.zeros(self.ds_shape, dtype=torch.float32, device=q.device)
-            self.dkdv(q, k, v, do, stats, delta, dk, dv, alibi, mask_arg, *self.dkdv_strides, *common)
-            self.dq(q, k, v, do, stats, delta, None, dq, ds, alibi, mask_arg, *self.dq_strides, *common)
+            self.dkdv(q, k, v, do, stats, delta, dk, dv, alibi, *visible, *self.dkdv_strides, *common)
+            self.dq(q, k, v, do, stats, delta, None, dq, ds, alibi, *visible, *self.dq_strides, *common)
         dsinks = sink_gradient(sinks, lse, delta) if sinks is not None else None
         return dq, dk, dv, ds, dsinks
 

@@ -34,7 +34,10 @@ projection or of a (B, L, H, D) tensor cost nothing. K/V may have fewer heads
 (GQA/MQA): query head ``h`` reads K/V head ``h // (H / H_kv)``. Head dims that
 are not powers of two are padded to the next one inside the kernel (masked
 loads). On Hopper, Q/K/V tiles arrive by TMA through host-side tensor
-descriptors (their bounds give zeros past L and D). Scheduling: one program a
+descriptors (their bounds give zeros past L and D). A packed batch (``flash_attention_varlen``) comes as
+(1, H, total, D) with its ``cu_seqlens`` (``core.packed``): programs index sequences as they index a dense
+batch, over the longest sequence's tiles, and a tile past its sequence's end does nothing; its K/V come by
+pointer loads (a TMA box would cross into the next sequence). Scheduling: one program a
 query tile, numbered as ``plan.query_tile`` says; a persistent grid
 (``AttentionConfig.persistent``) runs the same loop with fewer programs.
 
@@ -57,6 +60,7 @@ import triton
 import triton.language as tl
 
 from ..core.masking import apply_masks, key_ranges, modify_scores, range_part
+from ..core.packed import sequence_bounds
 from ..core.online_softmax import (
     LN2, LOG2E, empty_state, merge_sink, normalize, online_update, online_update_scaled, rescale_accumulator,
     state_logsumexp,
@@ -209,7 +213,7 @@ def finish_rows(acc, m, d, sinks_ptr, heads, UNITS: tl.constexpr, HAS_SINKS: tl.
 def attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, alibi_ptr, sinks_ptr,
     q_desc, k_desc, v_desc,  # (B, H, L, D) tensor descriptors under USE_TMA, else None
-    mask, q_strides, k_strides, v_strides, o_strides, stride_alibi_b, heads, sizes, qk_scale, variants,
+    mask, seqs, q_strides, k_strides, v_strides, o_strides, stride_alibi_b, heads, sizes, qk_scale, variants,
     # Read by the autotuner's key only: a power-of-two bucket of seqlen_k, and the mask's
     # layout (MASK_LAYOUT_*), which the heuristics above derive too late for a key.
     tune_bucket, tune_mask_layout,
@@ -230,6 +234,7 @@ def attention_fwd_kernel(
     HAS_MASK: tl.constexpr = MASKING[1]
     MASK_IS_BOOL: tl.constexpr = MASKING[2]
     MASK_PER_KEY: tl.constexpr = MASKING[3]
+    VARLEN: tl.constexpr = MASKING[4]
     HAS_SOFTCAP: tl.constexpr = MODS[0]
     FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
@@ -241,50 +246,60 @@ def attention_fwd_kernel(
         bh, m_start = query_tile(tile, n_query_tiles, BLOCK_M, IS_CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
-        h_kv = h // kv_group
-        b64 = tl.cast(b, tl.int64)
+        # A packed batch: sequence b's rows and lengths (core.packed); its tiles past its end have no work.
+        q_row0, k_row0, len_q, len_k, stats_row0, stats_head_stride = sequence_bounds(
+            seqs, b, n_heads, seqlen_q, seqlen_k, VARLEN)
+        live = True
+        if VARLEN:
+            live = m_start < len_q
+        if live:
+            b64 = tl.cast(b, tl.int64)
+            h64 = tl.cast(h, tl.int64)
+            h_kv = h // kv_group
+            h_kv64 = tl.cast(h_kv, tl.int64)
 
-        o_dst = o_ptr + b64 * o_strides[0] + tl.cast(h, tl.int64) * o_strides[1]
-        if USE_TMA:
-            q_src = (q_desc, b, h)
-            k_src = (k_desc, b, h_kv)
-            v_src = (v_desc, b, h_kv)
-        else:
-            q_src = q_ptr + b64 * q_strides[0] + tl.cast(h, tl.int64) * q_strides[1]
-            k_src = k_ptr + b64 * k_strides[0] + tl.cast(h_kv, tl.int64) * k_strides[1]
-            v_src = v_ptr + b64 * v_strides[0] + tl.cast(h_kv, tl.int64) * v_strides[1]
-        mask_bh = (mask[0], mask[3], mask[4])  # this (batch, head)'s mask (core.masking)
-        if HAS_MASK:
-            mask_bh = (mask[0] + b64 * mask[1] + tl.cast(h, tl.int64) * mask[2], mask[3], mask[4])
-        # The score modifiers (core.masking): run-time values and constexpr switches.
-        mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h, UNITS, HAS_ALIBI), window_left, window_right)
+            o_dst = o_ptr + b64 * o_strides[0] + h64 * o_strides[1] + q_row0 * o_strides[2]
+            if USE_TMA:  # dense batches only
+                q_src = (q_desc, b, h)
+                k_src = (k_desc, b, h_kv)
+                v_src = (v_desc, b, h_kv)
+            else:
+                q_src = q_ptr + b64 * q_strides[0] + h64 * q_strides[1] + q_row0 * q_strides[2]
+                k_src = k_ptr + b64 * k_strides[0] + h_kv64 * k_strides[1] + k_row0 * k_strides[2]
+                v_src = v_ptr + b64 * v_strides[0] + h_kv64 * v_strides[1] + k_row0 * v_strides[2]
+            mask_bh = (mask[0], mask[3], mask[4])  # this (batch, head)'s mask (core.masking)
+            if HAS_MASK:
+                mask_bh = (mask[0] + b64 * mask[1] + h64 * mask[2], mask[3], mask[4])
+            # The score modifiers (core.masking): run-time values and constexpr switches.
+            mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b64, h, UNITS, HAS_ALIBI), window_left,
+                    window_right)
 
-        q = load_tile(q_src, m_start, seqlen_q, q_strides[2], head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D,
-                      USE_TMA)
-        q, tile_scale = positive_scale(q, qk_scale)
-        q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
-        m, d = empty_state(BLOCK_M)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PADDED], tl.float32)
+            q = load_tile(q_src, m_start, len_q, q_strides[2], head_dim, BLOCK_M, HEAD_DIM_PADDED, True, EVEN_D,
+                          USE_TMA)
+            q, tile_scale = positive_scale(q, qk_scale)
+            q_idx = tl.cast(m_start, tl.int64) + tl.arange(0, BLOCK_M)
+            m, d = empty_state(BLOCK_M)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PADDED], tl.float32)
 
-        # [full_start, full_end): tiles every row of this query tile sees whole (none under a user mask);
-        # the rest of [key_start, key_end): masked tiles.
-        key_cut = key_ranges(
-            m_start, tl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL, HAS_MASK,
-            window_left, window_right, HAS_WINDOW)
-        acc, m, d = attend_key_range(
-            acc, m, d, q, q_idx, tile_scale, k_src, v_src, k_strides[2], v_strides[2], key_cut, sizes,
-            mask_bh, mods, KV_TILE, MASKING, UNITS, USE_TMA, DOTS, MODS,
-        )
-        acc, m, d = finish_rows(acc, m, d, sinks_ptr, h, UNITS, HAS_SINKS)
+            # [full_start, full_end): tiles every row of this query tile sees whole (none under a user mask);
+            # the rest of [key_start, key_end): masked tiles.
+            key_cut = key_ranges(
+                m_start, tl.minimum(m_start + BLOCK_M, len_q) - 1, len_q, len_k, BLOCK_N, IS_CAUSAL, HAS_MASK,
+                window_left, window_right, HAS_WINDOW)
+            acc, m, d = attend_key_range(
+                acc, m, d, q, q_idx, tile_scale, k_src, v_src, k_strides[2], v_strides[2], key_cut,
+                (len_q, len_k, head_dim, head_dim_v), mask_bh, mods, KV_TILE, MASKING, UNITS, USE_TMA, DOTS, MODS,
+            )
+            acc, m, d = finish_rows(acc, m, d, sinks_ptr, h, UNITS, HAS_SINKS)
 
-        rows = tl.cast(bh, tl.int64) * seqlen_q + q_idx
-        if WRITE_LSE:
-            tl.store(lse_ptr + rows, state_logsumexp(m, d, UNITS), mask=q_idx < seqlen_q)
-        if WRITE_STATS:  # (m, log d) apart, natural-log units (forward_for_backward)
-            _store_row_stats(stats_ptr, rows, n_bh * seqlen_q, m, d, q_idx < seqlen_q, UNITS)
-        o = normalize(acc, d, True)  # rows that saw no key (d = 0) give zeros
-        store_tile(o_dst, o.to(q.dtype), m_start, seqlen_q, o_strides[2], head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED,
-                   EVEN_DV)
+            rows = stats_row0 + h64 * stats_head_stride + q_idx
+            if WRITE_LSE:
+                tl.store(lse_ptr + rows, state_logsumexp(m, d, UNITS), mask=q_idx < len_q)
+            if WRITE_STATS:  # (m, log d) apart, natural-log units (forward_for_backward)
+                _store_row_stats(stats_ptr, rows, n_bh * seqlen_q, m, d, q_idx < len_q, UNITS)
+            o = normalize(acc, d, True)  # rows that saw no key (d = 0) give zeros
+            store_tile(o_dst, o.to(q.dtype), m_start, len_q, o_strides[2], head_dim_v, BLOCK_M, HEAD_DIM_V_PADDED,
+                       EVEN_DV)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -339,18 +354,22 @@ class TlForwardLaunch:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
         mask: torch.Tensor | None, mask_is_bool: bool, write_lse: bool, config: AttentionConfig | None = None,
         *, write_stats: bool = False, softcap: float | None = None, window: tuple[int, int] | None = None,
-        has_alibi: bool = False, has_sinks: bool = False,
+        has_alibi: bool = False, has_sinks: bool = False, varlen: tuple[int, int, int] | None = None,
     ):
         batch, n_heads, seqlen_q, head_dim = q.shape
         seqlen_k, head_dim_v = k.shape[2], v.shape[3]
         hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
         self.output = OutputLayout(q, head_dim_v)
         self.lse_shape = (batch, n_heads, seqlen_q) if write_lse else None
-        self.tuned = config is None and autotune_enabled() and q.is_cuda and q.dtype != torch.float32
+        self.totals = (seqlen_q, seqlen_k)
+        if varlen is not None:  # (1, H, total, D) tensors of (sequences, max_seqlen_q, max_seqlen_k): core.packed
+            batch, seqlen_q, seqlen_k = varlen
+        self.tuned = (config is None and autotune_enabled() and q.is_cuda and q.dtype != torch.float32
+                      and varlen is None)
         if config is None:
             config = default_config(max(head_dim, head_dim_v), q.dtype, q.device, causal, seqlen_k, mask is not None)
         self.descriptors = None  # (q, k, v) descriptor templates: TMA loads
-        if (config.use_tma and tma_safe(mask is not None, config.block_n, hd_pad)
+        if (config.use_tma and varlen is None and tma_safe(mask is not None, config.block_n, hd_pad)
                 and tma_safe(mask is not None, config.block_n, dv_pad) and tma_usable(q, k, v)):
             self.descriptors = tuple(descriptor_template(tensor_descriptor(t, rows, width)) for t, rows, width in (
                 (q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad)))
@@ -362,13 +381,15 @@ class TlForwardLaunch:
         # The arguments after the tensors: the scale goes in as a float (a run-time argument, one kernel for any
         # scale); the last two are read by the autotuner's key only.
         self.strides = (q.stride()[:3], k.stride()[:3], v.stride()[:3], self.output.strides[:3])
+        if varlen is not None:  # one (1, H, total) row space: a sequence's rows start at its cu_seqlens
+            self.strides = tuple((0, *strides[1:]) for strides in self.strides)
         self.sizes = ((n_heads, n_heads // k.shape[1], bh), (seqlen_q, seqlen_k, head_dim, head_dim_v),
                       qk_scale_for(scale, additive), variant_scalars, triton.next_power_of_2(seqlen_k),
                       mask_layout(mask))
         meta = dict(
             WRITE_LSE=write_lse, WRITE_STATS=write_stats, USE_TMA=self.descriptors is not None,
             HAS_SINKS=variant_meta["HAS_SINKS"],
-            **kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta),
+            **kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta, varlen is not None),
         )
         self.n_tiles = triton.cdiv(seqlen_q, config.block_m) * bh
         self.grid_rows = (seqlen_q, bh)
@@ -388,15 +409,18 @@ class TlForwardLaunch:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
         alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None, row_stats: torch.Tensor | None = None,
+        seqs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(o, lse)``: o (B, H, Lq, Dv) in q's memory order, lse (B, H, Lq) fp32 natural-log, or None."""
+        """``(o, lse)``: o (B, H, Lq, Dv) in q's memory order, lse (B, H, Lq) fp32 natural-log, or None. A packed
+        batch brings ``seqs = (cu_seqlens_q, cu_seqlens_k)``."""
         o = self.output.empty(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if self.lse_shape else None
         descs = (None, None, None)
         if self.descriptors is not None:
             descs = tuple(rebind_descriptor(d, t) for d, t in zip(self.descriptors, (q, k, v)))
+        seqs = (*seqs, *self.totals) if seqs is not None else None
         args = (q, k, v, o, lse if lse is not None else o, row_stats, alibi, sinks, *descs, (mask, *self.mask_strides),
-                *self.strides, alibi.stride(0) if alibi is not None else 0, *self.sizes)
+                seqs, *self.strides, alibi.stride(0) if alibi is not None else 0, *self.sizes)
         if self.kernel is not None:
             self.kernel(*args)
         elif self.tuned:

@@ -62,16 +62,16 @@ def qk_scale_for(scale: float, additive_mask: bool) -> float:
 
 
 def kernel_switches(q: torch.Tensor, causal: bool, mask: torch.Tensor | None, mask_is_bool: bool, head_dim: int,
-                    head_dim_v: int, variant_meta: dict) -> dict:
+                    head_dim_v: int, variant_meta: dict, varlen: bool = False) -> dict:
     """The constexpr tuples every ``triton.language`` attention kernel takes (``forward``'s module docstring):
     ``DIMS``, ``MASKING``, ``UNITS``, ``DOTS`` and ``MODS``, for a call on ``q`` with ``mask`` broadcast to
-    (B, H, Lq, Lk) and ``variant_meta`` from ``variant_args``."""
+    (B, H, Lq, Lk) and ``variant_meta`` from ``variant_args``; ``varlen``: a packed batch (``core.packed``)."""
     hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
     flags = kv_loop_flags(mask, mask_is_bool, mask.stride(2) if mask is not None else 0, head_dim, hd_pad,
                           head_dim_v, dv_pad)
     return dict(
         DIMS=(hd_pad, dv_pad, flags["EVEN_D"], flags["EVEN_DV"]),
-        MASKING=(causal, flags["HAS_MASK"], mask_is_bool, flags["MASK_PER_KEY"]),
+        MASKING=(causal, flags["HAS_MASK"], mask_is_bool, flags["MASK_PER_KEY"], varlen),
         UNITS=flags["UNITS"],
         DOTS=("ieee" if q.dtype == torch.float32 else "tf32",
               q.dtype == torch.bfloat16 and not q.is_cuda),  # UPCAST_DOTS: the interpreter (core.tiles.dot)

@@ -119,3 +119,58 @@ def attention_backward_torch(
         dsinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * delta).sum(dim=(0, 2))
     dmask = ds if mask_needs_grad else None
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, dsinks
+
+
+def _sequences(seqs: tuple[torch.Tensor, torch.Tensor]):
+    """``(b, query rows, key rows)`` slices of each sequence of a packed batch (``cu_seqlens`` read on the host:
+    this path runs on the CPU only)."""
+    cu_q, cu_k = (c.tolist() for c in seqs)
+    for b in range(len(cu_q) - 1):
+        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+
+
+def attention_varlen_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: tuple[torch.Tensor, torch.Tensor], causal: bool,
+    scale: float, softcap: float | None = None, window: tuple[int, int] | None = None,
+    alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_torch`` of each sequence of a packed batch: q (1, H, total_q, D), k/v (1, H_kv, total_k, ·),
+    ``seqs = (cu_seqlens_q, cu_seqlens_k)``, ``alibi`` (B, H). Returns ``(o, lse)``, (1, H, total_q, Dv) and
+    (1, H, total_q); rows of a sequence without keys are 0 (lse ``-inf``, or the sink)."""
+    o = q.new_zeros((*q.shape[:3], v.shape[3]))
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    if sinks is not None:
+        lse.copy_(sinks.detach().float().view(1, -1, 1).expand(lse.shape))
+    for b, rows, keys in _sequences(seqs):
+        if rows.stop > rows.start and keys.stop > keys.start:
+            o[:, :, rows], lse[:, :, rows] = attention_torch(
+                q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale, None, None, softcap, window,
+                None if alibi is None else alibi[b:b + 1], sinks)
+    return o, lse
+
+
+def attention_varlen_backward_torch(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dlse: torch.Tensor | None,
+    seqs: tuple[torch.Tensor, torch.Tensor], causal: bool, scale: float, softcap: float | None = None,
+    window: tuple[int, int] | None = None, alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, torch.Tensor | None]:
+    """``attention_backward_torch`` of each sequence of a packed batch (``attention_varlen_torch``'s layouts):
+    ``(dq, dk, dv, None, dsinks)``. A sequence without keys passes its dLSE to the sinks alone."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=q.device)
+    for b, rows, keys in _sequences(seqs):
+        if rows.stop == rows.start:
+            continue
+        if keys.stop == keys.start:  # the LSE is the sink's alone: its gradient goes to the sink
+            if sinks is not None and dlse is not None:
+                dsinks += dlse[:, :, rows].float().sum(dim=(0, 2))
+            continue
+        dq[:, :, rows], dk_b, dv_b, _, dsinks_b = attention_backward_torch(
+            do[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+            None if dlse is None else dlse[:, :, rows], causal, scale, None, False, False, softcap, window,
+            None if alibi is None else alibi[b:b + 1], sinks)
+        dk[:, :, keys] += dk_b
+        dv[:, :, keys] += dv_b
+        if dsinks_b is not None:
+            dsinks += dsinks_b
+    return dq, dk, dv, None, dsinks

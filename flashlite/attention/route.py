@@ -20,7 +20,9 @@ from ..core.runtime import runs_kernels
 from .backward import BackwardLaunch
 from .forward import TlForwardLaunch
 from .forward_hopper import HopperForwardLaunch, wgmma_eligible
-from .reference import attention_backward_torch, attention_torch
+from .reference import (
+    attention_backward_torch, attention_torch, attention_varlen_backward_torch, attention_varlen_torch,
+)
 from .split_kv import SplitLaunch
 
 SPLIT_HAS_NO_BACKWARD = (
@@ -37,16 +39,21 @@ class Route:
     (``plan.visibility``'s) as the kernels take them; ``has_alibi``/``has_sinks``: calls bring (B, H) slopes
     (``plan.alibi_view``) and (H,) sinks; ``write_lse``: the forward returns the LSE; ``training``: the forward
     keeps what the backward needs (the LSE, and each row's ``(m, log d)`` under an additive mask);
-    ``num_splits`` (resolved, >= 1) and ``has_cache_seqlens`` choose split-K/V.
+    ``num_splits`` (resolved, >= 1) and ``has_cache_seqlens`` choose split-K/V. ``varlen = (sequences,
+    max_seqlen_q, max_seqlen_k)``: a packed batch (``core.packed``) of (1, H, total, D) tensors, whose calls
+    bring ``seqs = (cu_seqlens_q, cu_seqlens_k)``; it runs on the ``triton.language`` kernels (no mask, no
+    split).
     """
 
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, mask_is_bool: bool,
         causal: bool, scale: float, softcap: float | None, window: tuple[int, int] | None, has_alibi: bool,
         has_sinks: bool, write_lse: bool, training: bool, num_splits: int, has_cache_seqlens: bool,
+        varlen: tuple[int, int, int] | None = None,
     ):
         self.options = dict(causal=causal, scale=scale, softcap=softcap, window=window)
         self.mask_is_bool = mask_is_bool
+        self.varlen = varlen
         self.split = num_splits != 1 or has_cache_seqlens
         batch, n_heads, seqlen_q, _ = q.shape
         self.lse_shape = (batch, n_heads, seqlen_q)
@@ -62,7 +69,9 @@ class Route:
             return
         variants = dict(softcap=softcap, window=window, has_alibi=has_alibi, has_sinks=has_sinks)
         write_lse = write_lse or training
-        if self.split:
+        if varlen is not None:
+            self.launch = TlForwardLaunch(q, k, v, causal, scale, None, False, write_lse, varlen=varlen, **variants)
+        elif self.split:
             self.launch = SplitLaunch(q, k, v, mask, causal, scale, mask_is_bool, write_lse, num_splits,
                                       has_cache_seqlens, **variants)
         elif not self.keeps_row_stats and wgmma_eligible(q, k, v, mask is not None, scale):
@@ -78,12 +87,15 @@ class Route:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
         cache_seqlens: torch.Tensor | None, alibi: torch.Tensor | None, sinks: torch.Tensor | None,
+        seqs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(o, lse, row_stats)``: o (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 natural-log (or None when
         neither written nor needed), row_stats (2, B, H, Lq) fp32 when ``keeps_row_stats``, else None."""
         if not self.kernels:
-            return (*self._forward_without_kernels(q, k, v, mask, cache_seqlens, alibi, sinks), None)
+            return (*self._forward_without_kernels(q, k, v, mask, cache_seqlens, alibi, sinks, seqs), None)
         launch = self.launch
+        if self.varlen is not None:
+            return (*launch(q, k, v, None, alibi, sinks, seqs=seqs), None)
         if self.split:
             return (*launch(q, k, v, mask, cache_seqlens, alibi, sinks), None)
         if self.hopper:
@@ -94,7 +106,7 @@ class Route:
             return o, row_stats[0] + row_stats[1], row_stats
         return (*launch(q, k, v, mask, alibi, sinks), None)
 
-    def _forward_without_kernels(self, q, k, v, mask, cache_seqlens, alibi, sinks):
+    def _forward_without_kernels(self, q, k, v, mask, cache_seqlens, alibi, sinks, seqs):
         if not self.torch_path:  # no query row or no key: nothing to launch
             o = q.new_zeros((*q.shape[:3], self.head_dim_v))
             if sinks is not None:  # every row's softmax is the sink alone
@@ -102,6 +114,8 @@ class Route:
             else:
                 lse = torch.full(self.lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
             return o, lse
+        if self.varlen is not None:
+            return attention_varlen_torch(q, k, v, seqs, alibi=alibi, sinks=sinks, **self.options)
         if mask is not None and self.mask_is_bool:
             mask = mask.bool()  # broadcast_mask views a boolean mask as uint8
         o, lse = attention_torch(q, k, v, attn_mask=mask, cache_seqlens=cache_seqlens, alibi=alibi, sinks=sinks,
@@ -112,6 +126,7 @@ class Route:
         self, do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o: torch.Tensor, lse: torch.Tensor, row_stats: torch.Tensor | None, mask: torch.Tensor | None,
         alibi: torch.Tensor | None, sinks: torch.Tensor | None, mask_needs_grad: bool,
+        seqs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(dq, dk, dv, dmask, dsinks)`` (``backward.attention_backward``'s) for the forward this route ran;
         ``do`` with its head dim of stride 1. The backward's launches are planned at the first call of each
@@ -119,24 +134,26 @@ class Route:
         if self.split:
             raise NotImplementedError(SPLIT_HAS_NO_BACKWARD)
         if not self.kernels:
-            return self._backward_without_kernels(do, dlse, q, k, v, lse, mask, alibi, sinks, mask_needs_grad)
+            return self._backward_without_kernels(do, dlse, q, k, v, lse, mask, alibi, sinks, mask_needs_grad, seqs)
         key = (do.stride(), do.dtype, do.data_ptr() % 16, dlse is None, mask_needs_grad)
         launch = self._backwards.get(key)
         if launch is None:
             opts = self.options
             launch = BackwardLaunch(do, q, k, v, opts["causal"], opts["scale"], mask, self.mask_is_bool,
                                     mask_needs_grad, dlse is not None, softcap=opts["softcap"],
-                                    window=opts["window"], has_alibi=alibi is not None)
+                                    window=opts["window"], has_alibi=alibi is not None, varlen=self.varlen)
             self._backwards[key] = launch
-        return launch(do, q, k, v, o, lse, dlse, mask, alibi, sinks, row_stats)
+        return launch(do, q, k, v, o, lse, dlse, mask, alibi, sinks, row_stats, seqs)
 
-    def _backward_without_kernels(self, do, dlse, q, k, v, lse, mask, alibi, sinks, mask_needs_grad):
+    def _backward_without_kernels(self, do, dlse, q, k, v, lse, mask, alibi, sinks, mask_needs_grad, seqs):
         if not self.torch_path:  # no query row or no key: o is 0 whatever q, k, v hold; the LSE is the sink's
             dsinks = None
             if sinks is not None:
                 dsinks = (dlse.float().sum(dim=(0, 2)) if dlse is not None else torch.zeros_like(sinks.float()))
             dmask = torch.zeros(mask.shape, dtype=torch.float32, device=q.device) if mask_needs_grad else None
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask, dsinks
+        if self.varlen is not None:
+            return attention_varlen_backward_torch(do, q, k, v, dlse, seqs, alibi=alibi, sinks=sinks, **self.options)
         return attention_backward_torch(do, q, k, v, dlse, mask=mask, mask_is_bool=self.mask_is_bool,
                                         mask_needs_grad=mask_needs_grad, alibi=alibi, sinks=sinks, **self.options)
 

@@ -79,15 +79,16 @@ def check_window_size(window_size) -> tuple[int, int] | None:
     return int(window_size[0]), int(window_size[1])
 
 
-def check_alibi_slopes(alibi_slopes, q: torch.Tensor) -> None:
-    """``alibi_slopes``: None, or a float32 tensor of shape (H,) or (B, H) on q's device (q is (B, H, L, D))."""
+def check_alibi_slopes(alibi_slopes, q: torch.Tensor, batch: int | None = None) -> None:
+    """``alibi_slopes``: None, or a float32 tensor of shape (H,) or (B, H) on q's device (q is (B, H, L, D); a
+    packed batch gives its number of sequences as ``batch``)."""
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes must be a float32 tensor of shape (H,) or (B, H), got {type(alibi_slopes).__name__}")
     if alibi_slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
-    batch, n_heads = q.shape[0], q.shape[1]
+    batch, n_heads = q.shape[0] if batch is None else batch, q.shape[1]
     if tuple(alibi_slopes.shape) not in ((n_heads,), (batch, n_heads)):
         raise ValueError(f"alibi_slopes must have shape (H,) = ({n_heads},) or (B, H) = ({batch}, {n_heads}), "
                          f"got {tuple(alibi_slopes.shape)}")

@@ -1,0 +1,220 @@
+"""Packed (variable-length) batches: ``flashlite.flash_attention_varlen`` against its peers, same process, same data.
+
+bf16, causal, H = 16 (H_kv = 16), D in {64, 128}, packed batches of T tokens made of documents whose lengths
+are drawn (seeded) from
+
+* ``uniform2k`` / ``uniform8k``: uniform in [L/8, L] for L = 2048 / 8192;
+* ``longtail``: ``round(exp(N(log 256, 1.5)))`` clipped to [16, 16384] (many short documents, a few long);
+
+the last document cut so that the lengths sum to T. Forward (``fwd``) and forward + ``torch.autograd.grad`` of
+q, k, v (``fwd_bwd``), ``triton.testing.do_bench`` medians. TFLOP/s count the visible (query, key) pairs only:
+4·H·D per pair forward, 2.5 times that backward.
+
+Providers: ``flashlite`` (varlen); ``dense``: flashlite's ``flash_attention`` on a uniform (B, H, L_eq, D) batch
+of the same visible work (L_eq = Σ Lᵢ² / T, B = T / L_eq), the kernel a user gets there; ``mask``: today's
+route for a packed batch, ``flash_attention`` with the block-diagonal (T, T) boolean mask (T <= 16K); ``fa4``:
+FlashAttention-4's ``flash_attn_varlen_func`` when ``flash_attn.cute`` imports (``../shared/tools/peer_wheels.sh``);
+``flex``: FlexAttention with a document-causal block mask (compiled; T <= 64K). Ratios: ``x_dense``,
+``x_fa4``, ``x_flex``, ``x_mask`` (flashlite's speed over theirs; > 1 is faster).
+
+Host cost (``--part host``): a small packed training call (4 documents of 64 tokens, H = 16, D = 64) in
+microseconds per call, 200 calls back to back, against SDPA on the same work as a (4, 16, 64, 64) batch.
+
+    python bench/varlen.py [--out DIR] [--part speed host] [--totals 16384 65536]
+        # -> DIR/varlen.{json,md}, DIR/varlen_host.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from call_path import loop_us  # noqa: E402
+from common import environment, results_dir, tflops, try_time_ms, write_results  # noqa: E402
+
+import flashlite  # noqa: E402
+
+HEADS = 16
+MIXES = ("uniform2k", "uniform8k", "longtail")
+MASK_MAX_TOKENS = 16384  # the (T, T) boolean mask of today's route: 256 MB at 16K
+FLEX_MAX_TOKENS = 65536
+
+
+def document_lengths(mix: str, total: int, seed: int = 0) -> list[int]:
+    """Lengths of the documents of one packed batch of ``total`` tokens (the module docstring's mixes)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, filled = [], 0
+    while filled < total:
+        if mix.startswith("uniform"):
+            longest = {"uniform2k": 2048, "uniform8k": 8192}[mix]
+            n = int(torch.randint(longest // 8, longest + 1, (1,), generator=gen))
+        else:
+            n = int(min(max(round(math.exp(math.log(256) + 1.5 * float(torch.randn(1, generator=gen)))), 16), 16384))
+        n = min(n, total - filled)
+        lengths.append(n)
+        filled += n
+    return lengths
+
+
+def visible_pairs(lengths: list[int]) -> int:
+    """Causal (query, key) pairs of the documents: L(L + 1)/2 each."""
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def fa4_varlen():
+    """FlashAttention-4's ``flash_attn_varlen_func``, or None when it does not import."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - absent, or built for another CUDA: reported as missing
+        return None
+    return flash_attn_varlen_func
+
+
+def flex_document_call(lengths: list[int], total: int, device):
+    """FlexAttention with a document-causal block mask on (1, H, T, D) tensors, compiled; or None."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(document_causal, None, None, total, total, device=device)
+    compiled = torch.compile(flex_attention)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+def providers(lengths: list[int], head_dim: int, device) -> dict:
+    """name -> (inputs factory, call) for one packed batch; each call returns the output to differentiate."""
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    longest = max(lengths)
+
+    def packed():
+        return [torch.randn(total, HEADS, head_dim, device=device, dtype=torch.bfloat16) for _ in range(3)]
+
+    def bhld(batch, length):
+        return lambda: [torch.randn(batch, HEADS, length, head_dim, device=device, dtype=torch.bfloat16)
+                        for _ in range(3)]
+
+    out = {"flashlite": (packed, lambda q, k, v: flashlite.flash_attention_varlen(q, k, v, cu, cu, longest, longest,
+                                                                                   causal=True))}
+    l_eq = max(16, round(sum(n * n for n in lengths) / total))
+    out["dense"] = (bhld(max(1, total // l_eq), l_eq), lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True))
+    fa4 = fa4_varlen()
+    if fa4 is not None:
+        def fa4_call(q, k, v):
+            o = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                    causal=True)
+            return o[0] if isinstance(o, tuple) else o
+        out["fa4"] = (packed, fa4_call)
+    if total <= FLEX_MAX_TOKENS:
+        flex = flex_document_call(lengths, total, device)
+        if flex is not None:
+            out["flex"] = (bhld(1, total), flex)
+    if total <= MASK_MAX_TOKENS:
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+        block_diagonal = (doc[:, None] == doc[None, :]).view(1, 1, total, total)
+        out["mask"] = (bhld(1, total), lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True,
+                                                                                 attn_mask=block_diagonal))
+    return out
+
+
+def dense_pairs(batch: int, length: int) -> int:
+    return batch * length * (length + 1) // 2
+
+
+def measure(mix: str, total: int, head_dim: int, device) -> dict:
+    lengths = document_lengths(mix, total)
+    row = dict(mix=mix, tokens=total, D=head_dim, docs=len(lengths), longest=max(lengths))
+    for name, (make, call) in providers(lengths, head_dim, device).items():
+        inputs = make()
+        pairs = visible_pairs(lengths)
+        if name == "dense":
+            pairs = dense_pairs(inputs[0].shape[0], inputs[0].shape[2])
+        flops = 4 * HEADS * head_dim * pairs
+        row[f"{name}_fwd"] = tflops(flops, try_time_ms(lambda: call(*inputs)))
+        leaves = [t.requires_grad_() for t in inputs]
+        out = call(*leaves)
+        do = torch.randn_like(out)
+
+        def fwd_bwd():
+            return torch.autograd.grad(call(*leaves), leaves, do)
+
+        row[f"{name}_fwd_bwd"] = tflops(3.5 * flops, try_time_ms(fwd_bwd))
+        del inputs, leaves, out, do
+    for part in ("fwd", "fwd_bwd"):
+        mine = row.get(f"flashlite_{part}")
+        for peer in ("dense", "fa4", "flex", "mask"):
+            theirs = row.get(f"{peer}_{part}")
+            row[f"x_{peer}_{part}"] = mine / theirs if mine and theirs else None
+    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    return row
+
+
+def run_speed(out: str, totals: list[int], command: str) -> None:
+    device = torch.device("cuda")
+    rows = [measure(mix, total, head_dim, device) for head_dim in (64, 128) for total in totals for mix in MIXES]
+    columns = ["mix", "tokens", "D", "docs", "longest"]
+    for part in ("fwd", "fwd_bwd"):
+        columns += [f"{p}_{part}" for p in ("flashlite", "dense", "fa4", "flex", "mask")]
+        columns += [f"x_{p}_{part}" for p in ("dense", "fa4", "flex", "mask")]
+    meta = dict(environment(), command=command, heads=HEADS, dtype="bfloat16", causal=True,
+                fa4="present" if fa4_varlen() is not None else "not importable",
+                units="TFLOP/s on visible pairs (fwd_bwd: 3.5x the forward's FLOPs)")
+    write_results("varlen", out, meta, rows, columns, "Packed batches: flash_attention_varlen and peers (H200)")
+
+
+def run_host(out: str, command: str) -> None:
+    device = torch.device("cuda")
+    lengths, head_dim = [64] * 4, 64
+    cu = torch.tensor([0, 64, 128, 192, 256], dtype=torch.int32, device=device)
+    rows = []
+    for part in ("fwd", "fwd_bwd"):
+        q, k, v = (torch.randn(256, HEADS, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        qd, kd, vd = (torch.randn(4, HEADS, 64, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+                      for _ in range(3))
+
+        def mine():
+            o = flashlite.flash_attention_varlen(q, k, v, cu, cu, 64, 64, causal=True)
+            return torch.autograd.grad(o, (q, k, v), o) if part == "fwd_bwd" else o
+
+        def sdpa():
+            o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+            return torch.autograd.grad(o, (qd, kd, vd), o) if part == "fwd_bwd" else o
+
+        row = dict(part=part, docs=len(lengths), flashlite_loop_us=loop_us(mine), sdpa_loop_us=loop_us(sdpa))
+        row["x_sdpa"] = row["flashlite_loop_us"] / row["sdpa_loop_us"]
+        print(row, flush=True)
+        rows.append(row)
+    meta = dict(environment(), command=command, shape="4 documents x 64 tokens, H = 16, D = 64, causal, bf16")
+    write_results("varlen_host", out, meta, rows, ["part", "docs", "flashlite_loop_us", "sdpa_loop_us", "x_sdpa"],
+                  "Packed batches: host cost of a small training call (H200)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
+    parser.add_argument("--part", nargs="+", default=["speed", "host"], choices=["speed", "host"])
+    parser.add_argument("--totals", nargs="+", type=int, default=[16384, 65536])
+    args = parser.parse_args(argv)
+    out = results_dir(args.out)
+    command = "python bench/varlen.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if "host" in args.part:
+        run_host(out, command)
+    if "speed" in args.part:
+        run_speed(out, args.totals, command)
+
+
+if __name__ == "__main__":
+    main()

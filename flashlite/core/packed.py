@@ -1,0 +1,47 @@
+"""Packed (variable-length) batches: where one sequence's rows lie in a batch packed along the tokens.
+
+A packed batch keeps B sequences of different lengths end to end, FlashAttention's ``cu_seqlens`` convention:
+sequence ``b`` owns rows ``[cu_seqlens[b], cu_seqlens[b + 1])`` of a (total, H, D) tensor. The attention
+kernels see such a tensor as (1, H, total, D) with a batch stride of 0 and index programs by sequence as
+they index a dense batch; ``sequence_bounds`` turns a sequence number into its first rows and lengths,
+read from the device (no host synchronisation), and into where its rows' statistics (LSE, δ) lie. Example:
+``cu_seqlens_q = [0, 3, 3, 8]`` packs lengths 3, 0 and 5; sequence 2's queries are rows 3..7.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sequence_bounds(seqs, b, n_heads, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """``(q_row0, k_row0, seqlen_q, seqlen_k, stats_row0, stats_head_stride)`` of sequence ``b``: its first
+    query and key rows (64-bit), its lengths, and where its rows' statistics lie (row ``i`` of query head ``h``
+    at ``stats_row0 + h · stats_head_stride + i``).
+
+    Dense batches (``VARLEN`` off): rows from 0, the call's lengths, statistics (B, H, Lq) contiguous.
+    Packed (``VARLEN``): ``seqs = (cu_seqlens_q, cu_seqlens_k, total_q, total_k)`` and statistics (H, total_q),
+    FlashAttention's varlen LSE layout; the ``seqlen_q``/``seqlen_k`` given (the longest, which size the
+    grids) are replaced by the sequence's. Offsets are clamped to ``[0, total]`` and each end to at least its
+    start, so that offsets the host could not check (on a GPU) never reach past the tensors.
+    """
+    q_row0 = tl.zeros([], tl.int64)
+    k_row0 = tl.zeros([], tl.int64)
+    stats_head_stride = tl.cast(seqlen_q, tl.int64)
+    stats_row0 = tl.cast(b, tl.int64) * n_heads * seqlen_q
+    if VARLEN:
+        cu_seqlens_q, cu_seqlens_k, total_q, total_k = seqs
+        q_row0, seqlen_q = _rows_of(cu_seqlens_q, b, total_q)
+        k_row0, seqlen_k = _rows_of(cu_seqlens_k, b, total_k)
+        stats_head_stride = tl.cast(total_q, tl.int64)
+        stats_row0 = q_row0
+    return q_row0, k_row0, seqlen_q, seqlen_k, stats_row0, stats_head_stride
+
+
+@triton.jit
+def _rows_of(cu_seqlens, b, total):
+    """``(first row (64-bit), length)`` of sequence ``b``, clamped inside ``[0, total]``."""
+    start = tl.minimum(tl.maximum(tl.load(cu_seqlens + b), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(cu_seqlens + b + 1), start), total)
+    return start.to(tl.int64), end - start
