@@ -14,7 +14,7 @@ Providers: ``flashlite`` (varlen); ``dense``: flashlite's ``flash_attention`` on
 of the same visible work (L_eq = Σ Lᵢ² / T, B = T / L_eq), the kernel a user gets there; ``mask``: today's
 route for a packed batch, ``flash_attention`` with the block-diagonal (T, T) boolean mask (T <= 16K); ``fa4``:
 FlashAttention-4's ``flash_attn_varlen_func`` when ``flash_attn.cute`` imports (``../shared/tools/peer_wheels.sh``);
-``flex``: FlexAttention with a document-causal block mask (compiled; T <= 64K). Ratios: ``x_dense``,
+``flex``: FlexAttention with a document-causal block mask (compiled; T <= 16K). Ratios: ``x_dense``,
 ``x_fa4``, ``x_flex``, ``x_mask`` (flashlite's speed over theirs; > 1 is faster).
 
 Host cost (``--part host``): a small packed training call (4 documents of 64 tokens, H = 16, D = 64) in
@@ -44,7 +44,7 @@ import flashlite  # noqa: E402
 HEADS = 16
 MIXES = ("uniform2k", "uniform8k", "longtail")
 MASK_MAX_TOKENS = 16384  # the (T, T) boolean mask of today's route: 256 MB at 16K
-FLEX_MAX_TOKENS = 65536
+FLEX_MAX_TOKENS = 16384  # each new shape recompiles flex_attention
 
 
 def document_lengths(mix: str, total: int, seed: int = 0) -> list[int]:
@@ -163,7 +163,6 @@ def measure(mix: str, total: int, head_dim: int, device) -> dict:
 
 def run_speed(out: str, totals: list[int], command: str) -> None:
     device = torch.device("cuda")
-    rows = [measure(mix, total, head_dim, device) for head_dim in (64, 128) for total in totals for mix in MIXES]
     columns = ["mix", "tokens", "D", "docs", "longest"]
     for part in ("fwd", "fwd_bwd"):
         columns += [f"{p}_{part}" for p in ("flashlite", "dense", "fa4", "flex", "mask")]
@@ -171,7 +170,13 @@ def run_speed(out: str, totals: list[int], command: str) -> None:
     meta = dict(environment(), command=command, heads=HEADS, dtype="bfloat16", causal=True,
                 fa4="present" if fa4_varlen() is not None else "not importable",
                 units="TFLOP/s on visible pairs (fwd_bwd: 3.5x the forward's FLOPs)")
-    write_results("varlen", out, meta, rows, columns, "Packed batches: flash_attention_varlen and peers (H200)")
+    rows = []
+    for head_dim in (64, 128):
+        for total in totals:
+            for mix in MIXES:
+                rows.append(measure(mix, total, head_dim, device))
+                write_results("varlen", out, meta, rows, columns,  # after every row: a cut-short run keeps its rows
+                              "Packed batches: flash_attention_varlen and peers (H200)")
 
 
 def run_host(out: str, command: str) -> None:
