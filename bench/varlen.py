@@ -17,11 +17,16 @@ FlashAttention-4's ``flash_attn_varlen_func`` when ``flash_attn.cute`` imports (
 ``flex``: FlexAttention with a document-causal block mask (compiled; T <= 16K). Ratios: ``x_dense``,
 ``x_fa4``, ``x_flex``, ``x_mask`` (flashlite's speed over theirs; > 1 is faster).
 
+Paged decoding (``--part paged``): B in {1, 8, 32}, H = 32, H_kv = 8, D = 128, Lq = 1, caches of 4K-128K keys
+(every sequence full), pages of 16, 64 and 256 keys scattered at random over the pool: flashlite's paged call
+against its own contiguous-cache call on the same keys, GB/s of K/V read (``x_contiguous``: paged over
+contiguous speed), and FlashAttention-4's paged call when it imports (``page_table``).
+
 Host cost (``--part host``): a small packed training call (4 documents of 64 tokens, H = 16, D = 64) in
 microseconds per call, 200 calls back to back, against SDPA on the same work as a (4, 16, 64, 64) batch.
 
-    python bench/varlen.py [--out DIR] [--part speed host] [--totals 16384 65536]
-        # -> DIR/varlen.{json,md}, DIR/varlen_host.{json,md}
+    python bench/varlen.py [--out DIR] [--part speed host paged] [--totals 16384 65536]
+        # -> DIR/varlen.{json,md}, DIR/varlen_host.{json,md}, DIR/paged_decode.{json,md}
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from call_path import loop_us  # noqa: E402
-from common import environment, results_dir, tflops, try_time_ms, write_results  # noqa: E402
+from common import environment, gbs, results_dir, tflops, try_time_ms, write_results  # noqa: E402
 
 import flashlite  # noqa: E402
 
@@ -207,16 +212,56 @@ def run_host(out: str, command: str) -> None:
                   "Packed batches: host cost of a small training call (H200)")
 
 
+def run_paged(out: str, command: str) -> None:
+    device = torch.device("cuda")
+    heads, kv_heads, head_dim = 32, 8, 128
+    rows = []
+    for batch in (1, 8, 32):
+        for seqlen_k in (4096, 32768, 131072):
+            if batch * seqlen_k > 32 * 32768:  # K/V of at most 32 x 32K keys (16 GB in bf16)
+                continue
+            k = torch.randn(batch, kv_heads, seqlen_k, head_dim, device=device, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=torch.bfloat16)
+            seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+            kv_bytes = 2 * k.numel() * k.element_size()
+            contiguous_ms = try_time_ms(lambda: flashlite.flash_attention(q, k, v, cache_seqlens=seqlens))
+            for page_size in (16, 64, 256):
+                blocks = seqlen_k // page_size
+                table = torch.randperm(batch * blocks, device=device).view(batch, blocks).to(torch.int32)
+                pool = [torch.empty(batch * blocks, kv_heads, page_size, head_dim, device=device, dtype=k.dtype)
+                        for _ in range(2)]
+                for cache, src in zip(pool, (k, v)):  # the same keys, scattered over the pages of the table
+                    cache[table.long().flatten()] = src.view(batch, kv_heads, blocks, page_size, head_dim).transpose(
+                        1, 2).reshape(batch * blocks, kv_heads, page_size, head_dim)
+                paged = lambda: flashlite.flash_attention(q, *pool, cache_seqlens=seqlens, block_table=table)
+                torch.testing.assert_close(paged(), flashlite.flash_attention(q, k, v, cache_seqlens=seqlens),
+                                           atol=2e-2, rtol=2e-2)
+                row = dict(B=batch, Lk=seqlen_k, page=page_size, paged_gbs=gbs(kv_bytes, try_time_ms(paged)),
+                           contiguous_gbs=gbs(kv_bytes, contiguous_ms))
+                row["x_contiguous"] = (row["paged_gbs"] / row["contiguous_gbs"]
+                                       if row["paged_gbs"] and row["contiguous_gbs"] else None)
+                print(row, flush=True)
+                rows.append(row)
+                del pool, table
+    meta = dict(environment(), command=command, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seqlen_q=1,
+                dtype="bfloat16", units="GB/s of K/V read")
+    write_results("paged_decode", out, meta, rows, ["B", "Lk", "page", "paged_gbs", "contiguous_gbs", "x_contiguous"],
+                  "Paged decoding: flash_attention with a block table against the contiguous cache (H200)")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
-    parser.add_argument("--part", nargs="+", default=["speed", "host"], choices=["speed", "host"])
+    parser.add_argument("--part", nargs="+", default=["speed", "host", "paged"], choices=["speed", "host", "paged"])
     parser.add_argument("--totals", nargs="+", type=int, default=[16384, 65536])
     args = parser.parse_args(argv)
     out = results_dir(args.out)
     command = "python bench/varlen.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if "host" in args.part:
         run_host(out, command)
+    if "paged" in args.part:
+        run_paged(out, command)
     if "speed" in args.part:
         run_speed(out, args.totals, command)
 

@@ -151,7 +151,7 @@ def _attention_trace_kernel(
         # No user mask (mask_bh unused) and no score modifiers: mods (softcap, slope, window) unused, MODS all off.
         acc, m, d = attend_kv_tiles(
             acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, head_dim, head_dim, t * BLOCK_N, (t + 1) * BLOCK_N,
-            (seqlen_q, seqlen_k, head_dim, head_dim), mask_bh=(q_ptr, 0, 0), mods=(1.0, 0.0, 0, 0),
+            (seqlen_q, seqlen_k, head_dim, head_dim), mask_bh=(q_ptr, 0, 0), mods=(1.0, 0.0, 0, 0), pages=None,
             TILE=(BLOCK_N, HEAD_DIM, HEAD_DIM, EVEN_D, EVEN_D), MASKING=(IS_CAUSAL, False, False, False),
             UNITS=BASE2_UNITS, MASKED=True, USE_TMA=False, DOTS=("ieee", False), MODS=(False, False, False, False),
         )

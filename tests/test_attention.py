@@ -295,7 +295,7 @@ def _key_range(q, q_idx, qk_scale, k_ptr, v_ptr, lo, hi, seqlen_q, seqlen_k,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     return forward.attend_kv_tiles(
         acc, m, d, q, q_idx, qk_scale, k_ptr, v_ptr, D, D, lo, hi, (seqlen_q, seqlen_k, D, D), (k_ptr, 0, 0),
-        (1.0, 0.0, 0, 0), TILE=(BLOCK_N, D, D, True, True), MASKING=(True, False, False, False), UNITS=1.0,
+        (1.0, 0.0, 0, 0), None, TILE=(BLOCK_N, D, D, True, True), MASKING=(True, False, False, False), UNITS=1.0,
         MASKED=True, USE_TMA=False, DOTS=("ieee", False), MODS=(False, False, False, False),
     )
 

@@ -133,8 +133,8 @@ def op_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch
              cache_seqlens: torch.Tensor | None, alibi: torch.Tensor | None, sinks: torch.Tensor | None,
              causal: bool, scale: float, softcap: float | None, window: list[int] | None, num_splits: int | None,
              write_lse: bool, training: bool, cu_seqlens_q: torch.Tensor | None = None,
-             cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0,
-             max_seqlen_k: int = 0) -> tuple[Route, torch.Tensor | None]:
+             cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+             block_table: torch.Tensor | None = None) -> tuple[Route, torch.Tensor | None]:
     """``(route, mask)`` of a call of the op from its (checked) arguments, and the mask broadcast as the kernels
     read it. Routes are kept by the op's signature, as ``call_key`` keeps the eager calls'."""
     mask, mask_is_bool = _mask_view(attn_mask, q, k)
@@ -142,15 +142,16 @@ def op_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch
            q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal, scale, softcap,
            None if window is None else tuple(window), num_splits, write_lse, training, _tensor_key(attn_mask),
            _tensor_key(alibi), _tensor_key(sinks), _tensor_key(cache_seqlens), _tensor_key(cu_seqlens_q),
-           _tensor_key(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+           _tensor_key(cu_seqlens_k), max_seqlen_q, max_seqlen_k, _tensor_key(block_table))
     route = _ROUTES.get(key)
     if route is None:
         varlen = None if cu_seqlens_q is None else (cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
+        paged = None if block_table is None else (k.shape[2], block_table.shape[1])
         if num_splits is None:
-            num_splits = auto_num_splits(q, k, mask) if runs_kernels(q) else 1
+            num_splits = auto_num_splits(q, logical_cache(k, block_table, q.shape[0]), mask) if runs_kernels(q) else 1
         route = Route(q, k, v, mask, mask_is_bool, causal, scale, softcap, None if window is None else tuple(window),
                       alibi is not None, sinks is not None, write_lse, training, num_splits, cache_seqlens is not None,
-                      varlen)
+                      varlen, paged)
         _keep(key, route)
     return route, mask
 
@@ -170,16 +171,17 @@ def _mask_view(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor)
     schema="(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cache_seqlens, Tensor? alibi, Tensor? sinks, "
            "bool causal, float scale, float? softcap, int[]? window, int? num_splits, bool write_lse, "
            "bool training, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-           "int max_seqlen_k=0) -> (Tensor, Tensor, Tensor)",
+           "int max_seqlen_k=0, Tensor? block_table=None) -> (Tensor, Tensor, Tensor)",
 )
 def _flash_attention_op(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window, num_splits,
-                        write_lse, training, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                        write_lse, training, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                        block_table=None):
     """``(o, lse, row_stats)`` (``Route.forward``'s; an LSE not written and row_stats not kept are empty). A
     packed batch (``flash_attention_varlen``) comes as (1, H, total, D) tensors with its ``cu_seqlens``."""
     seqs = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     route, mask = op_route(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window,
-                           num_splits, write_lse, training, *seqs)
-    o, lse, row_stats = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks, _seqs(seqs))
+                           num_splits, write_lse, training, *seqs, block_table)
+    o, lse, row_stats = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks, _seqs(seqs), block_table)
     empty = q.new_empty((0,), dtype=torch.float32)  # an output not written (outputs may not alias each other)
     return o, lse if lse is not None else empty, row_stats if row_stats is not None else empty.clone()
 
@@ -202,7 +204,7 @@ def _seqs(packed: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 @_flash_attention_op.register_fake
 def _(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window, num_splits, write_lse,
-      training, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+      training, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, block_table=None):
     o = output_like(q, v.shape[3])  # q's memory order, as the launches allocate it
     lse = q.new_empty(q.shape[:3] if write_lse or training else (0,), dtype=torch.float32)
     keeps = _keeps_row_stats(attn_mask, num_splits, cache_seqlens, training)
@@ -215,16 +217,17 @@ def _(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, w
            "Tensor? attn_mask, Tensor? cache_seqlens, Tensor? alibi, Tensor? sinks, bool causal, float scale, "
            "float? softcap, int[]? window, int? num_splits, bool write_lse, bool training, "
            "bool mask_needs_grad, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-           "int max_seqlen_k=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+           "int max_seqlen_k=0, Tensor? block_table=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _flash_attention_backward_op(do, dlse, q, k, v, o, lse, row_stats, attn_mask, cache_seqlens, alibi, sinks,
                                  causal, scale, softcap, window, num_splits, write_lse, training, mask_needs_grad,
-                                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                                 cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                                 block_table=None):
     """``(dq, dk, dv, dmask, dsinks)``: dmask the fp32 gradient of ``attn_mask`` in its shape (empty when not
     asked), dsinks fp32 (empty without sinks). The route is the forward's (``op_route``)."""
     seqs = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     route, _ = op_route(q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap, window,
-                        num_splits, write_lse, training, *seqs)
+                        num_splits, write_lse, training, *seqs, block_table)
     grads = _route_backward(route, do, dlse, q, k, v, o, lse, row_stats if row_stats.numel() else None, attn_mask,
                             alibi, sinks, mask_needs_grad, _seqs(seqs))
     dq, dk, dv, dmask, dsinks = (g.clone() if g is not None and g._base is not None else g for g in grads)
@@ -236,7 +239,7 @@ def _flash_attention_backward_op(do, dlse, q, k, v, o, lse, row_stats, attn_mask
 @_flash_attention_backward_op.register_fake
 def _(do, dlse, q, k, v, o, lse, row_stats, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap,
       window, num_splits, write_lse, training, mask_needs_grad, cu_seqlens_q=None, cu_seqlens_k=None,
-      max_seqlen_q=0, max_seqlen_k=0):
+      max_seqlen_q=0, max_seqlen_k=0, block_table=None):
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     dmask = q.new_empty(attn_mask.shape if mask_needs_grad else (0,), dtype=torch.float32)
     return dq, dk, dv, dmask, q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
@@ -320,13 +323,57 @@ class _Attention(torch.autograd.Function):
 # ----------------------------------------------------------------------------- the public function
 
 
+def check_paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, attn_mask) -> None:
+    """Validate a paged KV cache (errors name the argument): ``block_table`` int32 (B, max_blocks) on q's device,
+    k_cache/v_cache (num_blocks, H_kv, page_size, ·) with a page size that is a multiple of 16, ``cache_seqlens``
+    given, no ``attn_mask``. On the CPU the page numbers are checked to lie in [0, num_blocks) too (on a GPU the
+    kernel clamps them: no host synchronisation)."""
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be an int32 tensor, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
+        raise ValueError(f"block_table must be (B, max_blocks) with B = {q.shape[0]}, got {tuple(block_table.shape)}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+    if cache_seqlens is None:
+        raise ValueError("block_table needs cache_seqlens: the number of valid keys of each sequence")
+    if attn_mask is not None:
+        raise ValueError("attn_mask is not supported with block_table (a paged cache)")
+    for name, t in (("k", k_cache), ("v", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D paged cache (num_blocks, H_kv, page_size, head_dim) with "
+                             f"block_table, got {getattr(t, 'shape', type(t).__name__)}")
+    if k_cache.shape[0] < 1 or k_cache.shape[0] != v_cache.shape[0] or k_cache.shape[2] != v_cache.shape[2]:
+        raise ValueError(f"k and v must hold the same pages (num_blocks >= 1, one page size), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[2] % 16:
+        raise ValueError(f"the page size (k's dim 2) must be a multiple of 16, got {k_cache.shape[2]}")
+    if not block_table.is_cuda and block_table.numel() and not is_compiling():
+        low, high = int(block_table.min()), int(block_table.max())
+        if low < 0 or high >= k_cache.shape[0]:
+            raise ValueError(f"block_table values must lie in [0, num_blocks) = [0, {k_cache.shape[0]}), got "
+                             f"values from {low} to {high}")
+
+
+def logical_cache(k: torch.Tensor, block_table: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """``k`` itself, or for a paged cache a tensor without memory of the (B, H_kv, max_blocks · page_size, D)
+    cache it stands for (what the split planner and the checks read: shapes)."""
+    if block_table is None:
+        return k
+    return torch.empty((batch, k.shape[1], block_table.shape[1] * k.shape[2], k.shape[3]), device="meta")
+
+
 def _check_call(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse,
-                num_splits, cache_seqlens):
+                num_splits, cache_seqlens, block_table=None):
     """Every argument checked (errors name the argument), returned normalised: ``(mask, mask_is_bool, causal,
     scale, softcap, window, return_lse)``."""
+    if block_table is not None:  # a paged cache: checked, then as one page per sequence for the rest
+        check_paged_cache(q, k, v, block_table, cache_seqlens, attn_mask)
+        k, v = (t[:1].expand(q.shape[0], -1, -1, -1) for t in (k, v))
     mask, mask_is_bool = check_inputs(q, k, v, attn_mask)
     causal, return_lse = check_flag("causal", causal), check_flag("return_lse", return_lse)
-    check_split_args(num_splits, cache_seqlens, q, k)
+    check_split_args(num_splits, cache_seqlens, q, logical_cache(k, block_table, q.shape[0]))
     check_alibi_slopes(alibi_slopes, q)
     check_sinks(sinks, q)
     scale = check_scale(scale, 1.0 / math.sqrt(q.shape[3]))
@@ -341,6 +388,7 @@ def flash_attention(
     window_size: tuple[int, int] | None = None, softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None, return_lse: bool = False,
     num_splits: int | None = None, cache_seqlens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention ``softmax(q kᵀ · scale + mask) v``, tile by tile, without materialising the scores.
 
@@ -404,6 +452,12 @@ def flash_attention(
             attends keys ``[0, cache_seqlens[b])`` of k and v only (a KV cache filled
             up to there, read in place without a copy). Values must lie in [0, Lk]
             (checked on CPU; on CUDA they are clamped, to avoid a host sync).
+        block_table: None, or int32 (B, max_blocks) on q's device: k and v are then a paged cache,
+            (num_blocks, H_kv, page_size, D) (any strides with the head dim contiguous: FlashAttention's
+            (num_blocks, page_size, H_kv, D) passes as ``k_cache.transpose(1, 2)``), key ``j`` of sequence
+            ``b`` in page ``block_table[b, j // page_size]`` at row ``j % page_size``; page sizes any
+            multiple of 16; ``cache_seqlens`` required, no ``attn_mask``. Split-K/V decoding (Lq = 1, or
+            chunked prefill with ``causal``), every variant; inference only (no gradient), as FlashAttention.
 
     Returns:
         ``o`` (B, H, Lq, Dv) in q's dtype (its (B, H, L) dims in q's memory order), or
@@ -434,21 +488,27 @@ def flash_attention(
     training = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)
         or getattr(attn_mask, "requires_grad", False) or getattr(sinks, "requires_grad", False))
+    if block_table is not None and training:
+        raise ValueError("block_table (a paged cache) is for inference: call it without gradients (no_grad)")
     if is_compiling():
         return _compiled_call(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks,
-                              return_lse, num_splits, cache_seqlens, training)
+                              return_lse, num_splits, cache_seqlens, training, block_table)
     key = call_key(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse,
                    num_splits, cache_seqlens, training)
+    if key is not None and block_table is not None:
+        key = (*key, _tensor_key(block_table)) if block_table.is_cuda else None  # on CPU: checked every call
     route = _ROUTES.get(key) if key is not None else None
     if route is None:  # checked and planned once per signature (a kept key holds return_lse as a bool)
         mask, mask_is_bool, causal_, scale_, softcap_, window, return_lse = _check_call(
             q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse, num_splits,
-            cache_seqlens)
+            cache_seqlens, block_table)
         qu, ku, vu = (unit_stride_head_dim(t) for t in (q, k, v))
         if num_splits is None:  # training keeps the forward kernel: the split path has no backward
-            num_splits = 1 if training or not runs_kernels(q) else auto_num_splits(qu, ku, mask)
+            num_splits = (1 if training or not runs_kernels(q)
+                          else auto_num_splits(qu, logical_cache(ku, block_table, q.shape[0]), mask))
+        paged = None if block_table is None else (k.shape[2], block_table.shape[1])
         route = Route(qu, ku, vu, mask, mask_is_bool, causal_, scale_, softcap_, window, alibi_slopes is not None,
-                      sinks is not None, return_lse, training, num_splits, cache_seqlens is not None)
+                      sinks is not None, return_lse, training, num_splits, cache_seqlens is not None, paged=paged)
         if key is not None:
             _keep(key, route)
     q, k, v = unit_stride_head_dim(q), unit_stride_head_dim(k), unit_stride_head_dim(v)
@@ -459,16 +519,16 @@ def flash_attention(
     if training:
         o, lse = _Attention.apply(route, q, k, v, attn_mask, mask, cache_seqlens, alibi, sinks)
     else:  # inference: no autograd node to build
-        o, lse, _ = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks)
+        o, lse, _ = route.forward(q, k, v, mask, cache_seqlens, alibi, sinks, block_table=block_table)
     return (o, lse) if return_lse else o
 
 
 def _compiled_call(q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse,
-                   num_splits, cache_seqlens, training):
+                   num_splits, cache_seqlens, training, block_table):
     """``flash_attention`` while ``torch.compile`` traces: checked, then one node of the graph (the op)."""
     _, _, causal, scale, softcap, window, return_lse = _check_call(
         q, k, v, causal, scale, attn_mask, window_size, softcap, alibi_slopes, sinks, return_lse, num_splits,
-        cache_seqlens)
+        cache_seqlens, block_table)
     q, k, v = (unit_stride_head_dim(t) for t in (q, k, v))
     if num_splits is None and training:
         num_splits = 1
@@ -476,7 +536,7 @@ def _compiled_call(q, k, v, causal, scale, attn_mask, window_size, softcap, alib
     sinks = None if sinks is None else sinks.contiguous()
     o, lse, _ = torch.ops.flashlite.flash_attention(
         q, k, v, attn_mask, cache_seqlens, alibi, sinks, causal, scale, softcap,
-        None if window is None else list(window), num_splits, return_lse, training)
+        None if window is None else list(window), num_splits, return_lse, training, block_table=block_table)
     return (o, lse) if return_lse else o
 
 

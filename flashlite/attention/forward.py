@@ -96,7 +96,7 @@ def positive_scale(q, qk_scale):
 @triton.jit
 def attend_kv_tiles(
     acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, key_start, key_end, sizes, mask_bh, mods,
-    TILE: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+    pages, TILE: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
     DOTS: tl.constexpr, MODS: tl.constexpr,
 ):
     """Fold keys ``[key_start, key_end)`` into the running ``(acc, m, d)`` of the query tile ``q``.
@@ -114,7 +114,10 @@ def attend_kv_tiles(
     ``HEAD_DIM_V_PADDED``), and so is ``acc``. ``sizes``, ``TILE``, ``DOTS``: the module docstring;
     ``mask_bh``, ``MASKING``: ``core.masking``'s.
     ``k_src``/``v_src`` are the (batch, kv head)'s base pointers, or with
-    ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``).
+    ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``). A paged cache (``pages``, else None):
+    ``(block_table_row, page_size, stride_k_page, stride_v_page, last_block)``, key ``j`` at row ``j %
+    page_size`` of page ``block_table_row[j // page_size]`` (clamped to ``[0, last_block]``) of the K/V
+    bases; ``BLOCK_N`` must divide ``page_size``, so that a tile lies in one page.
     Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
     """
     seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
@@ -137,7 +140,15 @@ def attend_kv_tiles(
     softcap, alibi, window_left, window_right = mods
     for start in tl.range(key_start, key_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
-        k = load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D, USE_TMA)
+        k_tile, v_tile = k_src, v_src
+        if pages is not None:  # the tile's page; its rows addressed as if the page held keys from `start` on
+            table, page_size, stride_k_page, stride_v_page, last_block = pages
+            block = tl.minimum(tl.maximum(tl.load(table + start // page_size), 0), last_block).to(tl.int64)
+            shift = start % page_size - start
+            k_tile = k_src + block * stride_k_page + shift * stride_kn
+            v_tile = v_src + block * stride_v_page + shift * stride_vn
+        k = load_tile(k_tile, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D,
+                      USE_TMA)
         s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
         if MASKED or HAS_SOFTCAP or HAS_ALIBI:  # logits first: the modifiers and masks work on them
             cols = tl.arange(0, BLOCK_N)
@@ -152,7 +163,7 @@ def attend_kv_tiles(
             m, d, p, alpha = online_update(m, d, s, UNITS)
         else:
             m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
-        v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, MASKED, EVEN_DV,
+        v = load_tile(v_tile, start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, MASKED, EVEN_DV,
                       USE_TMA)
         acc = dot(p.to(v.dtype), v, rescale_accumulator(acc, alpha), DOT_PRECISION, UPCAST_DOTS)
     return acc, m, d
@@ -160,7 +171,7 @@ def attend_kv_tiles(
 
 @triton.jit
 def attend_key_range(
-    acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, key_cut, sizes, mask_bh, mods,
+    acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, key_cut, sizes, mask_bh, mods, pages,
     TILE: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr, USE_TMA: tl.constexpr, DOTS: tl.constexpr,
     MODS: tl.constexpr,
 ):
@@ -168,7 +179,7 @@ def attend_key_range(
     (key_start, full_start, full_end, key_stop)``: ``[key_start, full_start)`` masked (only under a window;
     without one ``full_start`` must be ``key_start``), ``[full_start, full_end)`` seen whole by every row (no mask
     arithmetic; under a user mask that part must be empty, and is not built), then ``[full_end, key_stop)``
-    masked. The forward and split-K/V kernels' walk over their keys."""
+    masked. The forward and split-K/V kernels' walk over their keys (``pages``: ``attend_kv_tiles``'s)."""
     IS_CAUSAL: tl.constexpr = MASKING[0]
     HAS_MASK: tl.constexpr = MASKING[1]
     MASK_IS_BOOL: tl.constexpr = MASKING[2]
@@ -183,7 +194,7 @@ def attend_key_range(
         if (part != 0 or HAS_WINDOW) and (part != 1 or not HAS_MASK):
             acc, m, d = attend_kv_tiles(
                 acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, first, last, sizes, mask_bh, mods,
-                TILE, MASKING, UNITS, MASKED=part != 1, USE_TMA=USE_TMA, DOTS=DOTS, MODS=MODS,
+                pages, TILE, MASKING, UNITS, MASKED=part != 1, USE_TMA=USE_TMA, DOTS=DOTS, MODS=MODS,
             )
     return acc, m, d
 
@@ -288,7 +299,8 @@ def attention_fwd_kernel(
                 window_left, window_right, HAS_WINDOW)
             acc, m, d = attend_key_range(
                 acc, m, d, q, q_idx, tile_scale, k_src, v_src, k_strides[2], v_strides[2], key_cut,
-                (len_q, len_k, head_dim, head_dim_v), mask_bh, mods, KV_TILE, MASKING, UNITS, USE_TMA, DOTS, MODS,
+                (len_q, len_k, head_dim, head_dim_v), mask_bh, mods, None, KV_TILE, MASKING, UNITS, USE_TMA, DOTS,
+                MODS,
             )
             acc, m, d = finish_rows(acc, m, d, sinks_ptr, h, UNITS, HAS_SINKS)
 

@@ -25,6 +25,14 @@ from .reference import (
 )
 from .split_kv import SplitLaunch
 
+def unpage(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """A paged (num_blocks, H_kv, page_size, D) cache as the contiguous (B, H_kv, max_blocks · page_size, D) one
+    of the (B, max_blocks) ``block_table`` (a copy: the PyTorch path's)."""
+    pages = cache[block_table.long()]  # (B, max_blocks, H_kv, page_size, D)
+    batch, blocks, heads, page_size, dim = pages.shape
+    return pages.transpose(1, 2).reshape(batch, heads, blocks * page_size, dim)
+
+
 SPLIT_HAS_NO_BACKWARD = (
     "flashlite.flash_attention has no backward pass for split-K/V attention (num_splits > 1 or "
     "cache_seqlens given); call it with num_splits=1 and without cache_seqlens to train"
@@ -42,18 +50,19 @@ class Route:
     ``num_splits`` (resolved, >= 1) and ``has_cache_seqlens`` choose split-K/V. ``varlen = (sequences,
     max_seqlen_q, max_seqlen_k)``: a packed batch (``core.packed``) of (1, H, total, D) tensors, whose calls
     bring ``seqs = (cu_seqlens_q, cu_seqlens_k)``; it runs on the ``triton.language`` kernels (no mask, no
-    split).
+    split). ``paged = (page_size, max_blocks)``: k, v are (num_blocks, H_kv, page_size, ·) pages whose calls
+    bring a (B, max_blocks) ``block_table`` (split-K/V decoding, no backward).
     """
 
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, mask_is_bool: bool,
         causal: bool, scale: float, softcap: float | None, window: tuple[int, int] | None, has_alibi: bool,
         has_sinks: bool, write_lse: bool, training: bool, num_splits: int, has_cache_seqlens: bool,
-        varlen: tuple[int, int, int] | None = None,
+        varlen: tuple[int, int, int] | None = None, paged: tuple[int, int] | None = None,
     ):
         self.options = dict(causal=causal, scale=scale, softcap=softcap, window=window)
         self.mask_is_bool = mask_is_bool
-        self.varlen = varlen
+        self.varlen, self.paged = varlen, paged
         self.split = num_splits != 1 or has_cache_seqlens
         batch, n_heads, seqlen_q, _ = q.shape
         self.lse_shape = (batch, n_heads, seqlen_q)
@@ -61,7 +70,7 @@ class Route:
         # (m, log d) of each row apart from the LSE: the backward of an additive mask (see ``forward``).
         self.keeps_row_stats = training and mask is not None and not mask_is_bool and not self.split
         self.torch_path = not runs_kernels(q)  # fixed at planning: a backward may run outside ``pytorch_path()``
-        self.kernels = not self.torch_path and batch * n_heads * seqlen_q > 0 and k.shape[2] > 0
+        self.kernels = not self.torch_path and batch * n_heads * seqlen_q > 0 and k.shape[2] > 0 and k.shape[0] > 0
         self._backwards: dict = {}
         self.launch = None
         self.hopper = False  # the launch takes no mask and fills no row stats
@@ -73,7 +82,7 @@ class Route:
             self.launch = TlForwardLaunch(q, k, v, causal, scale, None, False, write_lse, varlen=varlen, **variants)
         elif self.split:
             self.launch = SplitLaunch(q, k, v, mask, causal, scale, mask_is_bool, write_lse, num_splits,
-                                      has_cache_seqlens, **variants)
+                                      has_cache_seqlens, paged=paged, **variants)
         elif not self.keeps_row_stats and wgmma_eligible(q, k, v, mask is not None, scale):
             self.launch = HopperForwardLaunch(q, k, v, causal, scale, write_lse, **variants)
             self.hopper = True
@@ -87,17 +96,18 @@ class Route:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
         cache_seqlens: torch.Tensor | None, alibi: torch.Tensor | None, sinks: torch.Tensor | None,
-        seqs: tuple[torch.Tensor, torch.Tensor] | None = None,
+        seqs: tuple[torch.Tensor, torch.Tensor] | None = None, block_table: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(o, lse, row_stats)``: o (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 natural-log (or None when
         neither written nor needed), row_stats (2, B, H, Lq) fp32 when ``keeps_row_stats``, else None."""
         if not self.kernels:
-            return (*self._forward_without_kernels(q, k, v, mask, cache_seqlens, alibi, sinks, seqs), None)
+            return (*self._forward_without_kernels(q, k, v, mask, cache_seqlens, alibi, sinks, seqs, block_table),
+                    None)
         launch = self.launch
         if self.varlen is not None:
             return (*launch(q, k, v, None, alibi, sinks, seqs=seqs), None)
         if self.split:
-            return (*launch(q, k, v, mask, cache_seqlens, alibi, sinks), None)
+            return (*launch(q, k, v, mask, cache_seqlens, alibi, sinks, block_table), None)
         if self.hopper:
             return (*launch(q, k, v, alibi, sinks), None)
         if self.keeps_row_stats:
@@ -106,7 +116,7 @@ class Route:
             return o, row_stats[0] + row_stats[1], row_stats
         return (*launch(q, k, v, mask, alibi, sinks), None)
 
-    def _forward_without_kernels(self, q, k, v, mask, cache_seqlens, alibi, sinks, seqs):
+    def _forward_without_kernels(self, q, k, v, mask, cache_seqlens, alibi, sinks, seqs, block_table):
         if not self.torch_path:  # no query row or no key: nothing to launch
             o = q.new_zeros((*q.shape[:3], self.head_dim_v))
             if sinks is not None:  # every row's softmax is the sink alone
@@ -116,6 +126,8 @@ class Route:
             return o, lse
         if self.varlen is not None:
             return attention_varlen_torch(q, k, v, seqs, alibi=alibi, sinks=sinks, **self.options)
+        if self.paged is not None:  # the pages gathered into one (B, H_kv, max_blocks · page_size, ·) cache
+            k, v = (unpage(t, block_table) for t in (k, v))
         if mask is not None and self.mask_is_bool:
             mask = mask.bool()  # broadcast_mask views a boolean mask as uint8
         o, lse = attention_torch(q, k, v, attn_mask=mask, cache_seqlens=cache_seqlens, alibi=alibi, sinks=sinks,

@@ -50,6 +50,11 @@ read and causal is aligned bottom-right against ``cache_seqlens[b]``. The
 lengths stay on the device (no host sync); the kernel clamps them to
 ``[0, L_max]``, and the host checks them only where that is free (CPU).
 
+Paged caches. K/V may live in pages of ``page_size`` keys, (num_blocks, H_kv, page_size, D), with a (B,
+max_blocks) block table: key ``j`` of element ``b`` is row ``j % page_size`` of page ``block_table[b, j //
+page_size]`` (vLLM's and FlashAttention's ``block_table``). A key tile then lies in one page (BLOCK_N divides
+the page size) and ``attend_kv_tiles`` finds it through the table; page numbers are clamped to the cache.
+
 Limits: K/V through pointer loads (no TMA descriptors yet), one fixed tile
 config per head dim (``split_config``), no backward pass. Offsets that scale
 with the batch, heads or the cache length are 64-bit.
@@ -58,6 +63,7 @@ with the batch, heads or the cache length are 64-bit.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import triton
@@ -102,7 +108,7 @@ def _partials(part_ptr, n_splits, n_out_rows):
 @triton.jit
 def _split_kv_kernel(
     q_ptr, k_ptr, v_ptr, alibi_ptr, cache_seqlens_ptr, part_ptr,
-    mask, q_strides, k_strides, v_strides, stride_alibi_b, stride_cache_seqlens,
+    mask, paging, q_strides, k_strides, v_strides, stride_alibi_b, stride_cache_seqlens,
     n_heads, kv_group, heads_per_program, n_groups, n_splits, n_out_rows, sizes, qk_scale, variants,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIMS: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr,
     HAS_CACHE_SEQLENS: tl.constexpr, DOTS: tl.constexpr, MODS: tl.constexpr,
@@ -144,6 +150,10 @@ def _split_kv_kernel(
     q, tile_scale = positive_scale(q, qk_scale)  # scores scaled in fp32, as in the forward kernel
     k_src = k_ptr + b64 * k_strides[0] + tl.cast(h_kv, tl.int64) * k_strides[1]
     v_src = v_ptr + b64 * v_strides[0] + tl.cast(h_kv, tl.int64) * v_strides[1]
+    pages = None
+    if paging is not None:  # a paged cache: this element's row of the block table (attend_kv_tiles' pages)
+        table_ptr, stride_table_b, page_size, stride_k_page, stride_v_page, last_block = paging
+        pages = (table_ptr + b64 * stride_table_b, page_size, stride_k_page, stride_v_page, last_block)
     mask_bh = (mask[0], mask[3], mask[4])
     if HAS_MASK:  # packed rows share head_base's mask: the host packs only masks with stride 0 over heads
         mask_bh = (mask[0] + b64 * mask[1] + tl.cast(head_base, tl.int64) * mask[2], mask[3], mask[4])
@@ -170,7 +180,7 @@ def _split_kv_kernel(
     acc, m, d = attend_key_range(
         acc, m, d, q, q_idx, tile_scale, k_src, v_src, k_strides[2], v_strides[2],
         (key_start, split_full_start, split_full_end, key_stop), (seqlen_q, seqlen_k, head_dim, head_dim_v),
-        mask_bh, mods, (BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV),
+        mask_bh, mods, pages, (BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV),
         MASKING, UNITS, USE_TMA=False, DOTS=DOTS, MODS=MODS,
     )
 
@@ -389,15 +399,21 @@ class SplitLaunch:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
         scale: float, mask_is_bool: bool, write_lse: bool, num_splits: int, has_cache_seqlens: bool,
         config: AttentionConfig | None = None, softcap: float | None = None, window: tuple[int, int] | None = None,
-        has_alibi: bool = False, has_sinks: bool = False,
+        has_alibi: bool = False, has_sinks: bool = False, paged: tuple[int, int] | None = None,
     ):
         batch, n_heads, seqlen_q, head_dim = q.shape
         seqlen_k, head_dim_v = k.shape[2], v.shape[3]
+        self.page_size = None
+        if paged is not None:  # k, v: (num_blocks, H_kv, page_size, ·) pages of (B, max_blocks) block tables
+            self.page_size, max_blocks = paged
+            seqlen_k = self.page_size * max_blocks
         hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
         pack, default, programs = _plan(q, k, mask, head_dim_v)
         if config is not None:
             programs = triton.cdiv(pack * seqlen_q, config.block_m) * batch * (n_heads // pack)
         config = config or default
+        if paged is not None:  # a key tile inside one page: BLOCK_N divides the page size
+            config = replace(config, block_n=min(config.block_n, self.page_size & -self.page_size))
         self.num_splits = max(1, min(num_splits, triton.cdiv(seqlen_k, config.block_n), MAX_GRID_SPLITS))
         n_out_rows = batch * n_heads * seqlen_q
         additive = mask is not None and not mask_is_bool
@@ -429,15 +445,20 @@ class SplitLaunch:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
         cache_seqlens: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(o, lse)`` like ``attention_forward``, for tensors of the signature this launch was built for."""
+        """``(o, lse)`` like ``attention_forward``, for tensors of the signature this launch was built for (a
+        paged cache with its (B, max_blocks) int32 ``block_table``)."""
         part = torch.empty((self.workspace_size,), dtype=torch.float32, device=q.device)
         o = output_like(q, self.head_dim_v)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if self.lse_shape else None
+        k_strides, v_strides, paging = k.stride()[:3], v.stride()[:3], None
+        if self.page_size is not None:  # pages found through the table, not by batch element
+            k_strides, v_strides = (0, *k_strides[1:]), (0, *v_strides[1:])
+            paging = (block_table, block_table.stride(0), self.page_size, k.stride(0), v.stride(0), k.shape[0] - 1)
         split_args = (
             q, k, v, alibi, cache_seqlens, part, (mask, *(mask.stride() if mask is not None else (0, 0, 0, 0))),
-            q.stride()[:3], k.stride()[:3], v.stride()[:3], alibi.stride(0) if alibi is not None else 0,
+            paging, q.stride()[:3], k_strides, v_strides, alibi.stride(0) if alibi is not None else 0,
             cache_seqlens.stride(0) if cache_seqlens is not None else 0, *self.split_sizes,
         )
         merge_args = (part, o, lse if lse is not None else part, sinks, *o.stride()[:3], *self.merge_scalars)
