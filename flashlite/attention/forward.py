@@ -60,14 +60,14 @@ import triton
 import triton.language as tl
 
 from ..core.masking import apply_masks, key_ranges, modify_scores, range_part
-from ..core.packed import sequence_bounds
 from ..core.online_softmax import (
     LN2, LOG2E, empty_state, merge_sink, normalize, online_update, online_update_scaled, rescale_accumulator,
     state_logsumexp,
 )
+from ..core.packed import sequence_bounds
 from ..core.runtime import KernelLaunch, launch_persistent
 from ..core.triton_compat import descriptor_template, rebind_descriptor
-from ..core.tiles import dot, load_tile, store_tile, tensor_descriptor, tma_usable
+from ..core.tiles import dot, load_paged_tile, load_tile, store_tile, tensor_descriptor, tma_usable
 from . import tuning
 from .plan import (
     NATURAL_BIAS, OutputLayout, autotune_enabled, default_config, head_dim_padded, kernel_switches, mask_layout,
@@ -116,8 +116,7 @@ def attend_kv_tiles(
     ``k_src``/``v_src`` are the (batch, kv head)'s base pointers, or with
     ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``). A paged cache (``pages``, else None):
     ``(block_table_row, page_size, stride_k_page, stride_v_page, last_block)``, key ``j`` at row ``j %
-    page_size`` of page ``block_table_row[j // page_size]`` (clamped to ``[0, last_block]``) of the K/V
-    bases; ``BLOCK_N`` must divide ``page_size``, so that a tile lies in one page.
+    page_size`` of page ``block_table_row[j // page_size]`` (``core.tiles.load_paged_tile``) of the K/V bases.
     Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
     """
     seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
@@ -140,15 +139,13 @@ def attend_kv_tiles(
     softcap, alibi, window_left, window_right = mods
     for start in tl.range(key_start, key_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
-        k_tile, v_tile = k_src, v_src
-        if pages is not None:  # the tile's page; its rows addressed as if the page held keys from `start` on
+        if pages is not None:  # each key row found through the block table
             table, page_size, stride_k_page, stride_v_page, last_block = pages
-            block = tl.minimum(tl.maximum(tl.load(table + start // page_size), 0), last_block).to(tl.int64)
-            shift = start % page_size - start
-            k_tile = k_src + block * stride_k_page + shift * stride_kn
-            v_tile = v_src + block * stride_v_page + shift * stride_vn
-        k = load_tile(k_tile, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D,
-                      USE_TMA)
+            k = load_paged_tile(k_src, (table, page_size, stride_k_page, last_block), start, seqlen_k, stride_kn,
+                                head_dim, BLOCK_N, HEAD_DIM_PADDED, EVEN_D)
+        else:
+            k = load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D,
+                          USE_TMA)
         s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
         if MASKED or HAS_SOFTCAP or HAS_ALIBI:  # logits first: the modifiers and masks work on them
             cols = tl.arange(0, BLOCK_N)
@@ -163,8 +160,12 @@ def attend_kv_tiles(
             m, d, p, alpha = online_update(m, d, s, UNITS)
         else:
             m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
-        v = load_tile(v_tile, start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, MASKED, EVEN_DV,
-                      USE_TMA)
+        if pages is not None:
+            v = load_paged_tile(v_src, (table, page_size, stride_v_page, last_block), start, seqlen_k, stride_vn,
+                                head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, EVEN_DV)
+        else:
+            v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, MASKED,
+                          EVEN_DV, USE_TMA)
         acc = dot(p.to(v.dtype), v, rescale_accumulator(acc, alpha), DOT_PRECISION, UPCAST_DOTS)
     return acc, m, d
 

@@ -52,8 +52,9 @@ lengths stay on the device (no host sync); the kernel clamps them to
 
 Paged caches. K/V may live in pages of ``page_size`` keys, (num_blocks, H_kv, page_size, D), with a (B,
 max_blocks) block table: key ``j`` of element ``b`` is row ``j % page_size`` of page ``block_table[b, j //
-page_size]`` (vLLM's and FlashAttention's ``block_table``). A key tile then lies in one page (BLOCK_N divides
-the page size) and ``attend_kv_tiles`` finds it through the table; page numbers are clamped to the cache.
+page_size]`` (vLLM's and FlashAttention's ``block_table``). Each row of a key tile finds its page through the
+table (``core.tiles.load_paged_tile``: a tile may span pages, so the tiles stay as wide as a contiguous cache's);
+page numbers are clamped to the cache.
 
 Limits: K/V through pointer loads (no TMA descriptors yet), one fixed tile
 config per head dim (``split_config``), no backward pass. Offsets that scale
@@ -63,7 +64,6 @@ with the batch, heads or the cache length are 64-bit.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import triton
@@ -412,8 +412,6 @@ class SplitLaunch:
         if config is not None:
             programs = triton.cdiv(pack * seqlen_q, config.block_m) * batch * (n_heads // pack)
         config = config or default
-        if paged is not None:  # a key tile inside one page: BLOCK_N divides the page size
-            config = replace(config, block_n=min(config.block_n, self.page_size & -self.page_size))
         self.num_splits = max(1, min(num_splits, triton.cdiv(seqlen_k, config.block_n), MAX_GRID_SPLITS))
         n_out_rows = batch * n_heads * seqlen_q
         additive = mask is not None and not mask_is_bool

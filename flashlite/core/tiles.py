@@ -56,6 +56,27 @@ def load_tile(
 
 
 @triton.jit
+def load_paged_tile(
+    src, pages, row_start, n_rows, stride_row, head_dim,
+    BLOCK: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """``load_tile`` of a paged cache: rows ``[row_start, row_start + BLOCK)`` of one head, zeros past ``n_rows``,
+    row ``j`` at row ``j % page_size`` of page ``table[j // page_size]`` (clamped to ``[0, last_block]``), with
+    ``pages = (table, page_size, stride_page, last_block)`` and ``src`` the head's base in page 0. A tile may
+    span several pages (each row finds its own)."""
+    table, page_size, stride_page, last_block = pages
+    rows = row_start + tl.arange(0, BLOCK)
+    row_ok = rows < n_rows
+    block = tl.minimum(tl.maximum(tl.load(table + rows // page_size, mask=row_ok, other=0), 0), last_block)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    offsets = block.to(tl.int64) * stride_page + (rows % page_size) * stride_row
+    ok = row_ok[:, None]
+    if not EVEN_D:
+        ok = ok & (dims < head_dim)[None, :]
+    return tl.load(src + offsets[:, None] + dims[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
 def store_tile(
     dst, tile, row_start, n_rows, stride_row, head_dim,
     BLOCK: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, EVEN_D: tl.constexpr,
