@@ -45,6 +45,29 @@ def test_paged_matches_contiguous(small_attention_tiles, page_size, seqlen_q, ca
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # no keys: zeros
 
 
+@pytest.mark.parametrize("page_size", [16, 48])
+def test_pages_smaller_than_a_key_tile(page_size):
+    # The interpreter's 32-key tiles: pages of 16 keys (and 48, not a multiple of the tile) are found row by row.
+    from flashlite.attention import split_kv
+
+    assert split_kv.paging_mode(page_size, 32) == split_kv.PAGED_ROWS
+    lengths = [70, 5, 100]
+    k_cache, v_cache, table, seqlens, k, v = paged_cache(lengths, page_size)
+    q = randn(3, 4, 2, 32)
+    out = flashlite.flash_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True)
+    ref = attention_ref(q, k, v, cache_seqlens=seqlens, causal=True)
+    assert_attention_close(out, ref, attention_ref(q, k, v, cache_seqlens=seqlens, causal=True, dtype=q.dtype),
+                           q.dtype)
+
+
+def test_paging_mode():
+    from flashlite.attention import split_kv
+
+    assert split_kv.paging_mode(None, 128) == split_kv.PAGED_NONE
+    assert split_kv.paging_mode(256, 128) == split_kv.PAGED_TILES
+    assert split_kv.paging_mode(64, 128) == split_kv.PAGED_ROWS
+
+
 @pytest.mark.parametrize("variant", [dict(window_size=(20, 0), causal=True), dict(softcap=5.0),
                                      dict(alibi_slopes="heads"), dict(sinks=True), dict(num_splits=3)])
 def test_paged_variants(small_attention_tiles, variant):

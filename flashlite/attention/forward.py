@@ -85,6 +85,12 @@ def _store_row_stats(stats_ptr, rows, n_rows, m, d, ok, UNITS: tl.constexpr):
     tl.store(stats_ptr + n_rows + rows, tl.log2(d) * LN2, mask=ok)
 
 
+# attend_kv_tiles' PAGED: a contiguous cache, tiles inside pages (one lookup a tile), rows gathered from pages.
+PAGED_NONE = tl.constexpr(0)
+PAGED_TILES = tl.constexpr(1)
+PAGED_ROWS = tl.constexpr(2)
+
+
 @triton.jit
 def positive_scale(q, qk_scale):
     """``(q, qk_scale)`` with the scale made non-negative: ``(-q) · k · |c|`` is ``q · k · c`` exactly (a sign flip
@@ -97,7 +103,7 @@ def positive_scale(q, qk_scale):
 def attend_kv_tiles(
     acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, key_start, key_end, sizes, mask_bh, mods,
     pages, TILE: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
-    DOTS: tl.constexpr, MODS: tl.constexpr,
+    DOTS: tl.constexpr, MODS: tl.constexpr, PAGED: tl.constexpr = 0,
 ):
     """Fold keys ``[key_start, key_end)`` into the running ``(acc, m, d)`` of the query tile ``q``.
 
@@ -114,9 +120,11 @@ def attend_kv_tiles(
     ``HEAD_DIM_V_PADDED``), and so is ``acc``. ``sizes``, ``TILE``, ``DOTS``: the module docstring;
     ``mask_bh``, ``MASKING``: ``core.masking``'s.
     ``k_src``/``v_src`` are the (batch, kv head)'s base pointers, or with
-    ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``). A paged cache (``pages``, else None):
-    ``(block_table_row, page_size, stride_k_page, stride_v_page, last_block)``, key ``j`` at row ``j %
-    page_size`` of page ``block_table_row[j // page_size]`` (``core.tiles.load_paged_tile``) of the K/V bases.
+    ``USE_TMA`` its ``(descriptor, b, h_kv)`` (see ``load_tile``). A paged cache (``PAGED`` not 0, ``pages``
+    ``(block_table_row, page_size, stride_k_page, stride_v_page, last_block)``): key ``j`` at row ``j %
+    page_size`` of page ``block_table_row[j // page_size]`` (clamped to ``[0, last_block]``) of the K/V bases.
+    ``PAGED_TILES``: each tile inside one page (``BLOCK_N`` divides the page size), found by one lookup;
+    ``PAGED_ROWS``: each row finds its page (``core.tiles.load_paged_tile``; pages smaller than a tile).
     Returns the new ``(acc, m, d)``; ``acc`` is not normalised.
     """
     seqlen_q, seqlen_k, head_dim, head_dim_v = sizes
@@ -139,12 +147,19 @@ def attend_kv_tiles(
     softcap, alibi, window_left, window_right = mods
     for start in tl.range(key_start, key_end, BLOCK_N):
         start = tl.multiple_of(start, BLOCK_N)
-        if pages is not None:  # each key row found through the block table
+        k_tile, v_tile = k_src, v_src
+        if PAGED != 0:
             table, page_size, stride_k_page, stride_v_page, last_block = pages
+        if PAGED == PAGED_TILES:  # the tile's page; its rows addressed as if the page held keys from `start` on
+            block = tl.minimum(tl.maximum(tl.load(table + start // page_size), 0), last_block).to(tl.int64)
+            shift = start % page_size - start
+            k_tile = k_src + block * stride_k_page + shift * stride_kn
+            v_tile = v_src + block * stride_v_page + shift * stride_vn
+        if PAGED == PAGED_ROWS:
             k = load_paged_tile(k_src, (table, page_size, stride_k_page, last_block), start, seqlen_k, stride_kn,
                                 head_dim, BLOCK_N, HEAD_DIM_PADDED, EVEN_D)
         else:
-            k = load_tile(k_src, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D,
+            k = load_tile(k_tile, start, seqlen_k, stride_kn, head_dim, BLOCK_N, HEAD_DIM_PADDED, MASKED, EVEN_D,
                           USE_TMA)
         s = dot(q, tl.trans(k), None, DOT_PRECISION, UPCAST_DOTS)
         if MASKED or HAS_SOFTCAP or HAS_ALIBI:  # logits first: the modifiers and masks work on them
@@ -160,11 +175,11 @@ def attend_kv_tiles(
             m, d, p, alpha = online_update(m, d, s, UNITS)
         else:
             m, d, p, alpha = online_update_scaled(m, d, s, qk_scale)
-        if pages is not None:
+        if PAGED == PAGED_ROWS:
             v = load_paged_tile(v_src, (table, page_size, stride_v_page, last_block), start, seqlen_k, stride_vn,
                                 head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, EVEN_DV)
         else:
-            v = load_tile(v_src, start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, MASKED,
+            v = load_tile(v_tile, start, seqlen_k, stride_vn, head_dim_v, BLOCK_N, HEAD_DIM_V_PADDED, MASKED,
                           EVEN_DV, USE_TMA)
         acc = dot(p.to(v.dtype), v, rescale_accumulator(acc, alpha), DOT_PRECISION, UPCAST_DOTS)
     return acc, m, d
@@ -174,13 +189,13 @@ def attend_kv_tiles(
 def attend_key_range(
     acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, key_cut, sizes, mask_bh, mods, pages,
     TILE: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr, USE_TMA: tl.constexpr, DOTS: tl.constexpr,
-    MODS: tl.constexpr,
+    MODS: tl.constexpr, PAGED: tl.constexpr = 0,
 ):
     """``attend_kv_tiles`` over keys ``[key_start, key_stop)`` cut as ``key_ranges`` cuts them, ``key_cut =
     (key_start, full_start, full_end, key_stop)``: ``[key_start, full_start)`` masked (only under a window;
     without one ``full_start`` must be ``key_start``), ``[full_start, full_end)`` seen whole by every row (no mask
     arithmetic; under a user mask that part must be empty, and is not built), then ``[full_end, key_stop)``
-    masked. The forward and split-K/V kernels' walk over their keys (``pages``: ``attend_kv_tiles``'s)."""
+    masked. The forward and split-K/V kernels' walk over their keys (``pages``, ``PAGED``: ``attend_kv_tiles``'s)."""
     IS_CAUSAL: tl.constexpr = MASKING[0]
     HAS_MASK: tl.constexpr = MASKING[1]
     MASK_IS_BOOL: tl.constexpr = MASKING[2]
@@ -196,6 +211,7 @@ def attend_key_range(
             acc, m, d = attend_kv_tiles(
                 acc, m, d, q, q_idx, qk_scale, k_src, v_src, stride_kn, stride_vn, first, last, sizes, mask_bh, mods,
                 pages, TILE, MASKING, UNITS, MASKED=part != 1, USE_TMA=USE_TMA, DOTS=DOTS, MODS=MODS,
+                PAGED=PAGED,
             )
     return acc, m, d
 

@@ -52,9 +52,9 @@ lengths stay on the device (no host sync); the kernel clamps them to
 
 Paged caches. K/V may live in pages of ``page_size`` keys, (num_blocks, H_kv, page_size, D), with a (B,
 max_blocks) block table: key ``j`` of element ``b`` is row ``j % page_size`` of page ``block_table[b, j //
-page_size]`` (vLLM's and FlashAttention's ``block_table``). Each row of a key tile finds its page through the
-table (``core.tiles.load_paged_tile``: a tile may span pages, so the tiles stay as wide as a contiguous cache's);
-page numbers are clamped to the cache.
+page_size]`` (vLLM's and FlashAttention's ``block_table``). A key tile inside one page finds it with one
+lookup; with pages smaller than a tile each row finds its own (``core.tiles.load_paged_tile``), so the tiles stay
+as wide as a contiguous cache's (``paging_mode``). Page numbers are clamped to the cache.
 
 Limits: K/V through pointer loads (no TMA descriptors yet), one fixed tile
 config per head dim (``split_config``), no backward pass. Offsets that scale
@@ -74,7 +74,7 @@ from ..core.online_softmax import (
     empty_state, merge_accumulators, merge_partial_accumulators, normalize, state_logsumexp,
 )
 from ..core.runtime import compiled_launcher, device_info, launch
-from .forward import alibi_slope, attend_key_range, finish_rows, positive_scale
+from .forward import PAGED_NONE, PAGED_ROWS, PAGED_TILES, alibi_slope, attend_key_range, finish_rows, positive_scale
 from .plan import (
     default_config, head_dim_padded, kernel_switches, logit_units, output_like, qk_scale_for, variant_args,
 )
@@ -111,7 +111,7 @@ def _split_kv_kernel(
     mask, paging, q_strides, k_strides, v_strides, stride_alibi_b, stride_cache_seqlens,
     n_heads, kv_group, heads_per_program, n_groups, n_splits, n_out_rows, sizes, qk_scale, variants,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIMS: tl.constexpr, MASKING: tl.constexpr, UNITS: tl.constexpr,
-    HAS_CACHE_SEQLENS: tl.constexpr, DOTS: tl.constexpr, MODS: tl.constexpr,
+    HAS_CACHE_SEQLENS: tl.constexpr, DOTS: tl.constexpr, MODS: tl.constexpr, PAGED: tl.constexpr = 0,
 ):
     # Axis 0: (batch, head group, row tile), row tile fastest; axis 1: the split. Arguments grouped as the
     # forward kernel's (forward's module docstring).
@@ -151,7 +151,7 @@ def _split_kv_kernel(
     k_src = k_ptr + b64 * k_strides[0] + tl.cast(h_kv, tl.int64) * k_strides[1]
     v_src = v_ptr + b64 * v_strides[0] + tl.cast(h_kv, tl.int64) * v_strides[1]
     pages = None
-    if paging is not None:  # a paged cache: this element's row of the block table (attend_kv_tiles' pages)
+    if PAGED != 0:  # a paged cache: this element's row of the block table (attend_kv_tiles' pages)
         table_ptr, stride_table_b, page_size, stride_k_page, stride_v_page, last_block = paging
         pages = (table_ptr + b64 * stride_table_b, page_size, stride_k_page, stride_v_page, last_block)
     mask_bh = (mask[0], mask[3], mask[4])
@@ -181,7 +181,7 @@ def _split_kv_kernel(
         acc, m, d, q, q_idx, tile_scale, k_src, v_src, k_strides[2], v_strides[2],
         (key_start, split_full_start, split_full_end, key_stop), (seqlen_q, seqlen_k, head_dim, head_dim_v),
         mask_bh, mods, pages, (BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV),
-        MASKING, UNITS, USE_TMA=False, DOTS=DOTS, MODS=MODS,
+        MASKING, UNITS, USE_TMA=False, DOTS=DOTS, MODS=MODS, PAGED=PAGED,
     )
 
     # Partials are (n_splits, B, H, Lq) rows; acc rows are HEAD_DIM_V_PADDED wide (no column mask needed).
@@ -379,6 +379,17 @@ def check_split_args(
             raise ValueError(f"cache_seqlens must lie in [0, Lk] = [0, {k.shape[2]}], got values from {low} to {high}")
 
 
+def paging_mode(page_size: int | None, block_n: int) -> int:
+    """``attend_kv_tiles``' ``PAGED`` for pages of ``page_size`` keys (None: a contiguous cache) and key tiles of
+    ``block_n``: one lookup a tile where a tile fits a page, else one a row. H200, bench/varlen.py --part paged
+    (bench/results/h200/TUNING.md#paged-kv): a row's lookup cost 0.60-0.74x of the contiguous speed at one to
+    eight sequences whatever the page, a tile's 0.77-0.89x with pages of 256 and 0.22-0.38x with pages of 16
+    (tiles of 16 keys)."""
+    if page_size is None:
+        return PAGED_NONE
+    return PAGED_TILES if page_size % block_n == 0 else PAGED_ROWS
+
+
 class SplitLaunch:
     """The two launches of split-K/V attention for one call signature, planned once and repeated at little host cost.
 
@@ -427,6 +438,7 @@ class SplitLaunch:
         )
         self.split_meta = dict(
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, HAS_CACHE_SEQLENS=has_cache_seqlens,
+            PAGED=paging_mode(self.page_size, config.block_n),
             **kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
