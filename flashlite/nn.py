@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .attention.api import flash_attention
+from .attention.api import flash_attention, flash_attention_varlen
 from .attention.tuning import MAX_HEAD_DIM, MIN_HEAD_DIM
 from .core.checks import check_flag, check_softcap, check_window_size
 
@@ -141,8 +141,9 @@ class MultiheadAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, kv: torch.Tensor | None = None, *,
         key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        """Attention of ``x`` over itself, or over ``kv`` (cross-attention).
+        """Attention of ``x`` over itself, or over ``kv`` (cross-attention), or of each sequence of a packed batch.
 
         Args:
             x: (B, Lq, E), the queries (and keys/values when ``kv`` is None).
@@ -153,11 +154,18 @@ class MultiheadAttention(nn.Module):
             attn_mask: None, or broadcastable to (B, H, Lq, Lk): bool (True = keep)
                 or float (added to the scaled scores). Combined with
                 ``key_padding_mask`` and ``causal`` (a key counts only if all allow it).
+            cu_seqlens: None, or int32 (B + 1,): ``x`` is then a packed batch (total, E) of B sequences of
+                different lengths (``flash_attention_varlen``'s convention), each attending to itself alone;
+                no ``kv`` or masks. Returns (total, E).
+            max_seqlen: with ``cu_seqlens``, the longest sequence (read from ``cu_seqlens`` on the host when
+                None: one device synchronisation).
 
         Returns:
             (B, Lq, E) in x's dtype. A query that may see no key at all (every key
             masked) gets zero attention output, so its result is ``out_proj``'s bias.
         """
+        if cu_seqlens is not None:
+            return self._packed_forward(x, kv, key_padding_mask, attn_mask, cu_seqlens, max_seqlen)
         batch, seqlen_q = self._check_input("x", x)
         if kv is None:
             seqlen_k = seqlen_q
@@ -185,6 +193,24 @@ class MultiheadAttention(nn.Module):
         return self.out_proj(o)
 
     # ------------------------------------------------------------------------- helpers
+
+    def _packed_forward(self, x, kv, key_padding_mask, attn_mask, cu_seqlens, max_seqlen) -> torch.Tensor:
+        """``forward`` on a packed (total, E) batch: ``flash_attention_varlen`` of each sequence."""
+        if kv is not None or key_padding_mask is not None or attn_mask is not None:
+            raise ValueError("cu_seqlens (a packed batch) takes no kv, key_padding_mask or attn_mask: each "
+                             "sequence attends to itself")
+        if x.dim() != 2 or x.shape[1] != self.embed_dim:
+            raise ValueError(f"x must be (total, embed_dim={self.embed_dim}) with cu_seqlens, got {tuple(x.shape)}")
+        if max_seqlen is None:
+            max_seqlen = int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
+        q, k, v = self.qkv(x).split(self._split_sizes(), dim=-1)  # (total, H·D), (total, H_kv·D) x 2
+        q = rearrange(q, "t (h d) -> t h d", h=self.num_heads)
+        k = rearrange(k, "t (h d) -> t h d", h=self.num_kv_heads)
+        v = rearrange(v, "t (h d) -> t h d", h=self.num_kv_heads)
+        o = flash_attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=self.causal,
+                                   softcap=self.softcap, window_size=self.window_size,
+                                   alibi_slopes=self._slopes(x.device), sinks=self.sinks)  # (total, H, D)
+        return self.out_proj(rearrange(o, "t h d -> t (h d)"))
 
     def _slopes(self, device: torch.device) -> torch.Tensor | None:
         """The ALiBi slopes on ``device`` (None without ALiBi)."""

@@ -221,3 +221,18 @@ def test_window_size_option():
     assert "window_size=(3, 0)" in repr(layer)
     with pytest.raises(ValueError, match="window_size"):
         MultiheadAttention(32, 2, window_size=(-3, 0))
+
+
+def test_packed_batch_is_each_sequence_alone():
+    # cu_seqlens: a packed (total, E) batch gives each sequence what the layer gives it as a batch of one.
+    torch.manual_seed(0)
+    layer = MultiheadAttention(64, 4, num_kv_heads=2, causal=True)
+    lengths = [7, 1, 20]
+    x = torch.randn(sum(lengths), 64)
+    cu = torch.tensor([0, 7, 8, 28], dtype=torch.int32)
+    packed = layer(x, cu_seqlens=cu)
+    one_by_one = torch.cat([layer(part.unsqueeze(0))[0] for part in x.split(lengths)])
+    torch.testing.assert_close(packed, one_by_one, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer(x, cu_seqlens=cu, max_seqlen=20), packed, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="cu_seqlens .* takes no kv"):
+        layer(x, x, cu_seqlens=cu)

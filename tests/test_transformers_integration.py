@@ -309,3 +309,46 @@ def test_deepseek_v3_mla_head_dims_match_eager():
         out = flash.generate(ids[:1], max_new_tokens=6, do_sample=False)
         out_eager = eager.generate(ids[:1], max_new_tokens=6, do_sample=False)
     assert torch.equal(out, out_eager)
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+def test_packed_batch_trains_as_separate_documents(flash_kwargs):
+    # Padding-free training: three documents packed in one row (position_ids restart at 0), or with
+    # FlashAttention's cu_seq_lens kwargs. One training step's loss and gradients equal those of the documents
+    # run one by one (eager attention, fp32).
+    flash, eager = tiny_llamas(fl_hf.NAME, "eager")
+    flash.train()
+    eager.train()
+    lengths = [5, 9, 4]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    kw = dict(position_ids=positions)
+    if flash_kwargs:
+        cu = torch.tensor([0, 5, 14, 18], dtype=torch.int32)
+        kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    labels = ids.clone()
+    labels[0, torch.tensor([0, 5, 14])] = -100  # no target across a document start
+    logits = flash(ids, **kw).logits
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
+    grads = torch.autograd.grad(loss, list(flash.parameters()))
+    parts, start = [], 0
+    for n in lengths:  # each document alone
+        parts.append(eager(ids[:, start:start + n]).logits[0])
+        start += n
+    logits_eager = torch.cat(parts)
+    loss_eager = torch.nn.functional.cross_entropy(logits_eager[:-1], labels[0, 1:], ignore_index=-100,
+                                                   reduction="sum")
+    grads_eager = torch.autograd.grad(loss_eager, list(eager.parameters()))
+    torch.testing.assert_close(logits, logits_eager.unsqueeze(0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(loss, loss_eager, atol=1e-4, rtol=1e-4)
+    for g, g_eager in zip(grads, grads_eager):
+        torch.testing.assert_close(g, g_eager, atol=1e-4, rtol=1e-3)
+
+
+def test_packed_row_detection():
+    q = torch.randn(1, 4, 6, 16)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    cu_q, cu_k, max_q, max_k = fl_hf.packed_sequences(q, q, dict(position_ids=positions))
+    assert cu_q.tolist() == [0, 3, 5, 6] and max_q == max_k == 3
+    assert fl_hf.packed_sequences(q, q, dict(position_ids=torch.arange(6)[None])) is None  # one document
+    assert fl_hf.packed_sequences(q, torch.randn(1, 4, 9, 16), dict(position_ids=positions)) is None  # a cache

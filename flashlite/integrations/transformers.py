@@ -40,6 +40,14 @@ gives ``flash_attention`` ``window_size=(sliding_window - 1, 0)``: no L×L mask 
 built or read, and the kernels skip the key tiles outside the window. With
 padding the window is in the built mask as before.
 
+Packed batches (padding-free training: several documents in one row, ``DataCollatorWithFlattening``). The
+layer's kwargs carry FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/``max_length_k``
+(``return_flash_attn_kwargs=True``), or only ``position_ids`` that restart at 0 where a document starts; either
+way the hook calls ``flash_attention_varlen`` on the row, each document attending to itself alone, and ignores
+the block-diagonal mask that SDPA's builder made of those positions (with ``cu_seq_lens`` the mask is not
+read; with positions alone, they are turned into ``cu_seqlens`` on the device and the longest document read
+once on the host).
+
 A float mask (additive, 0 or the dtype's minimum: what transformers < 4.53
 builds for a custom name, or a user's 4-D mask) is passed through as an additive
 bias; a row masked with the minimum everywhere gives what SDPA gives there (the
@@ -50,13 +58,38 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import flash_attention
+from ..attention import flash_attention, flash_attention_varlen
 
 # Registered name. Must not contain "flash", "sdpa", "flex" or "paged": transformers matches those substrings.
 NAME = "fl_attention"
 _RESERVED_SUBSTRINGS = ("flash", "sdpa", "flex", "paged")
 
-__all__ = ["NAME", "attention_forward", "is_sliding_window", "register", "window_mask"]
+__all__ = ["NAME", "attention_forward", "is_sliding_window", "packed_sequences", "register", "window_mask"]
+
+
+def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> tuple | None:
+    """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of a packed row (one batch row holding
+    several documents), or None: from FlashAttention's kwargs (``cu_seq_lens_q`` ...), else from
+    ``position_ids`` (1, L) that restart at 0 (every document's first token), with as many keys as queries
+    (no cache: a decoding step is not packed)."""
+    if kwargs.get("cu_seq_lens_q") is not None:
+        cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k", kwargs["cu_seq_lens_q"])
+        max_q = kwargs.get("max_length_q")
+        max_k = kwargs.get("max_length_k", max_q)
+        lengths = None if max_q is not None and max_k is not None else (cu_q.diff(), cu_k.diff())
+        return (cu_q.to(torch.int32), cu_k.to(torch.int32),
+                int(max_q) if lengths is None else int(lengths[0].max()),
+                int(max_k) if lengths is None else int(lengths[1].max()))
+    positions = kwargs.get("position_ids")
+    if positions is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
+        return None
+    positions = positions.reshape(-1)[-query.shape[2]:]
+    starts = (positions == 0).nonzero().flatten()
+    if starts.numel() < 2 or int(starts[0]) != 0:  # one document (or a continuation): not packed
+        return None
+    cu = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return cu, cu, longest, longest
 
 
 def attention_forward(
@@ -89,6 +122,9 @@ def attention_forward(
     for name in ("position_bias",):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} is not supported by attn_implementation={NAME!r}; use 'eager' or 'sdpa'")
+    packed = packed_sequences(query, key, kwargs)
+    if packed is not None:
+        return _attend_packed(module, query, key, value, scaling, packed, kwargs), None
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     causal = False
     window_size = None
@@ -112,6 +148,19 @@ def attention_forward(
                           softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
                           window_size=window_size)  # (B, H, Lq, D)
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D)
+
+
+def _attend_packed(module, query, key, value, scaling, packed, kwargs) -> torch.Tensor:
+    """``flash_attention_varlen`` on a packed row: (1, H, L, D) in, (1, L, H, D) contiguous out."""
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = None
+    if kwargs.get("sliding_window") is not None:
+        window = (int(kwargs["sliding_window"]) - 1, 0)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, D) views
+    out = flash_attention_varlen(q, k, v, *packed, causal=causal, scale=scaling, window_size=window,
+                                 softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+    return out.unsqueeze(0).contiguous()
 
 
 def is_sliding_window(mask_function, window: int) -> bool:
