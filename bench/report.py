@@ -127,6 +127,22 @@ def call_path_table(data: dict) -> str:
                    "worst × (loop of calls)"], rows)
 
 
+def varlen_table(data: dict) -> str:
+    rows = [[r["mix"], r["tokens"], r["D"], r["docs"], r["flashlite_fwd"], r["x_dense_fwd"], r["x_fa4_fwd"],
+             r["x_flex_fwd"], r["x_mask_fwd"], r["flashlite_fwd_bwd"], r["x_dense_fwd_bwd"], r["x_fa4_fwd_bwd"],
+             r["x_flex_fwd_bwd"]] for r in data["rows"]]
+    rows = [[cell if not isinstance(cell, float) or j in (4, 9) else f"{cell:.2f}" for j, cell in enumerate(row)]
+            for row in rows]
+    return _table(["documents", "tokens", "D", "docs", "fwd TFLOP/s", "× dense", "× FA4", "× Flex", "× mask",
+                   "fwd+bwd TFLOP/s", "× dense", "× FA4", "× Flex"], rows)
+
+
+def paged_table(data: dict) -> str:
+    rows = [[r["B"], r["Lk"], r["page"], r["paged_gbs"], r["contiguous_gbs"], f"{r['x_contiguous']:.2f}"]
+            for r in data["rows"]]
+    return _table(["B", "Lk", "page", "paged GB/s", "contiguous GB/s", "× contiguous"], rows)
+
+
 SECTIONS = [
     ("softmax", "Softmax (`bench/softmax.py`): GB/s, one read and one write", softmax_table),
     ("attention", "Attention forward (`bench/attention.py`): TFLOP/s, bf16, H = 16, B·L = 16K", attention_table),
@@ -147,6 +163,10 @@ SECTIONS = [
     ("decode", "Decoding (`bench/decode.py --quick`): Lq = 1, bf16, H = 32, D = 128, K/V GB/s, eager", decode_table),
     ("call_path", "Decoding calls (`bench/call_path.py`): eager µs per call against the fastest SDPA backend, "
      "bf16, H = 32, D = 128", call_path_table),
+    ("varlen", "Packed batches (`bench/varlen.py`): causal, bf16, H = 16, TFLOP/s on the visible pairs; ratios are "
+     "flashlite's speed over the peer's", varlen_table),
+    ("paged_decode", "Paged decoding (`bench/varlen.py --part paged`): Lq = 1, bf16, H = 32, H_kv = 8, D = 128, "
+     "K/V GB/s", paged_table),
 ]
 
 
