@@ -312,13 +312,20 @@ def test_deepseek_v3_mla_head_dims_match_eager():
 
 
 @pytest.mark.parametrize("flash_kwargs", [False, True])
-def test_packed_batch_trains_as_separate_documents(flash_kwargs):
+def test_packed_batch_trains_as_separate_documents(flash_kwargs, monkeypatch):
     # Padding-free training: three documents packed in one row (position_ids restart at 0), or with
     # FlashAttention's cu_seq_lens kwargs. One training step's loss and gradients equal those of the documents
     # run one by one (eager attention, fp32).
     flash, eager = tiny_llamas(fl_hf.NAME, "eager")
     flash.train()
     eager.train()
+    masks_seen = []
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):  # what the layers hand the hook
+        masks_seen.append(attention_mask)
+        return fl_hf.attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    transformers.AttentionInterface.register(fl_hf.NAME, spy)
     lengths = [5, 9, 4]
     ids = torch.randint(0, VOCAB, (1, sum(lengths)))
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
@@ -328,7 +335,11 @@ def test_packed_batch_trains_as_separate_documents(flash_kwargs):
         kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
     labels = ids.clone()
     labels[0, torch.tensor([0, 5, 14])] = -100  # no target across a document start
-    logits = flash(ids, **kw).logits
+    try:
+        logits = flash(ids, **kw).logits
+    finally:
+        fl_hf.register()  # the hook itself again
+    assert len(masks_seen) == 2 and all(mask is None for mask in masks_seen)  # no (L, L) mask was built
     loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
     grads = torch.autograd.grad(loss, list(flash.parameters()))
     parts, start = [], 0
@@ -343,6 +354,15 @@ def test_packed_batch_trains_as_separate_documents(flash_kwargs):
     torch.testing.assert_close(loss, loss_eager, atol=1e-4, rtol=1e-4)
     for g, g_eager in zip(grads, grads_eager):
         torch.testing.assert_close(g, g_eager, atol=1e-4, rtol=1e-3)
+
+
+def test_packed_mask_functions_are_recognised():
+    from transformers import masking_utils
+
+    packed = masking_utils.packed_sequence_mask_function(torch.tensor([[0, 0, 1]]))
+    assert fl_hf.packs_sequences(masking_utils.and_masks(masking_utils.causal_mask_function, packed))
+    assert not fl_hf.packs_sequences(masking_utils.causal_mask_function)
+    assert not fl_hf.packs_sequences(masking_utils.sliding_window_causal_mask_function(4))
 
 
 def test_packed_row_detection():

@@ -610,14 +610,25 @@ def flash_attention_varlen(
         deterministic). Runs on the ``triton.language`` kernels (``core.packed``); CPU tensors without
         ``TRITON_INTERPRET=1`` take the PyTorch path, one sequence at a time.
     """
-    n_seqs = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # (1, H, total, D): core.packed's view
     training = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad or getattr(sinks, "requires_grad", False))
-    _, _, causal, scale, softcap, window, return_lse = _check_call(
-        q4, k4, v4, causal, scale, None, window_size, softcap, None, sinks, return_lse, 1, None)
-    check_alibi_slopes(alibi_slopes, q4, batch=n_seqs)
-    q4, k4, v4 = (unit_stride_head_dim(t) for t in (q4, k4, v4))
+        getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)
+        or getattr(sinks, "requires_grad", False))
+    key = None  # a repeated call replays its route; offsets on the CPU are checked every call
+    if (not is_compiling() and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor
+            and cu_seqlens_q.is_cuda and cu_seqlens_k.is_cuda and type(max_seqlen_q) is int
+            and type(max_seqlen_k) is int):
+        key = call_key(q, k, v, causal, scale, None, window_size, softcap, alibi_slopes, sinks, return_lse, 1, None,
+                       training)
+        if key is not None:
+            key = ("varlen", *key, max_seqlen_q, max_seqlen_k, _tensor_key(cu_seqlens_q), _tensor_key(cu_seqlens_k))
+    route = _ROUTES.get(key) if key is not None else None
+    n_seqs = cu_seqlens_q.shape[0] - 1 if route is not None else check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q4, k4, v4 = (unit_stride_head_dim(t.unsqueeze(0).transpose(1, 2)) for t in (q, k, v))  # core.packed's view
+    if route is None:
+        _, _, causal, scale, softcap, window, return_lse = _check_call(
+            q4, k4, v4, causal, scale, None, window_size, softcap, None, sinks, return_lse, 1, None)
+        check_alibi_slopes(alibi_slopes, q4, batch=n_seqs)
     alibi = alibi_view(alibi_slopes, n_seqs)
     sinks = None if sinks is None else sinks.contiguous()
     if is_compiling():
@@ -625,8 +636,11 @@ def flash_attention_varlen(
             q4, k4, v4, None, None, alibi, sinks, causal, scale, softcap, None if window is None else list(window),
             1, return_lse, training, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     else:
-        route, _ = op_route(q4, k4, v4, None, None, alibi, sinks, causal, scale, softcap, window, 1, return_lse,
-                            training, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if route is None:
+            route, _ = op_route(q4, k4, v4, None, None, alibi, sinks, causal, scale, softcap, window, 1, return_lse,
+                                training, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            if key is not None:
+                _keep(key, route)
         seqs = (cu_seqlens_q, cu_seqlens_k)
         if training:
             o, lse = _Attention.apply(route, q4, k4, v4, None, None, None, alibi, sinks, seqs)

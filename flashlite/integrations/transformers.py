@@ -43,10 +43,11 @@ padding the window is in the built mask as before.
 Packed batches (padding-free training: several documents in one row, ``DataCollatorWithFlattening``). The
 layer's kwargs carry FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/``max_length_k``
 (``return_flash_attn_kwargs=True``), or only ``position_ids`` that restart at 0 where a document starts; either
-way the hook calls ``flash_attention_varlen`` on the row, each document attending to itself alone, and ignores
-the block-diagonal mask that SDPA's builder made of those positions (with ``cu_seq_lens`` the mask is not
-read; with positions alone, they are turned into ``cu_seqlens`` on the device and the longest document read
-once on the host).
+way the hook calls ``flash_attention_varlen`` on the row, each document attending to itself alone (positions
+alone are turned into ``cu_seqlens`` on the device, the longest document read once on the host). The mask
+builder (``window_mask``) builds no block-diagonal mask for such a row (``packs_sequences``): the documents'
+bounds reach the hook through ``position_ids``, which transformers passes to the attention function (its
+FlashAttention-2 path needs them too).
 
 A float mask (additive, 0 or the dtype's minimum: what transformers < 4.53
 builds for a custom name, or a user's 4-D mask) is passed through as an additive
@@ -64,7 +65,8 @@ from ..attention import flash_attention, flash_attention_varlen
 NAME = "fl_attention"
 _RESERVED_SUBSTRINGS = ("flash", "sdpa", "flex", "paged")
 
-__all__ = ["NAME", "attention_forward", "is_sliding_window", "packed_sequences", "register", "window_mask"]
+__all__ = ["NAME", "attention_forward", "is_sliding_window", "packed_sequences", "packs_sequences", "register",
+           "window_mask"]
 
 
 def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> tuple | None:
@@ -178,12 +180,38 @@ def is_sliding_window(mask_function, window: int) -> bool:
         return False
 
 
+def packs_sequences(mask_function) -> bool:
+    """Whether transformers' mask function holds its packed-sequence part (``packed_sequence_mask_function``,
+    which ``create_causal_mask`` adds when ``position_ids`` restart inside a row), looked for in the closures of
+    ``and_masks``/``or_masks`` and of ``remap_positions_for_packed_sequence``."""
+    seen, todo = set(), [mask_function]
+    while todo:
+        fn = todo.pop()
+        if not callable(fn) or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if getattr(fn, "__qualname__", "").startswith("packed_sequence_mask_function."):
+            return True
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            todo.extend(contents if isinstance(contents, (list, tuple)) else [contents])
+    return False
+
+
 def window_mask(*args, local_size: int | None = None, mask_function=None, **kwargs):
     """SDPA's mask builder, but for a sliding window (``local_size``) it may return None where it would for a
-    plain causal mask (no padding, Lq == Lk or Lq == 1): the hook then passes the window to the kernels."""
+    plain causal mask (no padding, Lq == Lk or Lq == 1): the hook then passes the window to the kernels. For a
+    packed row without padding (``packs_sequences``) it returns None: the hook runs ``flash_attention_varlen``
+    from the row's ``position_ids``."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     sdpa = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    padding = kwargs.get("attention_mask")
+    if mask_function is not None and packs_sequences(mask_function) and (padding is None or bool(padding.all())):
+        return None
     if mask_function is not None:
         kwargs["mask_function"] = mask_function
     if local_size is not None and mask_function is not None and is_sliding_window(mask_function, local_size):
