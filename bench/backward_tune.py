@@ -62,7 +62,7 @@ DQ = {
     256: [(32, 32, 4, 1), (64, 32, 4, 1), (64, 64, 8, 1), (64, 32, 8, 2), (128, 32, 8, 1), (128, 64, 8, 1)],
 }
 # The Hopper (Gluon) backward (backward_hopper) by padded head dim, the table's tiles first. Timed in two passes
-# (its dK/dV and dQ kernels), the first also in one pass (dQ by atomic adds from the dK/dV kernel). (The committed
+# (its dK/dV and dQ kernels; the one-pass variant with dQ by atomic adds, timed here once, is gone). (The committed
 # backward_tune_hopper.md was timed before D = 64's register cap and D = 256's 64-key dQ tiles joined the table:
 # its first D = 64 and D = 256 rows are the uncapped tiles and the 32-key dQ tiles.)
 Tiles = WgmmaBackwardConfig
