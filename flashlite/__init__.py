@@ -12,6 +12,6 @@ from . import nn, study, textbook  # noqa: E402,I001  (after the functions: flas
 from . import distributed  # noqa: E402,I001  ring attention over torch.distributed (touches no process group here)
 from . import integrations  # noqa: E402,I001  flashlite.integrations.transformers: imports transformers when first used
 
-__all__ = ["softmax", "logsumexp", "masked_softmax", "flash_attention", "flash_attention_varlen", "merge_attention_states",
-           "study", "nn", "textbook", "distributed"]
+__all__ = ["softmax", "logsumexp", "masked_softmax", "flash_attention", "flash_attention_varlen",
+           "merge_attention_states", "study", "nn", "textbook", "distributed"]
 __version__ = "0.2.0"

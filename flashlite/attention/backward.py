@@ -389,8 +389,8 @@ def _attention_bwd_dkdv_kernel(
                 if (part != 1 or not HAS_MASK) and (part != 2 or HAS_WINDOW):
                     dk, dv = _dkdv_over_query_tiles(
                         dk, dv, k, v, k_idx, q_src, do_src, q_strides[2], do_strides[2], row_src, first, last,
-                        (len_q, len_k, head_dim, head_dim_v), qk_scale, mask_bh, mods, Q_TILE, MASKING, UNITS, DOTS, MODS,
-                        MASKED=part != 1,
+                        (len_q, len_k, head_dim, head_dim_v), qk_scale, mask_bh, mods, Q_TILE, MASKING, UNITS, DOTS,
+                        MODS, MASKED=part != 1,
                     )
 
         dk_dst = dk_ptr + b64 * dk_strides[0] + h_kv64 * dk_strides[1] + k_row0 * dk_strides[2]

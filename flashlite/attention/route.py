@@ -25,6 +25,7 @@ from .reference import (
 )
 from .split_kv import SplitLaunch
 
+
 def unpage(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """A paged (num_blocks, H_kv, page_size, D) cache as the contiguous (B, H_kv, max_blocks · page_size, D) one
     of the (B, max_blocks) ``block_table`` (a copy: the PyTorch path's)."""
