@@ -100,6 +100,7 @@ def test_kernels_and_pytorch_path_agree(small_attention_tiles):
 @pytest.mark.parametrize("change, match", [
     (dict(block_table=lambda t: t.long()), "block_table must be int32"),
     (dict(block_table=lambda t: t[:1]), r"block_table must be \(B, max_blocks\)"),
+    (dict(block_table=lambda t: t.t().contiguous().t()), "block_table's rows must be contiguous"),
     (dict(cache_seqlens=lambda s: None), "block_table needs cache_seqlens"),
     (dict(k=lambda k: k[:, :, :8], v=lambda v: v[:, :, :8]), "page size .* multiple of 16"),
     (dict(v=lambda v: v[:-1]), "k and v must hold the same pages"),

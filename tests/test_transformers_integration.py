@@ -9,6 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # the optional extra flashlite[transformers]; CI installs it
 
+import flashlite  # noqa: E402
 import flashlite.integrations.transformers as fl_hf  # noqa: E402
 
 from .utils import assert_attention_close  # noqa: E402
@@ -313,33 +314,31 @@ def test_deepseek_v3_mla_head_dims_match_eager():
 
 @pytest.mark.parametrize("flash_kwargs", [False, True])
 def test_packed_batch_trains_as_separate_documents(flash_kwargs, monkeypatch):
-    # Padding-free training: three documents packed in one row (position_ids restart at 0), or with
-    # FlashAttention's cu_seq_lens kwargs. One training step's loss and gradients equal those of the documents
-    # run one by one (eager attention, fp32).
+    # Padding-free training: three documents packed in one row, given by position_ids that restart at 0
+    # (transformers' block-diagonal mask), or with FlashAttention's cu_seq_lens kwargs (flash_attention_varlen,
+    # the mask unread). One training step's loss and gradients equal those of the documents run one by one
+    # (eager attention, fp32).
     flash, eager = tiny_llamas(fl_hf.NAME, "eager")
     flash.train()
     eager.train()
-    masks_seen = []
+    varlen_calls = []
 
-    def spy(module, query, key, value, attention_mask, *args, **kwargs):  # what the layers hand the hook
-        masks_seen.append(attention_mask)
-        return fl_hf.attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    def spy(*args, **kwargs):
+        varlen_calls.append(args[3])  # cu_seqlens_q
+        return flashlite.flash_attention_varlen(*args, **kwargs)
 
-    transformers.AttentionInterface.register(fl_hf.NAME, spy)
+    monkeypatch.setattr(fl_hf, "flash_attention_varlen", spy)
     lengths = [5, 9, 4]
     ids = torch.randint(0, VOCAB, (1, sum(lengths)))
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-    kw = dict(position_ids=positions)
+    kw = dict(position_ids=positions, use_cache=False)  # transformers packs by positions only without a cache
     if flash_kwargs:
         cu = torch.tensor([0, 5, 14, 18], dtype=torch.int32)
         kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
     labels = ids.clone()
     labels[0, torch.tensor([0, 5, 14])] = -100  # no target across a document start
-    try:
-        logits = flash(ids, **kw).logits
-    finally:
-        fl_hf.register()  # the hook itself again
-    assert len(masks_seen) == 2 and all(mask is None for mask in masks_seen)  # no (L, L) mask was built
+    logits = flash(ids, **kw).logits
+    assert len(varlen_calls) == (2 if flash_kwargs else 0)  # one call a layer
     loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
     grads = torch.autograd.grad(loss, list(flash.parameters()))
     parts, start = [], 0
@@ -356,19 +355,11 @@ def test_packed_batch_trains_as_separate_documents(flash_kwargs, monkeypatch):
         torch.testing.assert_close(g, g_eager, atol=1e-4, rtol=1e-3)
 
 
-def test_packed_mask_functions_are_recognised():
-    from transformers import masking_utils
-
-    packed = masking_utils.packed_sequence_mask_function(torch.tensor([[0, 0, 1]]))
-    assert fl_hf.packs_sequences(masking_utils.and_masks(masking_utils.causal_mask_function, packed))
-    assert not fl_hf.packs_sequences(masking_utils.causal_mask_function)
-    assert not fl_hf.packs_sequences(masking_utils.sliding_window_causal_mask_function(4))
-
-
 def test_packed_row_detection():
     q = torch.randn(1, 4, 6, 16)
-    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
-    cu_q, cu_k, max_q, max_k = fl_hf.packed_sequences(q, q, dict(position_ids=positions))
-    assert cu_q.tolist() == [0, 3, 5, 6] and max_q == max_k == 3
-    assert fl_hf.packed_sequences(q, q, dict(position_ids=torch.arange(6)[None])) is None  # one document
-    assert fl_hf.packed_sequences(q, torch.randn(1, 4, 9, 16), dict(position_ids=positions)) is None  # a cache
+    cu = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
+    assert fl_hf.packed_sequences(q, dict(position_ids=torch.tensor([[0, 1, 2, 0, 1, 0]]))) is None  # no kwargs
+    cu_q, cu_k, max_q, max_k = fl_hf.packed_sequences(q, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu))
+    assert cu_q.tolist() == [0, 3, 5, 6] and max_q == max_k == 3  # the longest read from the lengths
+    assert fl_hf.packed_sequences(q, dict(cu_seq_lens_q=cu, max_length_q=7, max_length_k=7))[2:] == (7, 7)
+    assert fl_hf.packed_sequences(torch.randn(2, 4, 6, 16), dict(cu_seq_lens_q=cu)) is None  # not one row

@@ -86,6 +86,15 @@ def test_views_of_a_packed_projection_are_read_in_place(small_attention_tiles):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_pytorch_stand_in_of_the_backward(small_attention_tiles, monkeypatch):
+    # The backward's PyTorch stand-in (CUDA with TRITON_BACKWARD_ON_GPU off) takes each sequence apart too.
+    from flashlite.attention import backward
+
+    monkeypatch.setattr(backward, "triton_backward_enabled", lambda q, packed=False: False)
+    q, k, v = packed(LENGTHS_Q, LENGTHS_K)
+    check_attention_varlen(q, k, v, LENGTHS_Q, LENGTHS_K, causal=True, sinks=randn(4, requires_grad=True))
+
+
 def test_backward_is_deterministic(small_attention_tiles):
     q, k, v = packed(LENGTHS_Q, LENGTHS_K, dtype=torch.bfloat16)
     args = (cu_seqlens(LENGTHS_Q), cu_seqlens(LENGTHS_K), max(LENGTHS_Q), max(LENGTHS_K))
@@ -122,6 +131,7 @@ def test_max_seqlen_larger_than_needed(small_attention_tiles):
     (dict(cu_seqlens_q=lambda c: c + 1), "cu_seqlens_q must rise from 0"),
     (dict(cu_seqlens_k=lambda c: torch.tensor([0, 20, 19], dtype=torch.int32)), "cu_seqlens_k must rise"),
     (dict(max_seqlen_q=lambda m: 4), r"max_seqlen_q \(4\) is shorter"),
+    (dict(cu_seqlens_q=lambda c: c.repeat_interleave(2).view(-1, 2)[:, 0]), "cu_seqlens_q must be contiguous"),
     (dict(max_seqlen_k=lambda m: 7.0), "max_seqlen_k must be a non-negative int"),
     (dict(max_seqlen_q=lambda m: True), "max_seqlen_q must be a non-negative int"),
     (dict(k=lambda k: k[:, :, :16]), "head dims differ"),

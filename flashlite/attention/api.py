@@ -336,6 +336,9 @@ def check_paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, attn_mask
         raise ValueError(f"block_table must be (B, max_blocks) with B = {q.shape[0]}, got {tuple(block_table.shape)}")
     if block_table.device != q.device:
         raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+    if block_table.stride(1) != 1 and block_table.shape[1] > 1:
+        raise ValueError(f"block_table's rows must be contiguous (stride 1 along max_blocks), got strides "
+                         f"{block_table.stride()}")
     if cache_seqlens is None:
         raise ValueError("block_table needs cache_seqlens: the number of valid keys of each sequence")
     if attn_mask is not None:
@@ -547,8 +550,8 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     """Validate ``flash_attention_varlen``'s packed layout (errors name the argument); return the number of
     sequences. On the CPU the offsets are checked too (from 0, non-decreasing, ending at the total, no sequence
     longer than ``max_seqlen``), except while ``torch.compile`` traces; on a GPU they are not read (that would
-    wait for the device): the kernels clamp them to the tensors, so bad offsets give wrong rows, never reads or
-    writes outside them."""
+    wait for the device): the kernels clamp them to the tensors, so bad offsets give wrong (or unwritten) rows,
+    never reads or writes outside them."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -561,6 +564,8 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             raise TypeError(f"{name} must be int32, got {cu.dtype}")
         if cu.dim() != 1 or cu.shape[0] < 1:
             raise ValueError(f"{name} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
+        if cu.stride(0) != 1 and cu.shape[0] > 1:
+            raise ValueError(f"{name} must be contiguous (the kernels read it as an array), got stride {cu.stride()}")
         if cu.device != q.device:
             raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:

@@ -94,7 +94,7 @@ from .plan import (
     NATURAL_BIAS, OutputLayout, default_backward_config, head_dim_padded, kernel_switches, qk_scale_for, query_tile,
     variant_args,
 )
-from .reference import attention_backward_torch
+from .reference import attention_backward_torch, attention_varlen_backward_torch
 from .tuning import AttentionConfig, BackwardConfig, WgmmaBackwardConfig
 
 
@@ -549,6 +549,7 @@ class BackwardLaunch:
         window: tuple[int, int] | None = None, has_alibi: bool = False, varlen: tuple[int, int, int] | None = None,
     ):
         self.options = (causal, scale, mask_is_bool, mask_needs_grad, softcap, window)
+        self.varlen = varlen
         self.torch_path = not triton_backward_enabled(q, varlen is not None)
         if self.torch_path:
             return
@@ -623,6 +624,9 @@ class BackwardLaunch:
         (cu_seqlens_q, cu_seqlens_k)``."""
         if self.torch_path:
             causal, scale, mask_is_bool, mask_needs_grad, softcap, window = self.options
+            if self.varlen is not None:  # each sequence apart (TRITON_BACKWARD_ON_GPU off)
+                return attention_varlen_backward_torch(do, q, k, v, dlse, seqs, causal, scale, softcap, window,
+                                                       alibi, sinks)
             return attention_backward_torch(do, q, k, v, dlse, causal, scale, mask, mask_is_bool, mask_needs_grad,
                                             softcap, window, alibi, sinks)
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=q.device)

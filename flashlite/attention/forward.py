@@ -152,7 +152,7 @@ def attend_kv_tiles(
             table, page_size, stride_k_page, stride_v_page, last_block = pages
         if PAGED == PAGED_TILES:  # the tile's page; its rows addressed as if the page held keys from `start` on
             block = tl.minimum(tl.maximum(tl.load(table + start // page_size), 0), last_block).to(tl.int64)
-            shift = start % page_size - start
+            shift = (start % page_size - start).to(tl.int64)  # times a row stride: past 2^31 on long caches
             k_tile = k_src + block * stride_k_page + shift * stride_kn
             v_tile = v_src + block * stride_v_page + shift * stride_vn
         if PAGED == PAGED_ROWS:

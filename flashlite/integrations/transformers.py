@@ -40,14 +40,13 @@ gives ``flash_attention`` ``window_size=(sliding_window - 1, 0)``: no L×L mask 
 built or read, and the kernels skip the key tiles outside the window. With
 padding the window is in the built mask as before.
 
-Packed batches (padding-free training: several documents in one row, ``DataCollatorWithFlattening``). The
-layer's kwargs carry FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/``max_length_k``
-(``return_flash_attn_kwargs=True``), or only ``position_ids`` that restart at 0 where a document starts; either
-way the hook calls ``flash_attention_varlen`` on the row, each document attending to itself alone (positions
-alone are turned into ``cu_seqlens`` on the device, the longest document read once on the host). The mask
-builder (``window_mask``) builds no block-diagonal mask for such a row (``packs_sequences``): the documents'
-bounds reach the hook through ``position_ids``, which transformers passes to the attention function (its
-FlashAttention-2 path needs them too).
+Packed batches (padding-free training: several documents in one row, ``DataCollatorWithFlattening(
+return_flash_attn_kwargs=True)``). The layer's kwargs carry FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k``
+and ``max_length_q``/``max_length_k``; the hook then calls ``flash_attention_varlen`` on the row, each document
+attending to itself alone, and does not read the mask. transformers' mask builder still makes its
+block-diagonal mask of the row's ``position_ids`` (it does not see those kwargs). A packed row given by
+``position_ids`` alone goes through that mask, as transformers' SDPA path treats it (transformers packs only
+without a cache; the hook cannot tell, so it leaves that to the mask).
 
 A float mask (additive, 0 or the dtype's minimum: what transformers < 4.53
 builds for a custom name, or a user's 4-D mask) is passed through as an additive
@@ -65,33 +64,20 @@ from ..attention import flash_attention, flash_attention_varlen
 NAME = "fl_attention"
 _RESERVED_SUBSTRINGS = ("flash", "sdpa", "flex", "paged")
 
-__all__ = ["NAME", "attention_forward", "is_sliding_window", "packed_sequences", "packs_sequences", "register",
-           "window_mask"]
+__all__ = ["NAME", "attention_forward", "is_sliding_window", "packed_sequences", "register", "window_mask"]
 
 
-def packed_sequences(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> tuple | None:
-    """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of a packed row (one batch row holding
-    several documents), or None: from FlashAttention's kwargs (``cu_seq_lens_q`` ...), else from
-    ``position_ids`` (1, L) that restart at 0 (every document's first token), with as many keys as queries
-    (no cache: a decoding step is not packed)."""
-    if kwargs.get("cu_seq_lens_q") is not None:
-        cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k", kwargs["cu_seq_lens_q"])
-        max_q = kwargs.get("max_length_q")
-        max_k = kwargs.get("max_length_k", max_q)
-        lengths = None if max_q is not None and max_k is not None else (cu_q.diff(), cu_k.diff())
-        return (cu_q.to(torch.int32), cu_k.to(torch.int32),
-                int(max_q) if lengths is None else int(lengths[0].max()),
-                int(max_k) if lengths is None else int(lengths[1].max()))
-    positions = kwargs.get("position_ids")
-    if positions is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
+def packed_sequences(query: torch.Tensor, kwargs: dict) -> tuple | None:
+    """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of a packed row (a batch of one row holding
+    several documents) from FlashAttention's kwargs (``cu_seq_lens_q`` ...), or None."""
+    if query.shape[0] != 1 or kwargs.get("cu_seq_lens_q") is None:
         return None
-    positions = positions.reshape(-1)[-query.shape[2]:]
-    starts = (positions == 0).nonzero().flatten()
-    if starts.numel() < 2 or int(starts[0]) != 0:  # one document (or a continuation): not packed
-        return None
-    cu = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
-    longest = int(cu.diff().max())
-    return cu, cu, longest, longest
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs.get("cu_seq_lens_k", kwargs["cu_seq_lens_q"])
+    max_q = kwargs.get("max_length_q")
+    max_k = kwargs.get("max_length_k", max_q)
+    if max_q is None or max_k is None:  # read from the lengths: one host synchronisation
+        max_q, max_k = int(cu_q.diff().max()), int(cu_k.diff().max())
+    return cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous(), int(max_q), int(max_k)
 
 
 def attention_forward(
@@ -124,7 +110,7 @@ def attention_forward(
     for name in ("position_bias",):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} is not supported by attn_implementation={NAME!r}; use 'eager' or 'sdpa'")
-    packed = packed_sequences(query, key, kwargs)
+    packed = packed_sequences(query, kwargs)
     if packed is not None:
         return _attend_packed(module, query, key, value, scaling, packed, kwargs), None
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
@@ -180,38 +166,12 @@ def is_sliding_window(mask_function, window: int) -> bool:
         return False
 
 
-def packs_sequences(mask_function) -> bool:
-    """Whether transformers' mask function holds its packed-sequence part (``packed_sequence_mask_function``,
-    which ``create_causal_mask`` adds when ``position_ids`` restart inside a row), looked for in the closures of
-    ``and_masks``/``or_masks`` and of ``remap_positions_for_packed_sequence``."""
-    seen, todo = set(), [mask_function]
-    while todo:
-        fn = todo.pop()
-        if not callable(fn) or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        if getattr(fn, "__qualname__", "").startswith("packed_sequence_mask_function."):
-            return True
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                contents = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            todo.extend(contents if isinstance(contents, (list, tuple)) else [contents])
-    return False
-
-
 def window_mask(*args, local_size: int | None = None, mask_function=None, **kwargs):
     """SDPA's mask builder, but for a sliding window (``local_size``) it may return None where it would for a
-    plain causal mask (no padding, Lq == Lk or Lq == 1): the hook then passes the window to the kernels. For a
-    packed row without padding (``packs_sequences``) it returns None: the hook runs ``flash_attention_varlen``
-    from the row's ``position_ids``."""
+    plain causal mask (no padding, Lq == Lk or Lq == 1): the hook then passes the window to the kernels."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     sdpa = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
-    padding = kwargs.get("attention_mask")
-    if mask_function is not None and packs_sequences(mask_function) and (padding is None or bool(padding.all())):
-        return None
     if mask_function is not None:
         kwargs["mask_function"] = mask_function
     if local_size is not None and mask_function is not None and is_sliding_window(mask_function, local_size):
