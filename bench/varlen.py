@@ -257,7 +257,10 @@ def main(argv=None) -> None:
     parser.add_argument("--totals", nargs="+", type=int, default=[16384, 65536])
     args = parser.parse_args(argv)
     out = results_dir(args.out)
-    command = "python bench/varlen.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--out" in given:  # where the files went is not part of how they were made
+        del given[given.index("--out"):given.index("--out") + 2]
+    command = " ".join(["python bench/varlen.py", *given])
     if "host" in args.part:
         run_host(out, command)
     if "paged" in args.part:
