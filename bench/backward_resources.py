@@ -60,6 +60,9 @@ def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int) -
         else:
             signature[name] = "fp32" if name in ("qk_scale", "scale") else "i32"
     consts[("mask", 0)] = None
+    # Constants keyed by argument index (a tuple's element by its path), as ASTSource sorts and looks them up.
+    index = kernel.arg_names.index
+    consts = {(index(k),) if isinstance(k, str) else (index(k[0]), *k[1:]): v for k, v in consts.items()}
     compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     ptx = compiled.asm["ptx"]
