@@ -156,7 +156,6 @@ def _probs_and_score_grads(
     DOT_PRECISION: tl.constexpr = DOTS[0]
     UPCAST_DOTS: tl.constexpr = DOTS[1]
     HAS_SOFTCAP: tl.constexpr = MODS[0]
-    FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
     HAS_WINDOW: tl.constexpr = MODS[3]
     softcap, alibi, window_left, window_right = mods
@@ -330,11 +329,7 @@ def _attention_bwd_dkdv_kernel(
     EVEN_DV: tl.constexpr = DIMS[3]
     IS_CAUSAL: tl.constexpr = MASKING[0]
     HAS_MASK: tl.constexpr = MASKING[1]
-    MASK_IS_BOOL: tl.constexpr = MASKING[2]
-    MASK_PER_KEY: tl.constexpr = MASKING[3]
     VARLEN: tl.constexpr = MASKING[4]
-    HAS_SOFTCAP: tl.constexpr = MODS[0]
-    FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
     HAS_WINDOW: tl.constexpr = MODS[3]
     Q_TILE: tl.constexpr = (BLOCK_M, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV)
@@ -421,11 +416,7 @@ def _attention_bwd_dq_kernel(
     EVEN_DV: tl.constexpr = DIMS[3]
     IS_CAUSAL: tl.constexpr = MASKING[0]
     HAS_MASK: tl.constexpr = MASKING[1]
-    MASK_IS_BOOL: tl.constexpr = MASKING[2]
-    MASK_PER_KEY: tl.constexpr = MASKING[3]
     VARLEN: tl.constexpr = MASKING[4]
-    HAS_SOFTCAP: tl.constexpr = MODS[0]
-    FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
     HAS_WINDOW: tl.constexpr = MODS[3]
     KV_TILE: tl.constexpr = (BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV)

@@ -141,7 +141,6 @@ def attend_kv_tiles(
     DOT_PRECISION: tl.constexpr = DOTS[0]
     UPCAST_DOTS: tl.constexpr = DOTS[1]
     HAS_SOFTCAP: tl.constexpr = MODS[0]
-    FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
     HAS_WINDOW: tl.constexpr = MODS[3]
     softcap, alibi, window_left, window_right = mods
@@ -196,13 +195,7 @@ def attend_key_range(
     without one ``full_start`` must be ``key_start``), ``[full_start, full_end)`` seen whole by every row (no mask
     arithmetic; under a user mask that part must be empty, and is not built), then ``[full_end, key_stop)``
     masked. The forward and split-K/V kernels' walk over their keys (``pages``, ``PAGED``: ``attend_kv_tiles``'s)."""
-    IS_CAUSAL: tl.constexpr = MASKING[0]
     HAS_MASK: tl.constexpr = MASKING[1]
-    MASK_IS_BOOL: tl.constexpr = MASKING[2]
-    MASK_PER_KEY: tl.constexpr = MASKING[3]
-    HAS_SOFTCAP: tl.constexpr = MODS[0]
-    FAST_TANH: tl.constexpr = MODS[1]
-    HAS_ALIBI: tl.constexpr = MODS[2]
     HAS_WINDOW: tl.constexpr = MODS[3]
     key_start, full_start, full_end, key_stop = key_cut
     for part in tl.static_range(3):  # the window's near edge, the full tiles, the far edge
@@ -260,11 +253,7 @@ def attention_fwd_kernel(
     EVEN_DV: tl.constexpr = DIMS[3]
     IS_CAUSAL: tl.constexpr = MASKING[0]
     HAS_MASK: tl.constexpr = MASKING[1]
-    MASK_IS_BOOL: tl.constexpr = MASKING[2]
-    MASK_PER_KEY: tl.constexpr = MASKING[3]
     VARLEN: tl.constexpr = MASKING[4]
-    HAS_SOFTCAP: tl.constexpr = MODS[0]
-    FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
     HAS_WINDOW: tl.constexpr = MODS[3]
     KV_TILE: tl.constexpr = (BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV)

@@ -123,10 +123,6 @@ def _split_kv_kernel(
     EVEN_DV: tl.constexpr = DIMS[3]
     IS_CAUSAL: tl.constexpr = MASKING[0]
     HAS_MASK: tl.constexpr = MASKING[1]
-    MASK_IS_BOOL: tl.constexpr = MASKING[2]
-    MASK_PER_KEY: tl.constexpr = MASKING[3]
-    HAS_SOFTCAP: tl.constexpr = MODS[0]
-    FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
     HAS_WINDOW: tl.constexpr = MODS[3]
     n_rows = heads_per_program * seqlen_q

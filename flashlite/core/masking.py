@@ -261,7 +261,6 @@ def modify_scores(s, rows, cols_start, cols, seqlen_q, seqlen_k, mods, MODS: tl.
     HAS_SOFTCAP: tl.constexpr = MODS[0]
     FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
-    HAS_WINDOW: tl.constexpr = MODS[3]
     t = s
     if HAS_SOFTCAP:
         s = soft_cap(s, softcap, FAST_TANH)
@@ -283,7 +282,6 @@ def modified_scores_scaled(s, qk_scale, rows, cols_start, cols, seqlen_q, seqlen
     HAS_SOFTCAP: tl.constexpr = MODS[0]
     FAST_TANH: tl.constexpr = MODS[1]
     HAS_ALIBI: tl.constexpr = MODS[2]
-    HAS_WINDOW: tl.constexpr = MODS[3]
     x = s
     c = qk_scale
     if HAS_SOFTCAP:
