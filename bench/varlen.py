@@ -82,13 +82,13 @@ def fa4_varlen():
     return flash_attn_varlen_func
 
 
-def flex_document_call(lengths: list[int], total: int, device):
-    """FlexAttention with a document-causal block mask on (1, H, T, D) tensors, compiled; or None."""
+def flex_document_call(doc: torch.Tensor, total: int, device):
+    """FlexAttention with a document-causal block mask on (1, H, T, D) tensors (``doc``: each token's document),
+    compiled; or None."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
 
     def document_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
@@ -103,6 +103,7 @@ def providers(lengths: list[int], head_dim: int, device) -> dict:
     total = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     longest = max(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
 
     def packed():
         return [torch.randn(total, HEADS, head_dim, device=device, dtype=torch.bfloat16) for _ in range(3)]
@@ -123,19 +124,14 @@ def providers(lengths: list[int], head_dim: int, device) -> dict:
             return o[0] if isinstance(o, tuple) else o
         out["fa4"] = (packed, fa4_call)
     if total <= FLEX_MAX_TOKENS:
-        flex = flex_document_call(lengths, total, device)
+        flex = flex_document_call(doc, total, device)
         if flex is not None:
             out["flex"] = (bhld(1, total), flex)
     if total <= MASK_MAX_TOKENS:
-        doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
         block_diagonal = (doc[:, None] == doc[None, :]).view(1, 1, total, total)
         out["mask"] = (bhld(1, total), lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True,
                                                                                  attn_mask=block_diagonal))
     return out
-
-
-def dense_pairs(batch: int, length: int) -> int:
-    return batch * length * (length + 1) // 2
 
 
 def measure(mix: str, total: int, head_dim: int, device) -> dict:
@@ -145,7 +141,7 @@ def measure(mix: str, total: int, head_dim: int, device) -> dict:
         inputs = make()
         pairs = visible_pairs(lengths)
         if name == "dense":
-            pairs = dense_pairs(inputs[0].shape[0], inputs[0].shape[2])
+            pairs = visible_pairs([inputs[0].shape[2]] * inputs[0].shape[0])
         flops = 4 * HEADS * head_dim * pairs
         row[f"{name}_fwd"] = tflops(flops, try_time_ms(lambda: call(*inputs)))
         leaves = [t.requires_grad_() for t in inputs]

@@ -71,7 +71,7 @@ class Route:
         # (m, log d) of each row apart from the LSE: the backward of an additive mask (see ``forward``).
         self.keeps_row_stats = training and mask is not None and not mask_is_bool and not self.split
         self.torch_path = not runs_kernels(q)  # fixed at planning: a backward may run outside ``pytorch_path()``
-        self.kernels = not self.torch_path and batch * n_heads * seqlen_q > 0 and k.shape[2] > 0 and k.shape[0] > 0
+        self.kernels = not self.torch_path and batch * n_heads * seqlen_q > 0 and k.shape[2] > 0
         self._backwards: dict = {}
         self.launch = None
         self.hopper = False  # the launch takes no mask and fills no row stats
