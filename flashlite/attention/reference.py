@@ -20,8 +20,11 @@ def _logits(
     batch, n_heads, seqlen_q, head_dim = q.shape
     n_kv, seqlen_k = k.shape[1], k.shape[2]
     group = n_heads // n_kv
-    qf = q.float().reshape(batch, n_kv, group, seqlen_q, head_dim)  # (B, H_kv, G, Lq, D): no K/V repeat
-    s = (qf @ k.float().unsqueeze(2).transpose(-1, -2) * scale).reshape(batch, n_heads, seqlen_q, seqlen_k)
+    # The scaled scores summed in float64 and rounded once to fp32: an fp32 sum of D products is off by a few ulps
+    # of the logits, which a sharp softmax (logits of ~100) passes on to the output and gradients, more than
+    # FlashAttention's rule allows over PyTorch's own fp32 error when the summation orders differ.
+    qd = q.double().reshape(batch, n_kv, group, seqlen_q, head_dim)  # (B, H_kv, G, Lq, D): no K/V repeat
+    s = (qd @ k.double().unsqueeze(2).transpose(-1, -2) * scale).float().reshape(batch, n_heads, seqlen_q, seqlen_k)
     t = None
     if softcap is not None:
         t = torch.tanh(s / softcap)
