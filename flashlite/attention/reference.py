@@ -1,4 +1,5 @@
-"""Attention in plain PyTorch (fp32, the L×L scores materialised): the path of tensors the kernels do not run on.
+"""Attention in plain PyTorch (fp32, the scores summed in fp64; the L×L scores materialised): the path of tensors
+the kernels do not run on.
 
 CPU tensors without ``TRITON_INTERPRET=1`` take these; they give the answers
 the kernels give (the tests run both on the same inputs): rows that see no key
