@@ -143,6 +143,14 @@ def paged_table(data: dict) -> str:
     return _table(["B", "Lk", "page", "paged GB/s", "contiguous GB/s", "× contiguous"], rows)
 
 
+def ring_table(data: dict) -> str:
+    rows = [[r["L"], r["P"], r.get("docs", 1), f"{r['p2p_GBs']:.0f}", f"{r['ring_fwd_ms']:.1f}",
+             f"{r['ring_fwdbwd_ms']:.1f}", f"{r['single_fwd_ms']:.1f}", f"{r['single_fwdbwd_ms']:.1f}",
+             f"{r['eff_fwd']:.3f}", f"{r['eff_fwdbwd']:.3f}"] for r in data["rows"]]
+    return _table(["L", "P", "documents", "point-to-point GB/s", "ring fwd ms", "ring fwd+bwd ms", "one GPU fwd ms",
+                   "one GPU fwd+bwd ms", "efficiency fwd", "efficiency fwd+bwd"], rows)
+
+
 SECTIONS = [
     ("softmax", "Softmax (`bench/softmax.py`): GB/s, one read and one write", softmax_table),
     ("attention", "Attention forward (`bench/attention.py`): TFLOP/s, bf16, H = 16, B·L = 16K", attention_table),
@@ -167,6 +175,12 @@ SECTIONS = [
      "flashlite's speed over the peer's", varlen_table),
     ("paged_decode", "Paged decoding (`bench/varlen.py --part paged`): Lq = 1, bf16, H = 32, H_kv = 8, D = 128, "
      "K/V GB/s", paged_table),
+    *((f"ring_attention{kind}_p{p}", f"{title} on {p} GPUs (`torchrun --nproc-per-node {p} bench/ring_attention.py"
+       f"{flag}`): bf16, H = 32, H_kv = 8, D = 128, causal; efficiency = (one GPU's time / P) / ring time",
+       ring_table)
+      for kind, flag, title in (("", "", "Ring attention"),
+                                ("_varlen", " --varlen", "Packed ring attention (long-context document mix)"))
+      for p in (2, 4, 8)),
 ]
 
 

@@ -6,6 +6,8 @@ predict; under torchrun, the ring itself.
     python bench/ring_attention.py --dry-run           # shard bytes and NVLink transfer times only (no GPU needed)
     torchrun --nproc-per-node 8 bench/ring_attention.py [--baseline DIR/ring_attention.json]
                                                        # the ring on 8 GPUs -> ring_attention_p8.{json,md}
+    torchrun --nproc-per-node 4 bench/ring_attention.py --varlen --lengths 131072 262144 524288
+                                                       # the packed ring -> ring_attention_varlen_p4.{json,md}
 
 Shapes (issue 34): bf16, B = 1, H = 32 query heads, H_kv = 8, D = 128, causal, global L from 128K to 1M tokens;
 P ranks in {2, 4, 8} each hold a zigzag shard of L/P positions (``flashlite.distributed``).
@@ -34,6 +36,15 @@ before each run, the slowest rank's time), the measured point-to-point bandwidth
 the efficiency against the whole problem on one GPU (``--baseline``: a single-GPU run's JSON, else rank 0
 measures it while the others wait).
 
+Packed batches (``--varlen``, torchrun): ``ring_attention_varlen`` on a packed batch of L tokens whose
+documents are drawn (seeded) from the long-context mix ``round(exp(N(log 4096, 1.5)))`` clipped to [256, 65536]
+and rounded down to a multiple of 16 (every rank count up to 8 cuts them into 2P equal chunks), the last one cut
+so that they sum to L: many documents of a few thousand tokens, a few long ones. Each rank holds its
+``varlen_shard``; the whole batch's ``flash_attention_varlen`` on one GPU is the baseline, timed by rank 0 in
+the same job. Before timing, a 4K-token batch checks the ring's output and gradients against that single-GPU
+call, both against an fp32 reference per document (FlashAttention's rule: the ring's error at most twice the
+single call's, plus a floor); the errors go into the JSON.
+
 Environment: NVLink multicast stays off on this workplace's machines and must stay off: NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set here (``os.environ.setdefault``, before
 torch.distributed starts), never cuMulticastCreate.
@@ -50,6 +61,7 @@ for _name, _value in MULTICAST_OFF.items():
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
@@ -81,6 +93,7 @@ WORLDS = [2, 4, 8]
 NVLINK_GBS = 450.0
 # Targets of issue 34 (H200s, L >= 256K): scaling efficiency at P = 2, and at P = 4 and 8.
 TARGET_EFF_P2, TARGET_EFF_P48, TARGET_MIN_L = 0.90, 0.85, 262144
+TARGET_EFF_VARLEN = 0.90  # issue 46: the packed ring at P = 2 and 4, forward and forward+backward
 # Calls longer than this are not timed by do_bench (its estimation runs alone would take tens of seconds).
 LONG_CALL_MS = 200.0
 # A long call's first run is its time when nothing was compiled in it; long calls of at least this are otherwise
@@ -389,7 +402,9 @@ def run_ring(args) -> None:
             rows.append(row)
             print(row, flush=True)
     if rank == 0:
-        meta = environment() | {"world_size": world, "batch": BATCH, "heads": HEADS, "kv_heads": KV_HEADS,
+        meta = environment() | {"command": f"torchrun --nproc-per-node {world} bench/ring_attention.py "
+                                           + " ".join(sys.argv[1:]),
+                                "world_size": world, "batch": BATCH, "heads": HEADS, "kv_heads": KV_HEADS,
                                 "head_dim": HEAD_DIM, "dtype": "bfloat16", "causal": True,
                                 "baseline": args.baseline, "env": {k: os.environ.get(k) for k in MULTICAST_OFF}}
         cols = ["L", "P", "shard", "kv_shard_MB", "p2p_GBs", "ring_fwd_ms", "ring_fwdbwd_ms", "single_fwd_ms",
@@ -398,6 +413,191 @@ def run_ring(args) -> None:
                       f"Ring attention on {world} GPUs (bf16, H = 32, H_kv = 8, D = 128, causal)")
         print(markdown_table(rows, cols))
         print_summary(rows, "measured")
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- torchrun: the packed ring
+
+
+VARLEN_ALIGN = 16  # every document a multiple of 2P for P <= 8
+VARLEN_CHECK_TOKENS = 4096
+
+
+def document_mix(total: int, seed: int = 0) -> list[int]:
+    """Document lengths of one packed batch of ``total`` tokens (module docstring's long-context mix)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, filled = [], 0
+    while filled < total:
+        n = math.exp(math.log(4096) + 1.5 * float(torch.randn(1, generator=gen)))
+        n = min(max(int(n) // VARLEN_ALIGN * VARLEN_ALIGN, 256), 65536, total - filled)
+        lengths.append(n)
+        filled += n
+    return lengths
+
+
+def cu_of(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+
+
+def varlen_flops(lengths: list[int]) -> float:
+    """Causal forward FLOPs of the documents: 4·H·D per visible (query, key) pair."""
+    return 4.0 * HEADS * HEAD_DIM * sum(n * (n + 1) // 2 for n in lengths)
+
+
+def varlen_batch(lengths: list[int], requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
+    total = sum(lengths)
+    q = torch.randn(total, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(total, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def reference_fp32(q, k, v, lengths: list[int], do: torch.Tensor) -> list[torch.Tensor]:
+    """(o, dq, dk, dv) of causal attention per document in fp32 PyTorch ops (the check's reference)."""
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    outs, start = [], 0
+    for n in lengths:
+        qb, kb, vb = (t[start:start + n].transpose(0, 1).unsqueeze(0) for t in leaves)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, is_causal=True, enable_gqa=True)[0].transpose(0, 1))
+        start += n
+    o = torch.cat(outs)
+    return [o.detach(), *torch.autograd.grad(o, leaves, do.float())]
+
+
+def check_varlen_ring(world: int, rank: int) -> dict:
+    """The ring's o, dq, dk, dv on a small packed batch against one GPU's ``flash_attention_varlen`` (module
+    docstring): {name: (ring error, single error)} against the fp32 reference, and whether all pass."""
+    lengths = [256, 1024, 512, 2048, 256]
+    assert sum(lengths) == VARLEN_CHECK_TOKENS
+    torch.manual_seed(0)  # the same batch on every rank
+    q, k, v = varlen_batch(lengths)
+    do = torch.randn_like(q)
+    cu = cu_of(lengths)
+    shards = [ring_mod.varlen_shard(t, cu, rank, world).requires_grad_() for t in (q, k, v)]
+    o = ring_mod.ring_attention_varlen(*shards, cu, max(lengths), causal=True)
+    grads = torch.autograd.grad(o, shards, ring_mod.varlen_shard(do, cu, rank, world))
+    ring = []
+    for t in (o.detach(), *grads):
+        gathered = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(gathered, t.contiguous())
+        ring.append(ring_mod.varlen_unshard(gathered, cu))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    single_o = flashlite.flash_attention_varlen(*leaves, cu, cu, max(lengths), max(lengths), causal=True)
+    single = [single_o.detach(), *torch.autograd.grad(single_o, leaves, do)]
+    ref = reference_fp32(q, k, v, lengths, do)
+    errors, ok = {}, True
+    for name, a, b, r in zip(("o", "dq", "dk", "dv"), ring, single, ref):
+        ring_err, single_err = (float((x.float() - r).abs().max()) for x in (a, b))
+        errors[name] = (ring_err, single_err)
+        ok &= ring_err <= 2 * single_err + 1e-3 * float(r.abs().max())
+    return {"errors_vs_fp32": errors, "passed": ok}
+
+
+def measure_single_varlen(lengths: list[int]) -> dict:
+    """The whole packed batch on one GPU: flash_attention_varlen forward, and forward+backward, causal."""
+    q, k, v = varlen_batch(lengths, requires_grad=True)
+    do, cu, longest = torch.randn_like(q), cu_of(lengths), max(lengths)
+
+    def call():
+        return flashlite.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+
+    with torch.no_grad():
+        fwd = timed_ms(call)
+    fwdbwd = timed_ms(lambda: torch.autograd.grad(call(), (q, k, v), do))
+    del q, k, v, do
+    torch.cuda.empty_cache()
+    return {"single_fwd_ms": fwd, "single_fwdbwd_ms": fwdbwd}
+
+
+def profile_ring(fn, rank: int, path: str, title: str) -> None:
+    """One call of ``fn`` on every rank under ``torch.profiler``; rank 0 appends to ``path`` its wall time, the
+    sum of its compute kernels' and of its NCCL kernels' times, and the kernels' table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = once_ms(fn)
+    if rank:
+        return
+    events = [e for e in prof.key_averages()  # kernels only (an op's row repeats its kernels' time)
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower()) / 1e3
+    compute = sum(e.self_device_time_total for e in events if "nccl" not in e.key.lower()) / 1e3
+    line = f"{title}: wall {wall:.1f} ms, compute kernels {compute:.1f} ms, NCCL kernels {nccl:.1f} ms"
+    print(line, flush=True)
+    with open(path, "a") as f:
+        f.write(line + "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30) + "\n\n")
+
+
+def run_ring_varlen(args) -> None:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    check = check_varlen_ring(world, rank)
+    if rank == 0:
+        print(f"check ({VARLEN_CHECK_TOKENS} tokens, against fp32): {check}", flush=True)
+    rows = []
+    for length in sorted(args.lengths):
+        lengths = document_mix(length)
+        cu = cu_of(lengths)
+        torch.manual_seed(rank)
+        q, k, v = (t.requires_grad_() for t in varlen_batch([n // world for n in lengths]))  # this rank's shards
+        do = torch.randn_like(q)
+        repeats = args.repeats if length <= 262144 else 2
+
+        def call():
+            return ring_mod.ring_attention_varlen(q, k, v, cu, max(lengths), causal=True)
+
+        if args.profile:  # where one rank's time goes, at the first length; nothing is timed after a profile
+            path = os.path.join(results_dir(args.out), f"ring_varlen_profile_p{world}.txt")
+            with torch.no_grad():
+                profile_ring(call, rank, path, f"forward, L = {length}, P = {world}")
+            profile_ring(lambda: torch.autograd.grad(call(), (q, k, v), do), rank, path,
+                         f"forward+backward, L = {length}, P = {world}")
+            break
+        with torch.no_grad():
+            fwd = ring_ms(call, repeats)
+        fwdbwd = ring_ms(lambda: torch.autograd.grad(call(), (q, k, v), do), repeats)
+        ring = ring_mod.Ring(None)
+        kv = torch.stack([k.detach(), v.detach()])  # the bytes of the ring's K/V shard
+        buffer = torch.empty_like(kv)
+        p2p = ring_ms(lambda: ring_mod.Ring.wait(ring.start(kv, buffer)), 5)
+        del q, k, v, do, kv, buffer
+        torch.cuda.empty_cache()
+        single = measure_single_varlen(lengths) if rank == 0 else None
+        dist.barrier()
+        if rank == 0:
+            flops = varlen_flops(lengths)
+            row = {"L": length, "P": world, "docs": len(lengths), "longest": max(lengths),
+                   "median_doc": int(statistics.median(lengths)), "shard": length // world,
+                   "p2p_GBs": gbs(kv_shard_bytes(length // world), p2p), "ring_fwd_ms": fwd,
+                   "ring_fwdbwd_ms": fwdbwd, "single_fwd_ms": single["single_fwd_ms"],
+                   "single_fwdbwd_ms": single["single_fwdbwd_ms"],
+                   "single_fwd_tflops": tflops(flops, single["single_fwd_ms"]),
+                   "ring_fwd_tflops_per_gpu": tflops(flops / world, fwd),
+                   "eff_fwd": efficiency(single["single_fwd_ms"], world, fwd),
+                   "eff_fwdbwd": efficiency(single["single_fwdbwd_ms"], world, fwdbwd)}
+            rows.append(row)
+            print(row, flush=True)
+    if rank == 0 and rows:
+        meta = environment() | {"command": f"torchrun --nproc-per-node {world} bench/ring_attention.py "
+                                           + " ".join(sys.argv[1:]),
+                                "world_size": world, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                                "dtype": "bfloat16", "causal": True,
+                                "mix": "round(exp(N(log 4096, 1.5))) clipped to [256, 65536], multiples of 16",
+                                "check": check, "env": {k: os.environ.get(k) for k in MULTICAST_OFF}}
+        cols = ["L", "P", "docs", "median_doc", "longest", "p2p_GBs", "ring_fwd_ms", "ring_fwdbwd_ms",
+                "single_fwd_ms", "single_fwdbwd_ms", "single_fwd_tflops", "eff_fwd", "eff_fwdbwd"]
+        write_results(f"ring_attention_varlen_p{world}", results_dir(args.out), meta, rows, cols,
+                      f"Packed ring attention on {world} GPUs (bf16, H = 32, H_kv = 8, D = 128, causal, "
+                      "long-context document mix)")
+        print(markdown_table(rows, cols))
+        misses = [f"L={r['L']}: fwd {r['eff_fwd']:.3f}, fwd+bwd {r['eff_fwdbwd']:.3f}" for r in rows
+                  if min(r["eff_fwd"] or 0, r["eff_fwdbwd"] or 0) < TARGET_EFF_VARLEN]
+        print(f"\ntarget (packed ring, >= {TARGET_EFF_VARLEN} at P = 2 and 4): "
+              + ("all met" if not misses else "missed: " + "; ".join(misses)))
     dist.destroy_process_group()
 
 
@@ -430,6 +630,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                            "times); default: rank 0 measures them")
     parser.add_argument("--repeats", type=int, default=5, help="torchrun: timed runs of the ring up to L = 256K")
     parser.add_argument("--dry-run", action="store_true", help="print shard bytes and transfer times; no GPU")
+    parser.add_argument("--varlen", action="store_true", help="torchrun: the packed ring (ring_attention_varlen)")
+    parser.add_argument("--profile", action="store_true", help="with --varlen: profile the first length's calls "
+                                                                "-> ring_varlen_profile_p<P>.txt (and time none)")
     args = parser.parse_args(argv)
     for name in ("lengths", "worlds"):
         if any(n < 1 for n in getattr(args, name)):
@@ -442,7 +645,7 @@ def main(argv=None) -> None:
     if args.dry_run:
         dry_run(args)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        run_ring(args)
+        run_ring_varlen(args) if args.varlen else run_ring(args)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench/ring_attention.py times CUDA kernels: run it on a GPU (or pass --dry-run)")

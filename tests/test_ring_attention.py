@@ -19,14 +19,11 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import socket
-import time
 import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flashlite
 from flashlite.attention import tuning
@@ -34,7 +31,7 @@ from flashlite.attention.tuning import AttentionConfig, BackwardConfig
 from flashlite.core.runtime import interpreter_enabled, pytorch_path
 from flashlite.distributed import ring_attention, zigzag_shard, zigzag_unshard
 
-from .utils import assert_attention_close, attention_ref
+from .utils import assert_attention_close, attention_ref, free_port, spawn_ranks
 
 TILES_16 = AttentionConfig(16, 16, 4, 1)
 RANKS_TIMEOUT_S = 240  # every case of one world size, spawned ranks included; a hang fails rather than blocks
@@ -123,25 +120,12 @@ def _rank_main(rank: int, world_size: int, port: int, cases: list[Case], inputs:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(world_size: int, out_dir: str) -> dict:
     """Spawn ``world_size`` ranks running ``CASES[world_size]``; {case name: [(o, lse, dq, dk, dv) of each ring]},
     the shards unsharded."""
     cases = CASES[world_size]
     inputs = {case.name: make_inputs(case, world_size) for case in cases}
-    context = mp.start_processes(_rank_main, nprocs=world_size, join=False, start_method="spawn",
-                                 args=(world_size, free_port(), cases, inputs, out_dir, interpreter_enabled()))
-    deadline = time.monotonic() + RANKS_TIMEOUT_S
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:  # the ranks started here
-                process.terminate()
-            raise TimeoutError(f"{world_size} ranks did not finish in {RANKS_TIMEOUT_S} s")
+    spawn_ranks(_rank_main, world_size, (cases, inputs, out_dir, interpreter_enabled()), RANKS_TIMEOUT_S)
     per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
     results = {}
     for case in cases:

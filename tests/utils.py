@@ -6,8 +6,10 @@ import itertools
 import math
 import os
 import pathlib
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -325,3 +327,25 @@ def run_python(*args: str, cwd: str | os.PathLike = ROOT, timeout: float = 300) 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (a spawned process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(main, world_size: int, args: tuple, timeout_s: float) -> None:
+    """Run ``main(rank, world_size, port, *args)`` in ``world_size`` spawned processes (a free rendezvous port);
+    a rank's error is raised here, and ranks still running after ``timeout_s`` are stopped (TimeoutError)."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(main, nprocs=world_size, join=False, start_method="spawn",
+                                 args=(world_size, free_port(), *args))
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:  # the ranks started here
+                process.terminate()
+            raise TimeoutError(f"{world_size} ranks did not finish in {timeout_s} s")
