@@ -16,18 +16,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # build for the GPU target, not the interpreter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from common import ptxas_report  # noqa: E402
 from flashlite.attention import backward, backward_hopper, tuning  # noqa: E402
 from flashlite.attention.tuning import WgmmaBackwardConfig  # noqa: E402
 
@@ -78,19 +77,6 @@ Tiles = WgmmaBackwardConfig
 HOPPER_CASES = [(d, kernel, tuning.WGMMA_BACKWARD_CONFIGS[d]) for d in (64, 128, 256) for kernel in ("dK/dV", "dQ")]
 HOPPER_CASES += [(128, "dK/dV", Tiles(64, 128, 2)), (128, "dK/dV", Tiles(64, 64, 2, split=2)),
                  (256, "dQ", Tiles(64, 64, 2, split=2, dq_block_n=32))]
-
-
-def ptxas_report(ptx: str) -> tuple[str, str]:
-    """(registers a thread, spill-store bytes) of a kernel's PTX, by Triton's own ptxas."""
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    ptxas = get_ptxas(90)
-    log = subprocess.run([getattr(ptxas, "path", ptxas), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                         capture_output=True, text=True).stderr
-    os.unlink(f.name)
-    regs = re.findall(r"Used (\d+) registers", log)
-    spills = re.findall(r"(\d+) bytes spill stores", log)
-    return regs[0] if regs else "?", spills[0] if spills else "?"
 
 
 def hopper_report(head_dim: int, kernel_name: str, config) -> str:

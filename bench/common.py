@@ -14,6 +14,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import tempfile
 from typing import Callable, Iterable
 
 import torch
@@ -194,3 +196,18 @@ def plot_lines(path: str, panels: list[tuple[str, list, dict[str, list], str]], 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def ptxas_report(ptx: str) -> tuple[str, str]:
+    """(registers a thread, spill-store bytes) of a kernel's PTX, by Triton's own ptxas."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    from triton.backends.nvidia.compiler import get_ptxas  # (NVIDIA's backend: imported where used)
+
+    ptxas = get_ptxas(90)
+    log = subprocess.run([getattr(ptxas, "path", ptxas), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    os.unlink(f.name)
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    return regs[0] if regs else "?", spills[0] if spills else "?"

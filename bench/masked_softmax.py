@@ -116,7 +116,8 @@ def run_bench(args) -> None:
                 print(f"{dname} {kind:12} L={length}: flashlite {fl or 0:.0f} GB/s ({row['frac_copy'] or 0:.0%} of copy), "
                       f"x{row['x_torch'] or 0:.2f} torch, x{row['x_compile'] or 0:.2f} compile, "
                       f"x{row['x_softmax'] or 0:.2f} plain softmax  [{time.time() - t0:.1f}s]", flush=True)
-    meta = environment() | {"copy_gbs": copy, "scale": args.scale, "full_mask_keep": FULL_MASK_KEEP}
+    meta = environment() | {"command": "python bench/masked_softmax.py " + " ".join(sys.argv[1:]), "copy_gbs": copy,
+                            "scale": args.scale, "full_mask_keep": FULL_MASK_KEEP}
     out = results_dir(args.out)
     cols = ["mask", "dtype", "B", "H", "L", "flashlite", "torch", "compile", "softmax", "frac_copy",
             "x_torch", "x_compile", "x_softmax"]

@@ -158,6 +158,19 @@ def _hidden_zero(hidden, out):
     return tl.where(hidden, 0.0, out)
 
 
+@triton.jit
+def _any_bad_row(d):
+    """True when a row of the tile held NaN or ``+inf`` (its ``d`` is NaN or ``+inf``, so ``normalize`` gives NaN
+    weights, hidden positions included): only then do the forward's hidden positions need ``_hidden_zero``.
+    Tested once a tile, so that tiles of finite rows pay no select per element: the select on ``s == -inf``
+    (a boolean tile the compiler packs and unpacks) cost the fused causal rows up to a third of their speed
+    on an H200 (TUNING.md, "Masked softmax: the hidden-zero select"). The fused regime tests ``p == 0`` instead
+    of re-reading the scores (a heavier rare branch raises every tile's registers): in such a row a visible
+    position whose weight underflows to 0 gives 0, not NaN (the row's other positions are NaN)."""
+    bad = (d != d) | (d == float("inf"))
+    return tl.max(bad.to(tl.int32), axis=0) > 0
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -225,19 +238,25 @@ def _masked_softmax_fwd_kernel(
         if PASS != PARTIAL_PASS:
             y_rows = y_ptr + rows * seqlen_k
             if SINGLE_BLOCK:
-                y = _hidden_zero(s == float("-inf"), normalize(p, d, True))
+                if _any_bad_row(d):  # rare: hidden positions (p = 0) exactly 0, not 0 · NaN
+                    y = _hidden_zero(p == 0.0, normalize(p, d, True))
+                else:
+                    y = normalize(p, d, True)
                 ok = row_ok[:, None] & (cols < seqlen_k)[None, :]
                 tl.store(y_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
             else:
                 # Blocks past tile_end load nothing and come out as zeros.
                 n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
+                bad_rows = _any_bad_row(d)
                 for k in tl.range(0, n_blocks):
                     cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
                     s = _masked_scores(
                         x_rows, mask_rows, q_idx, cols, key_end, col_end, seqlen_q, seqlen_k, scale,
                         stride_xn, stride_mm, stride_mn, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
                     )
-                    y = _hidden_zero(s == float("-inf"), final_weights(s, m, d, LOG2E, True))
+                    y = final_weights(s, m, d, LOG2E, True)
+                    if bad_rows:
+                        y = _hidden_zero(s == float("-inf"), y)
                     ok = row_ok[:, None] & (cols < col_end)[None, :]
                     tl.store(y_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
