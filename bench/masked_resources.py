@@ -4,7 +4,7 @@
 
 For the fused plans of ``bench/masked_softmax.py``'s shapes ((4, 16, L, L), L in {1024, 2048, 4096}: BLOCK_M
 rows of BLOCK_N = L columns on 4 warps), causal and boolean key padding, bf16 and fp32: registers a thread and
-spill stores (Triton's own ptxas), and the programs a multiprocessor holds at that register count (64K
+spill stores (Triton's own ptxas), the PTX instructions (lines of the kernel's body), and the programs a multiprocessor holds at that register count (64K
 registers). ``--tree DIR``: the ``flashlite`` package of another tree (``DIR/flashlite``, e.g. an older commit's
 ``git archive``), whose ``masked_softmax`` module has the same kernel arguments.
 """
@@ -32,7 +32,7 @@ WARPS = 4
 REGISTERS_PER_SM = 65536
 
 
-def build(module, ptxas_report, seqlen: int, block_m: int, causal: bool, dtype: str) -> tuple[str, str]:
+def build(module, ptxas_report, seqlen: int, block_m: int, causal: bool, dtype: str) -> tuple[str, str, int]:
     kernel = module._masked_softmax_fwd_kernel
     while not isinstance(kernel, JITFunction):  # heuristics wrappers
         kernel = kernel.fn
@@ -56,7 +56,9 @@ def build(module, ptxas_report, seqlen: int, block_m: int, causal: bool, dtype: 
     consts = {(index(k),): v for k, v in consts.items()}
     compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=WARPS, num_stages=1))
-    return ptxas_report(compiled.asm["ptx"])
+    ptx = compiled.asm["ptx"]
+    instructions = sum(1 for line in ptx.splitlines() if line.strip().endswith(";") and not line.strip().startswith("."))
+    return (*ptxas_report(ptx), instructions)
 
 
 def main(argv=None) -> None:
@@ -68,14 +70,15 @@ def main(argv=None) -> None:
     module = sys.modules["flashlite.masked_softmax"]
     from common import ptxas_report
     print(f"flashlite from {module.__file__}, Triton {triton.__version__}, sm_90, {WARPS} warps\n")
-    print("| L | BLOCK_M | mask | dtype | registers | spill bytes | programs / SM |\n|---|---|---|---|---|---|---|")
+    print("| L | BLOCK_M | mask | dtype | registers | spill bytes | programs / SM | PTX instructions |\n"
+          "|---|---|---|---|---|---|---|---|")
     for seqlen, block_m in PLANS:
         for causal in (True, False):
             for dtype in ("bf16", "fp32"):
-                regs, spills = build(module, ptxas_report, seqlen, block_m, causal, dtype)
+                regs, spills, instructions = build(module, ptxas_report, seqlen, block_m, causal, dtype)
                 programs = REGISTERS_PER_SM // (int(regs) * 32 * WARPS) if regs.isdigit() else "?"
                 print(f"| {seqlen} | {block_m} | {'causal' if causal else 'key padding'} | {dtype} | {regs} | "
-                      f"{spills} | {programs} |", flush=True)
+                      f"{spills} | {programs} | {instructions} |", flush=True)
 
 
 if __name__ == "__main__":
