@@ -6,7 +6,8 @@ Each TREE is a folder holding a ``flashlite`` package (the working tree ``.``, o
 ``git archive REV flashlite | tar -x -C TREE``); trees whose custom ops share names cannot share a process, so
 each round runs every tree once, one process each, and a tree's figure is the median of its rounds. Cases:
 ``bench/masked_softmax.py``'s twelve ((4, 16, L, L), L in {1024, 2048, 4096}, causal and boolean key padding,
-bf16 and fp32; scale 0.125), effective GB/s (one read and one write of the scores, plus the mask's bytes as given).
+bf16 and fp32; scale 0.125), effective GB/s (one read and one write of the scores, plus the mask's bytes as given);
+and each case's backward alone (``torch.autograd.grad`` of a kept graph: y and dy read, dx written).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ for dtype in (torch.bfloat16, torch.float32):
             s, _, kw = make_case(kind, (4, 16, length, length), dtype)
             ms = time_ms(lambda: flashlite.masked_softmax(s, scale=0.125, **kw))
             out[f"{kind} {str(dtype)[6:]} {length}"] = gbs(masked_softmax_bytes(s, kw.get("mask")), ms)
+            # the backward alone (y, dy read, dx written: 1.5x the forward's bytes without the mask)
+            leaf = s.detach().requires_grad_()
+            y = flashlite.masked_softmax(leaf, scale=0.125, **kw)
+            dy = torch.randn_like(y)
+            ms = time_ms(lambda: torch.autograd.grad(y, leaf, dy, retain_graph=True))
+            out[f"backward {kind} {str(dtype)[6:]} {length}"] = gbs(3 * y.numel() * y.element_size(), ms)
 print(json.dumps(out))
 """
 

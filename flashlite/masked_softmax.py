@@ -159,15 +159,18 @@ def _hidden_zero(hidden, out):
 
 
 @triton.jit
-def _any_bad_row(d):
-    """True when a row of the tile held NaN or ``+inf`` (its ``d`` is NaN or ``+inf``, so ``normalize`` gives NaN
-    weights, hidden positions included): only then do the forward's hidden positions need ``_hidden_zero``.
-    Tested once a tile, so that tiles of finite rows pay no select per element: the select on ``s == -inf``
-    (a boolean tile the compiler packs and unpacks) cost the fused causal rows up to a third of their speed
-    on an H200 (TUNING.md, "Masked softmax: the hidden-zero select"). The fused regime tests ``p == 0`` instead
-    of re-reading the scores (a heavier rare branch raises every tile's registers): in such a row a visible
-    position whose weight underflows to 0 gives 0, not NaN (the row's other positions are NaN)."""
-    bad = (d != d) | (d == float("inf"))
+def _any_nonfinite(v):
+    """True when a row's value ``v`` (one a row of the tile) is NaN or infinite: only then can a hidden position
+    come out other than 0 and need ``_hidden_zero``. In the forward ``v = d``: a row that held NaN or ``+inf``
+    has ``normalize`` give NaN weights, hidden positions included. In the backward ``v = Σ y·dy``: a hidden
+    position's ``y · (dy − Σ y·dy)`` is ``0 · NaN`` only if its dy or the sum is not finite, and a non-finite
+    dy anywhere in the row makes the sum so (``0 · inf`` is NaN). Tested once a tile, so that tiles of finite
+    rows pay no select per element: the select on ``s == -inf`` (a boolean tile the compiler packs and unpacks)
+    cost the fused causal rows up to a third of their speed on an H200 (TUNING.md, "Masked softmax: the
+    hidden-zero select"). The fused forward tests ``p == 0`` instead of re-reading the scores (a heavier rare
+    branch raises every tile's registers): in such a row a visible position whose weight underflows to 0
+    gives 0, not NaN (the row's other positions are NaN)."""
+    bad = (v != v) | (tl.abs(v) == float("inf"))
     return tl.max(bad.to(tl.int32), axis=0) > 0
 
 
@@ -238,7 +241,7 @@ def _masked_softmax_fwd_kernel(
         if PASS != PARTIAL_PASS:
             y_rows = y_ptr + rows * seqlen_k
             if SINGLE_BLOCK:
-                if _any_bad_row(d):  # rare: hidden positions (p = 0) exactly 0, not 0 · NaN
+                if _any_nonfinite(d):  # rare: hidden positions (p = 0) exactly 0, not 0 · NaN
                     y = _hidden_zero(p == 0.0, normalize(p, d, True))
                 else:
                     y = normalize(p, d, True)
@@ -247,7 +250,7 @@ def _masked_softmax_fwd_kernel(
             else:
                 # Blocks past tile_end load nothing and come out as zeros.
                 n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
-                bad_rows = _any_bad_row(d)
+                bad_rows = _any_nonfinite(d)
                 for k in tl.range(0, n_blocks):
                     cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
                     s = _masked_scores(
@@ -302,15 +305,21 @@ def _masked_softmax_bwd_kernel(
         if PASS != PARTIAL_PASS:
             dx_rows = dx_ptr + rows * seqlen_k
             if SINGLE_BLOCK:
-                dx = _hidden_zero(y == 0.0, scale * y * (dy - dot[:, None]))
+                if _any_nonfinite(dot):  # rare: hidden positions (y = 0) exactly 0, not 0 · NaN
+                    dx = _hidden_zero(y == 0.0, scale * y * (dy - dot[:, None]))
+                else:
+                    dx = scale * y * (dy - dot[:, None])
                 ok = row_ok[:, None] & (cols < seqlen_k)[None, :]
                 tl.store(dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=ok)
             else:
                 n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
+                bad_rows = _any_nonfinite(dot)
                 for k in tl.range(0, n_blocks):
                     cols = col_start + (n_blocks - 1 - k) * BLOCK_N + tl.arange(0, BLOCK_N)
                     y, dy = _visible_y_dy(y_rows, dy_rows, cols, key_end, col_end, seqlen_k, stride_dyn)
-                    dx = _hidden_zero(y == 0.0, scale * y * (dy - dot[:, None]))
+                    dx = scale * y * (dy - dot[:, None])
+                    if bad_rows:
+                        dx = _hidden_zero(y == 0.0, dx)
                     ok = row_ok[:, None] & (cols < col_end)[None, :]
                     tl.store(dx_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=ok)
 

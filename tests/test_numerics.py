@@ -200,6 +200,33 @@ def test_masked_softmax_nan_row_gradient():
         torch.testing.assert_close(x.grad[keep], x_ref.grad[keep], equal_nan=True)
 
 
+@pytest.mark.parametrize("algorithm", ["fused", "online"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_masked_softmax_nonfinite_dy_at_hidden_positions(algorithm, causal):
+    # Finite scores, an inf in dy at a hidden position: the row's sum y·dy is NaN (0 · inf), so its visible
+    # gradients are NaN as through torch; the hidden positions' gradient stays exactly 0 (the kernels zero them
+    # only in rows whose sum is not finite, masked_softmax._any_nonfinite), on both paths and both regimes.
+    x = randn(2, 3, 6, 6, requires_grad=True)
+    keep = torch.rand(2, 1, 6, 6) > 0.3
+    keep[..., 0] = True
+    future = torch.ones(6, 6).triu(1).bool() if causal else torch.zeros(6, 6, dtype=torch.bool)
+    hidden = ~keep.expand(2, 3, 6, 6) | future
+    dy = torch.randn(2, 3, 6, 6)
+    # inf at every position the mask hides in one (batch, head); not past the diagonal, whose dy the kernels
+    # never read (masked_softmax._visible_y_dy: the forward never looked there), where torch's sum takes 0 · inf
+    dy[0, 1][hidden[0, 1] & ~future] = math.inf
+    x_ref = x.detach().clone().requires_grad_()
+    torch.softmax(x_ref.masked_fill(hidden, -math.inf), -1).backward(dy)
+    for path in ("kernels", "pytorch"):
+        x.grad = None
+        with pytorch_path() if path == "pytorch" else contextlib.nullcontext():
+            y = flashlite.masked_softmax(x, keep, causal=causal, algorithm=algorithm)
+        y.backward(dy)
+        assert (x.grad[hidden] == 0).all(), path
+        assert torch.isnan(x.grad[0, 1]).any(), path  # rows with a hidden position: NaN where visible
+        torch.testing.assert_close(x.grad[~hidden], x_ref.grad[~hidden], equal_nan=True)
+
+
 # ----------------------------------------------------------------------------- 3. input validation
 
 
