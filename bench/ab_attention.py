@@ -28,8 +28,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from attention import HEADS, attention_flops, backward_flops, batch_for, make_qkv  # noqa: E402
-from common import environment, markdown_table, results_dir, tflops, time_ms, write_results  # noqa: E402
+from attention import HEADS, batch_for, make_qkv  # noqa: E402
+from common import (  # noqa: E402
+    attention_flops, backward_flops, environment, markdown_table, results_dir, tflops, time_ms, write_results,
+)
 
 LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 ROUNDS = 3  # alternating rounds a shape (--rounds)

@@ -26,8 +26,7 @@ import statistics
 import sys
 
 import torch
-from attention import attention_flops
-from common import environment, gbs, results_dir, tflops, time_ms, write_results
+from common import attention_flops, environment, gbs, results_dir, tflops, time_ms, write_results
 from masked_softmax import make_case, masked_softmax_bytes
 
 import flashlite

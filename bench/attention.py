@@ -44,7 +44,8 @@ from flashlite.attention.forward_hopper import attention_forward_hopper  # noqa:
 from flashlite.attention.plan import default_config, wgmma_config  # noqa: E402
 from flashlite.attention.tuning import AttentionConfig, WgmmaConfig  # noqa: E402
 from common import (  # noqa: E402
-    environment, graph_time_ms, markdown_table, matmul_tflops, plot_lines, results_dir, tflops, time_ms, write_results,
+    attention_flops, backward_flops, environment, graph_time_ms, markdown_table, matmul_tflops, plot_lines,
+    results_dir, tflops, time_ms, write_results,
 )
 
 HEADS = 16
@@ -59,17 +60,6 @@ TARGET_CUDNN, TARGET_CUDNN_MIN_L, TARGET_CUDNN_D = 0.9, 2048, 128
 # Calls longer than this are timed as the median of three (do_bench's five estimation runs
 # alone would cost tens of seconds per provider at L = 128K).
 LONG_CALL_MS = 200.0
-
-
-def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
-    """FLOPs of the forward pass: two (Lq x Lk x D) matmuls; half of the pairs count under causal."""
-    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
-    return flops / 2 if causal else flops
-
-
-def backward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
-    """FLOPs of the backward pass, counted as FlashAttention does: 2.5x the forward (five matmuls to two)."""
-    return 2.5 * attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal)
 
 
 def batch_for(length: int) -> int:

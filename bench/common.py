@@ -15,12 +15,16 @@ import math
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from typing import Callable, Iterable
 
 import torch
 import triton
 import triton.language as tl
+
+# The FLOP and byte counts every script uses: the package's own (the `flashlite` demo counts with them too).
+from flashlite.cli import attention_flops, softmax_bytes  # noqa: F401  (re-exported)
 
 
 def gpu_slug() -> str:
@@ -31,14 +35,26 @@ def gpu_slug() -> str:
 
 
 def environment() -> dict:
-    """GPU name, library versions and date, stored with every result file."""
+    """The command line, GPU name, library versions and date, stored with every result file (a script run
+    another way, torchrun say, overrides ``command``)."""
     return {
+        "command": " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+def backward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
+    """FLOPs of attention's backward, counted as FlashAttention does: 2.5x the forward (five products to two)."""
+    return 2.5 * attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal)
+
+
+def tensor_softmax_bytes(x: torch.Tensor) -> int:
+    """``softmax_bytes`` of a softmax over ``x``'s last dim: ``x`` read once, ``y`` written once."""
+    return softmax_bytes(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.element_size())
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:

@@ -74,6 +74,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton
 from common import (
+    attention_flops,
     copy_bandwidth_gbs,
     environment,
     fresh_copy,
@@ -592,12 +593,6 @@ def attention_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return check
 
 
-def attention_flops(shape: Heads) -> float:
-    """FLOPs of a forward: two (Lq x Lk x D) products a head; half of them under causal (Lq = Lk here)."""
-    flops = 4.0 * shape.batch * shape.heads * shape.seqlen_q * shape.seqlen_k * shape.head_dim
-    return flops / 2 if shape.causal else flops
-
-
 def tl_variant(label: str, q, k, v, causal: bool, config: attention_tuning.AttentionConfig) -> Variant:
     """The ``triton.language`` kernel on copies of q, k, v under ``config``."""
     qc, kc, vc = copy_of(q), copy_of(k), copy_of(v)
@@ -624,8 +619,9 @@ def hopper_variant(label: str, q, k, v, causal: bool, config=None) -> Variant:
 
 def attention_case(shape: Heads, q, k, v, variants: list[Variant], active: bool | None = None, note: str = "") -> Case:
     """An attention forward case in TFLOP/s."""
-    return Case(str(shape), "TFLOP/s", attention_flops(shape), variants, attention_check(q, k, v, shape.causal),
-                REL_TOL[torch.bfloat16], active, note)
+    flops = attention_flops(shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k, shape.head_dim, shape.causal)
+    return Case(str(shape), "TFLOP/s", flops, variants, attention_check(q, k, v, shape.causal), REL_TOL[torch.bfloat16],
+                active, note)
 
 
 def tl_config(shape: Heads, device: torch.device) -> attention_tuning.AttentionConfig:

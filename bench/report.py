@@ -212,7 +212,7 @@ def main(argv=None) -> None:
         with open(os.path.join(args.folder, "README.md"), "w") as f:
             f.write("# Results on this GPU\n\nGenerated from the JSON files beside this one by `python bench/report.py "
                     f"{os.path.relpath(args.folder, os.path.dirname(HERE))} --write`; each table's file says how it "
-                    "was measured (its meta). `bench/headline.sh` made the sweeps, `python bench/call_path.py` the "
+                    "was measured (its meta). `python bench/run.py headline` makes the sweeps, `python bench/call_path.py` the "
                     "call costs. [`refinements.md`](refinements.md) (`python bench/refinements.py`) times the "
                     "textbook kernels and each refinement of the fast ones; [`TUNING.md`](TUNING.md) holds the "
                     "measurements behind the tuning tables; `ab_*.md` compare two trees in one process "

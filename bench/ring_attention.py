@@ -79,9 +79,9 @@ import flashlite  # noqa: E402
 from flashlite import distributed as ring_mod  # noqa: E402
 from flashlite.attention.merge import merge_states_into  # noqa: E402
 
-from attention import attention_flops  # noqa: E402
 from common import (  # noqa: E402
-    copy_bandwidth_gbs, environment, gbs, markdown_table, plot_lines, results_dir, tflops, time_ms, write_results,
+    attention_flops, copy_bandwidth_gbs, environment, gbs, markdown_table, plot_lines, results_dir, tflops, time_ms,
+    write_results,
 )
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 32, 8, 128

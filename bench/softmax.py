@@ -38,7 +38,7 @@ from flashlite.softmax.plan import SoftmaxPlan, plan_backward, plan_rows, plan_s
 from baselines import naive_softmax, textbook_fused_softmax, textbook_online_softmax  # noqa: E402
 from common import (  # noqa: E402
     copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, poison_allocator, results_dir,
-    time_ms, try_time_ms, write_results,
+    tensor_softmax_bytes, time_ms, try_time_ms, write_results,
 )
 
 WIDE_N = [256, 1024, 4096, 8192, 16384, 32768, 65536]  # with M = 4096 rows
@@ -47,11 +47,6 @@ LONG_ROWS = [(128, 1 << 17), (16, 1 << 20), (4, 1 << 22), (1, 1 << 24)]
 ODD_ROWS = [(4096, 50257), (16, 1_000_003)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEERS = ["torch", "compile"]
-
-
-def softmax_bytes(x: torch.Tensor) -> int:
-    """Bytes a softmax must move: read x once, write y once."""
-    return 2 * x.numel() * x.element_size()
 
 
 def raise_recompile_limits() -> None:
@@ -111,11 +106,11 @@ def measure(shape, dtype, provs) -> dict:
         if fn(copies[-1]) is None:
             row[name] = None
             continue
-        row[name] = gbs(softmax_bytes(x), try_time_ms(functools.partial(fn, copies[-1])))
+        row[name] = gbs(tensor_softmax_bytes(x), try_time_ms(functools.partial(fn, copies[-1])))
     # The same call replayed from a CUDA graph: device time alone. Where it is well above the column
     # "flashlite", the call was host-bound (a launch costs ~50 us of host time; do_bench hides less).
     copies.append(fresh_copy(x))
-    row["flashlite_graph"] = gbs(softmax_bytes(x), graph_time_ms(functools.partial(provs["flashlite"], copies[-1])))
+    row["flashlite_graph"] = gbs(tensor_softmax_bytes(x), graph_time_ms(functools.partial(provs["flashlite"], copies[-1])))
     del x, copies
     torch.cuda.empty_cache()
     return row
@@ -199,7 +194,7 @@ def _time_plan(x: torch.Tensor, plan) -> str:
     err = (fn().double() - torch.softmax(x.double(), -1)).abs().max().item()
     if not err <= (2e-6 if x.dtype == torch.float32 else 8e-3):
         return f"WRONG({err:.1e})"
-    nbytes = softmax_bytes(x)
+    nbytes = tensor_softmax_bytes(x)
     return f"{gbs(nbytes, time_ms(fn)):.0f}/{gbs(nbytes, graph_time_ms(fn)):.0f}"
 
 
@@ -242,7 +237,7 @@ def tune_reread(cols: list[int] | None = None, rounds: int = 2, warps_tried=(16,
             regs = {name: _registers(x, plan) for name, plan in plans.items()
                     if plan.algorithm == "fused" and not plan.shares_rows}
             for r in range(rounds):
-                line = [f"compile:{gbs(softmax_bytes(x), time_ms(functools.partial(compiled, x))):.0f}"]
+                line = [f"compile:{gbs(tensor_softmax_bytes(x), time_ms(functools.partial(compiled, x))):.0f}"]
                 for name, plan in (plans.items() if r % 2 == 0 else reversed(plans.items())):
                     xc = fresh_copy(x)
                     line.append(f"{name}:{_time_plan(xc, plan)}" + (f"({regs[name]})" if name in regs else ""))
@@ -267,7 +262,7 @@ def run_tune(args) -> None:
                     tuning.FUSED_ELEMS_PER_THREAD = ept
                     clear_plans()
                     ms = graph_time_ms(lambda: flashlite.softmax(x, algorithm="fused"))
-                    line.append(f"{tile}/{ept}:{gbs(softmax_bytes(x), ms) or 0:.0f}")
+                    line.append(f"{tile}/{ept}:{gbs(tensor_softmax_bytes(x), ms) or 0:.0f}")
             print(f"  {str(dtype)[6:]:9} N={n:6}  " + "  ".join(line), flush=True)
     tuning.FUSED_MAX_COLS = 32768
     clear_plans()
@@ -283,7 +278,7 @@ def run_tune(args) -> None:
                     tuning.ONLINE_NUM_STAGES = stages
                     clear_plans()
                     ms = graph_time_ms(lambda: flashlite.softmax(x, algorithm="online"))
-                    line.append((gbs(softmax_bytes(x), ms) or 0, f"{bn}/{warps}/s{stages}"))
+                    line.append((gbs(tensor_softmax_bytes(x), ms) or 0, f"{bn}/{warps}/s{stages}"))
             line.sort(reverse=True)
             print(f"  {str(dtype)[6:]:9} {str(shape):16} best: " + "  ".join(f"{c}:{v:.0f}" for v, c in line[:6])
                   + f"   worst: {line[-1][1]}:{line[-1][0]:.0f}", flush=True)
@@ -293,7 +288,7 @@ def run_tune(args) -> None:
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "short") else ():
         for n in (256, 512, 1024, 2048):
             x = torch.randn(4096, n, device="cuda", dtype=dtype)
-            nbytes = softmax_bytes(x)
+            nbytes = tensor_softmax_bytes(x)
             tuning.FUSED_TILE_ELEMS, tuning.FUSED_SHORT_TILE_ELEMS, tuning.FUSED_ELEMS_PER_THREAD, tuning.FUSED_PERSISTENT_MAX_COLS = saved
             clear_plans()
             plan = plan_softmax(4096, n, x.device, "auto", shared_rows=dtype)
@@ -320,7 +315,7 @@ def run_tune(args) -> None:
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "grid") else ():
         for n in (1024, 2048, 4096, 8192, 16384, 32768):
             x = torch.randn(4096, n, device="cuda", dtype=dtype)
-            nbytes = softmax_bytes(x)
+            nbytes = tensor_softmax_bytes(x)
             line = [f"compile:{gbs(nbytes, time_ms(lambda: compiled(x))):.0f}",
                     f"textbook:{gbs(nbytes, time_ms(lambda: textbook_fused_softmax(x))):.0f}"]
             for name, max_cols in (("P", 1 << 30), ("G", 0)):
@@ -344,7 +339,7 @@ def run_tune(args) -> None:
                       "32768/16/1/none": dataclasses.replace(saved[size], prefetch=tuning.PREFETCH_NONE.value)}
         for shape in ((4096, 65536),) + tuple(LONG_ROWS):
             x = torch.randn(*shape, device="cuda", dtype=dtype)
-            nbytes = softmax_bytes(x)
+            nbytes = tensor_softmax_bytes(x)
             line = [f"online:{gbs(nbytes, time_ms(lambda: flashlite.softmax(x, algorithm='online'))):.0f}"]
             clear_plans()
             line.append(f"auto:{_time_plan(x, _fused_plan(x))}")
