@@ -83,7 +83,7 @@ from .attention import flash_attention, flash_attention_varlen
 from .attention.api import check_inputs
 from .attention.backward import BackwardLaunch, attention_backward, triton_backward_enabled
 from .attention.merge import merge_states_into
-from .core.checks import check_flag, check_scale
+from .core.checks import check_cu_seqlens, check_flag, check_scale
 from .core.runtime import runs_kernels
 
 __all__ = ["ring_attention", "ring_attention_varlen", "varlen_shard", "varlen_unshard", "zigzag_shard",
@@ -498,12 +498,7 @@ def ring_attention(
 def document_offsets(cu_seqlens: torch.Tensor, world_size: int, name: str = "cu_seqlens") -> list[int]:
     """``cu_seqlens`` read on the host and checked (errors name it): an int32 1-D tensor rising from 0 whose every
     document is a multiple of ``2·world_size`` long (the per-document zigzag cuts each into that many chunks)."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(f"{name} must be 1-D (documents + 1,), got shape {tuple(cu_seqlens.shape)}")
+    check_cu_seqlens(name, cu_seqlens)
     offsets = cu_seqlens.tolist()
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
     if offsets[0] != 0 or any(n < 0 for n in lengths):

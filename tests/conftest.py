@@ -23,7 +23,10 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+from .utils import free_port  # noqa: E402
 
 # Property-based tests (tests/test_properties.py): "ci" keeps the suite within CI's budget; "long" runs many
 # more examples on demand: `pytest tests/test_properties.py --hypothesis-profile=long --hypothesis-show-statistics`
@@ -56,6 +59,16 @@ def small_attention_tiles(monkeypatch):
     tiles = AttentionConfig(16, 16, 4, 1)
     monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", tiles)
     monkeypatch.setattr(tuning, "BACKWARD_INTERPRETER_CONFIG", BackwardConfig(tiles, tiles))
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo world of one rank: this process."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture

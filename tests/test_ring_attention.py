@@ -31,7 +31,7 @@ from flashlite.attention.tuning import AttentionConfig, BackwardConfig
 from flashlite.core.runtime import interpreter_enabled, pytorch_path
 from flashlite.distributed import ring_attention, zigzag_shard, zigzag_unshard
 
-from .utils import assert_attention_close, attention_ref, free_port, spawn_ranks
+from .utils import assert_attention_close, attention_ref, made_once, spawn_ranks
 
 TILES_16 = AttentionConfig(16, 16, 4, 1)
 RANKS_TIMEOUT_S = 240  # every case of one world size, spawned ranks included; a hang fails rather than blocks
@@ -143,19 +143,7 @@ def run_ranks(world_size: int, out_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def ring_runs(tmp_path_factory):
     """``get(world_size)``: the results of that world size's spawned run, made at the first call (or its error)."""
-    runs = {}
-
-    def get(world_size: int) -> dict:
-        if world_size not in runs:
-            try:
-                runs[world_size] = run_ranks(world_size, str(tmp_path_factory.mktemp(f"ring{world_size}")))
-            except Exception as err:  # noqa: BLE001 - every test of this world size reports the one failure
-                runs[world_size] = err
-        if isinstance(runs[world_size], Exception):
-            raise runs[world_size]
-        return runs[world_size]
-
-    return get
+    return made_once(lambda world_size: run_ranks(world_size, str(tmp_path_factory.mktemp(f"ring{world_size}"))))
 
 
 @pytest.fixture(autouse=True)
@@ -240,16 +228,6 @@ def test_needs_a_process_group():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(RuntimeError, match="initialized torch.distributed process group"):
         ring_attention(q, q, q)
-
-
-@pytest.fixture
-def one_rank():
-    """A gloo world of one rank: this process."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -30,7 +30,7 @@ from flashlite.attention.tuning import AttentionConfig, BackwardConfig
 from flashlite.core.runtime import interpreter_enabled, pytorch_path
 from flashlite.distributed import ring_attention_varlen, varlen_shard, varlen_unshard
 
-from .utils import assert_attention_close, cu_seqlens, free_port, spawn_ranks, varlen_ref
+from .utils import assert_attention_close, cu_seqlens, made_once, spawn_ranks, varlen_ref
 
 TILES_16 = AttentionConfig(16, 16, 4, 1)
 RANKS_TIMEOUT_S = 300  # every case of one world size, spawned ranks included
@@ -114,27 +114,17 @@ def _rank_main(rank: int, world_size: int, port: int, cases: list[Case], inputs:
 @pytest.fixture(scope="module")
 def ring_runs(tmp_path_factory):
     """``get(world_size)``: {case name: unsharded (o, lse, dq, dk, dv)} of that world size's spawned run."""
-    runs = {}
 
-    def get(world_size: int) -> dict:
-        if world_size not in runs:
-            try:
-                cases = CASES[world_size]
-                out_dir = str(tmp_path_factory.mktemp(f"ring_varlen{world_size}"))
-                inputs = {case.name: make_inputs(case, world_size) for case in cases}
-                spawn_ranks(_rank_main, world_size, (cases, inputs, out_dir, interpreter_enabled()), RANKS_TIMEOUT_S)
-                per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
-                runs[world_size] = {
-                    case.name: [varlen_unshard([per_rank[r][case.name][i] for r in range(world_size)],
-                                               cu_seqlens(case.lengths)) for i in range(5)]
-                    for case in cases}
-            except Exception as err:  # noqa: BLE001 - every test of this world size reports the one failure
-                runs[world_size] = err
-        if isinstance(runs[world_size], Exception):
-            raise runs[world_size]
-        return runs[world_size]
+    def run(world_size: int) -> dict:
+        cases = CASES[world_size]
+        out_dir = str(tmp_path_factory.mktemp(f"ring_varlen{world_size}"))
+        inputs = {case.name: make_inputs(case, world_size) for case in cases}
+        spawn_ranks(_rank_main, world_size, (cases, inputs, out_dir, interpreter_enabled()), RANKS_TIMEOUT_S)
+        per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]
+        return {case.name: [varlen_unshard([per_rank[r][case.name][i] for r in range(world_size)],
+                                           cu_seqlens(case.lengths)) for i in range(5)] for case in cases}
 
-    return get
+    return made_once(run)
 
 
 @pytest.fixture(autouse=True)
@@ -219,16 +209,6 @@ def test_needs_a_process_group():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(RuntimeError, match="initialized torch.distributed process group"):
         ring_attention_varlen(q, q, q, cu_seqlens([8]), 8)
-
-
-@pytest.fixture
-def one_rank():
-    """A gloo world of one rank: this process."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -349,3 +349,21 @@ def spawn_ranks(main, world_size: int, args: tuple, timeout_s: float) -> None:
             for process in context.processes:  # the ranks started here
                 process.terminate()
             raise TimeoutError(f"{world_size} ranks did not finish in {timeout_s} s")
+
+
+def made_once(make):
+    """``get(key)``: ``make(key)``, made at the first call with that key and kept; an error is kept too and
+    raised at every call (each test of a spawned run reports the run's one failure)."""
+    made = {}
+
+    def get(key):
+        if key not in made:
+            try:
+                made[key] = make(key)
+            except Exception as err:  # noqa: BLE001 - kept for every caller
+                made[key] = err
+        if isinstance(made[key], Exception):
+            raise made[key]
+        return made[key]
+
+    return get

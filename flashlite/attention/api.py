@@ -18,7 +18,8 @@ import math
 import torch
 
 from ..core.checks import (
-    check_alibi_slopes, check_flag, check_float_dtype, check_scale, check_sinks, check_softcap, check_window_size,
+    check_alibi_slopes, check_cu_seqlens, check_flag, check_float_dtype, check_scale, check_sinks, check_softcap,
+    check_window_size,
 )
 from ..core.masking import broadcast_mask
 from ..core.runtime import is_compiling, runs_kernels
@@ -558,12 +559,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor):
-            raise TypeError(f"{name} must be an int32 tensor, got {type(cu).__name__}")
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {cu.dtype}")
-        if cu.dim() != 1 or cu.shape[0] < 1:
-            raise ValueError(f"{name} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
+        check_cu_seqlens(name, cu)
         if cu.stride(0) != 1 and cu.shape[0] > 1:
             raise ValueError(f"{name} must be contiguous (the kernels read it as an array), got stride {cu.stride()}")
         if cu.device != q.device:

@@ -127,3 +127,14 @@ def check_dim(dim, ndim: int) -> int:
     if not -size <= dim < size:
         raise IndexError(f"dim={dim} is out of range for a tensor with {ndim} dimension(s)")
     return dim % size
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor) -> None:
+    """A packed batch's cumulative lengths (``cu_seqlens``): an int32 1-D tensor of at least one element; a
+    TypeError or ValueError naming ``name`` otherwise."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D (sequences + 1,), got shape {tuple(cu.shape)}")
