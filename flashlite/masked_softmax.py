@@ -174,6 +174,20 @@ def _any_nonfinite(v):
     return tl.max(bad.to(tl.int32), axis=0) > 0
 
 
+@triton.jit
+def _score_rows(rows, n_rows, n_inner, seqlen_q, seqlen_k, x_ptr, stride_xb, stride_xh, stride_xm,
+                IS_CAUSAL: tl.constexpr):
+    """``(row_ok, b0, b1, x_rows, q_idx, key_end)`` of rows ``rows`` of the (B0, B1, Lq, Lk) scores: which exist,
+    their batch entries, score row pointers, query index (out of range past the end, so that ``apply_masks``
+    reads nothing there) and visible end."""
+    row_ok = rows < n_rows
+    b0, b1, q = _row_coords(rows, seqlen_q, n_inner)
+    x_rows = x_ptr + b0 * stride_xb + b1 * stride_xh + q * stride_xm
+    q_idx = tl.where(row_ok, q, seqlen_q)
+    key_end = _visible_end(q, row_ok, seqlen_q, seqlen_k, IS_CAUSAL)
+    return row_ok, b0, b1, x_rows, q_idx, key_end
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -184,7 +198,7 @@ def _any_nonfinite(v):
 })
 @triton.jit
 def _masked_softmax_fwd_kernel(
-    x_ptr, mask_ptr, y_ptr, part_m_ptr, part_d_ptr,
+    x_ptr, mask_ptr, y_ptr, part_m_ptr, part_d_ptr, bad_ptr,
     n_rows, n_inner, seqlen_q, seqlen_k, n_splits, cols_per_split, scale,
     stride_xb, stride_xh, stride_xm, stride_xn,
     stride_mb, stride_mh, stride_mm, stride_mn,
@@ -196,15 +210,12 @@ def _masked_softmax_fwd_kernel(
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
         tile, col_start, col_end = work_item(item, n_items, n_splits, cols_per_split, seqlen_k, PASS)
         rows = tile_rows(tile, BLOCK_M)
-        row_ok = rows < n_rows
-        b0, b1, q = _row_coords(rows, seqlen_q, n_inner)
-        x_rows = x_ptr + b0 * stride_xb + b1 * stride_xh + q * stride_xm
+        row_ok, b0, b1, x_rows, q_idx, key_end = _score_rows(
+            rows, n_rows, n_inner, seqlen_q, seqlen_k, x_ptr, stride_xb, stride_xh, stride_xm, IS_CAUSAL)
         if HAS_MASK:
             mask_rows = (mask_ptr + b0 * stride_mb + b1 * stride_mh)[:, None]
         else:
             mask_rows = mask_ptr
-        q_idx = tl.where(row_ok, q, seqlen_q)  # rows past the end: an out-of-range query, so apply_masks reads nothing
-        key_end = _visible_end(q, row_ok, seqlen_q, seqlen_k, IS_CAUSAL)
         tile_end = tl.minimum(col_end, tl.max(key_end, axis=0))  # no key past this is read by the tile
 
         if PASS == FINAL_PASS:
@@ -241,12 +252,10 @@ def _masked_softmax_fwd_kernel(
         if PASS != PARTIAL_PASS:
             y_rows = y_ptr + rows * seqlen_k
             if SINGLE_BLOCK:
-                if _any_nonfinite(d):  # rare: hidden positions (p = 0) exactly 0, not 0 · NaN
-                    y = _hidden_zero(p == 0.0, normalize(p, d, True))
-                else:
-                    y = normalize(p, d, True)
+                y = normalize(p, d, True)  # 0 · NaN at hidden positions of a row of NaN or +inf: the next kernel
                 ok = row_ok[:, None] & (cols < seqlen_k)[None, :]
                 tl.store(y_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.store(bad_ptr + tile, _any_nonfinite(d).to(tl.int8))
             else:
                 # Blocks past tile_end load nothing and come out as zeros.
                 n_blocks = tl.cdiv(col_end - col_start, BLOCK_N)
@@ -262,6 +271,64 @@ def _masked_softmax_fwd_kernel(
                         y = _hidden_zero(s == float("-inf"), y)
                     ok = row_ok[:, None] & (cols < col_end)[None, :]
                     tl.store(y_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.heuristics({
+    "HAS_MASK": lambda a: a["mask_ptr"] is not None,
+    "MASK_IS_BOOL": lambda a: a["mask_ptr"] is not None and a["mask_ptr"].dtype == torch.uint8,
+})
+@triton.jit
+def _zero_hidden_kernel(
+    x_ptr, mask_ptr, y_ptr, bad_ptr,
+    n_rows, n_inner, seqlen_q, seqlen_k, scale,
+    stride_xb, stride_xh, stride_xm, stride_xn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAGS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
+):
+    # The forward's tiles that held a row of NaN or +inf (bad_ptr, one flag a tile): their scores read again,
+    # and zeros stored over those rows' hidden positions (the forward stored 0 · NaN there). A kernel of its
+    # own: the same branch in the forward would hold its registers for every tile (TUNING.md, "Masked softmax:
+    # the hidden-zero select"). Finite inputs cost one vector load of FLAGS flags a program.
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    for first in tl.range(tl.program_id(0) * FLAGS, n_tiles, tl.num_programs(0) * FLAGS):
+        at = first + tl.arange(0, FLAGS)
+        if tl.max(tl.load(bad_ptr + at, mask=at < n_tiles, other=0).to(tl.int32), axis=0) > 0:  # rare
+            for tile in tl.range(first, tl.minimum(first + FLAGS, n_tiles)):
+                _zero_hidden_of_tile(
+                    tile, x_ptr, mask_ptr, y_ptr, bad_ptr, n_rows, n_inner, seqlen_q, seqlen_k, scale,
+                    stride_xb, stride_xh, stride_xm, stride_xn, stride_mb, stride_mh, stride_mm, stride_mn,
+                    BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
+                )
+
+
+@triton.jit
+def _zero_hidden_of_tile(
+    tile, x_ptr, mask_ptr, y_ptr, bad_ptr, n_rows, n_inner, seqlen_q, seqlen_k, scale,
+    stride_xb, stride_xh, stride_xm, stride_xn, stride_mb, stride_mh, stride_mm, stride_mn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+):
+    """Zeros over the hidden positions of the rows of NaN or +inf of a flagged tile (``_zero_hidden_kernel``)."""
+    if tl.load(bad_ptr + tile) != 0:
+        rows = tile_rows(tile, BLOCK_M)
+        row_ok, b0, b1, x_rows, q_idx, key_end = _score_rows(
+            rows, n_rows, n_inner, seqlen_q, seqlen_k, x_ptr, stride_xb, stride_xh, stride_xm, IS_CAUSAL)
+        if HAS_MASK:
+            mask_rows = (mask_ptr + b0 * stride_mb + b1 * stride_mh)[:, None]
+        else:
+            mask_rows = mask_ptr
+        cols = tl.arange(0, BLOCK_N)
+        s = _masked_scores(
+            x_rows, mask_rows, q_idx, cols, key_end, seqlen_k, seqlen_q, seqlen_k, scale,
+            stride_xn, stride_mm, stride_mn, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
+        )
+        m, d = empty_state(BLOCK_M)
+        m, d, _, _ = online_update(m, d, s, LOG2E)
+        bad = (d != d) | (d == float("inf"))
+        hidden = bad[:, None] & (s == float("-inf")) & row_ok[:, None] & (cols < seqlen_k)[None, :]
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], tl.float32).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * seqlen_k + cols[None, :], zeros, mask=hidden)
 
 
 @triton.heuristics({"SINGLE_BLOCK": lambda a: a["seqlen_k"] <= a["BLOCK_N"]})
@@ -366,6 +433,11 @@ def _plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str, bloc
     return plan
 
 
+# Tile flags one program of the hidden-zero kernel scans with one load (a dependent load a tile took 0.1-0.4 ms
+# of a 0.1-1 ms forward on an H200).
+ZERO_HIDDEN_FLAGS = 1024
+
+
 def _launch_forward(
     x: torch.Tensor, mask: torch.Tensor | None, y: torch.Tensor, sizes: list[int], sx: list[int], sm: list[int],
     scale: float, causal: bool, algorithm: str, block_n: int | None, n_splits: int | None,
@@ -380,16 +452,29 @@ def _launch_forward(
     part_d = torch.empty_like(part_m) if split else None
     mask_qk = mask.stride()[-2:] if mask is not None else (0, 0)
     cols_per_split = plan.cols_per_split or seqlen_k  # the fused plan leaves it 0: one chunk, the whole row
-    args = (x, mask, y, part_m, part_d, n_rows, sizes[1], seqlen_q, seqlen_k, plan.n_splits, cols_per_split, scale,
-            sx[0], sx[1], x.stride(-2), x.stride(-1), sm[0], sm[1], *mask_qk)
-    if plan.algorithm == "fused":
-        key = ("masked_softmax_fwd", plan, x.dtype, None if mask is None else mask.dtype, causal, x.device)
+    fused = plan.algorithm == "fused"
+    block_m = plan.block_m if fused else 1
+    n_tiles = triton.cdiv(n_rows, block_m)
+    # A flag a tile read whole (the kernels' SINGLE_BLOCK): it held a row of NaN or +inf (the hidden-zero kernel).
+    bad = torch.empty(n_tiles, dtype=torch.int8, device=x.device) if seqlen_k <= plan.block_n else None
+    args = (x, mask, y, part_m, part_d, bad, n_rows, sizes[1], seqlen_q, seqlen_k, plan.n_splits, cols_per_split,
+            scale, sx[0], sx[1], x.stride(-2), x.stride(-1), sm[0], sm[1], *mask_qk)
+    key = ("masked_softmax_fwd", plan, x.dtype, None if mask is None else mask.dtype, causal, x.device)
+    if fused:
         launch_persistent(
-            _masked_softmax_fwd_kernel, triton.cdiv(n_rows, plan.block_m), x.device, key, args, plan.num_warps,
+            _masked_softmax_fwd_kernel, n_tiles, x.device, key, args, plan.num_warps,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
         )
     else:
         launch_online(_masked_softmax_fwd_kernel, plan, n_rows, x.device, args, BLOCK_M=1, IS_CAUSAL=causal)
+    if bad is not None:
+        launch_persistent(
+            _zero_hidden_kernel, triton.cdiv(n_tiles, ZERO_HIDDEN_FLAGS), x.device,
+            ("masked_softmax_zero_hidden", *key[1:]),
+            (x, mask, y, bad, n_rows, sizes[1], seqlen_q, seqlen_k, scale, sx[0], sx[1], x.stride(-2), x.stride(-1),
+             sm[0], sm[1], *mask_qk), plan.num_warps, BLOCK_M=block_m, BLOCK_N=plan.block_n,
+            FLAGS=ZERO_HIDDEN_FLAGS, IS_CAUSAL=causal,
+        )
 
 
 def masked_softmax_forward(

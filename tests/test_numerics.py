@@ -200,6 +200,24 @@ def test_masked_softmax_nan_row_gradient():
         torch.testing.assert_close(x.grad[keep], x_ref.grad[keep], equal_nan=True)
 
 
+@pytest.mark.parametrize("special", [math.nan, math.inf])
+def test_masked_softmax_special_row_with_underflowing_weights(special):
+    # A row holding NaN or +inf, and a visible score whose weight under the row's maximum underflows to 0: torch
+    # gives NaN at every visible position, flashlite too; hidden positions stay exactly 0 (the forward stores
+    # 0 · NaN there, masked_softmax._zero_hidden_kernel zeroes them). The other rows are untouched.
+    x = randn(3, 8, 8)
+    x[1, 2, :4] = torch.tensor([1000.0, -1000.0, special, 0.0])
+    keep = torch.ones(8, dtype=torch.bool)
+    keep[5:] = False
+    for path in ("kernels", "pytorch"):
+        with pytorch_path() if path == "pytorch" else contextlib.nullcontext():
+            y = flashlite.masked_softmax(x, keep)
+        assert torch.isnan(y[1, 2, :5]).all() and (y[1, 2, 5:] == 0).all(), path
+        others = torch.ones(3, 8, dtype=torch.bool)
+        others[1, 2] = False
+        torch.testing.assert_close(y[others], torch.softmax(x.masked_fill(~keep, -math.inf), -1)[others])
+
+
 @pytest.mark.parametrize("algorithm", ["fused", "online"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_masked_softmax_nonfinite_dy_at_hidden_positions(algorithm, causal):
