@@ -159,6 +159,12 @@ def _hidden_zero(hidden, out):
 
 
 @triton.jit
+def _nonfinite_rows(v):
+    """Per row, whether its value ``v`` (one a row) is NaN or infinite."""
+    return (v != v) | (tl.abs(v) == float("inf"))
+
+
+@triton.jit
 def _any_nonfinite(v):
     """True when a row's value ``v`` (one a row of the tile) is NaN or infinite: only then can a hidden position
     come out other than 0 and need ``_hidden_zero``. In the forward ``v = d``: a row that held NaN or ``+inf``
@@ -167,11 +173,10 @@ def _any_nonfinite(v):
     dy anywhere in the row makes the sum so (``0 · inf`` is NaN). Tested once a tile, so that tiles of finite
     rows pay no select per element: the select on ``s == -inf`` (a boolean tile the compiler packs and unpacks)
     cost the fused causal rows up to a third of their speed on an H200 (TUNING.md, "Masked softmax: the
-    hidden-zero select"). The fused forward tests ``p == 0`` instead of re-reading the scores (a heavier rare
-    branch raises every tile's registers): in such a row a visible position whose weight underflows to 0
-    gives 0, not NaN (the row's other positions are NaN)."""
-    bad = (v != v) | (tl.abs(v) == float("inf"))
-    return tl.max(bad.to(tl.int32), axis=0) > 0
+    hidden-zero select"). The fused forward does not branch at all: it flags such tiles, and
+    ``_zero_hidden_kernel`` zeroes their hidden positions (a branch re-reading the scores would raise every
+    tile's registers)."""
+    return tl.max(_nonfinite_rows(v).to(tl.int32), axis=0) > 0
 
 
 @triton.jit
@@ -325,8 +330,7 @@ def _zero_hidden_of_tile(
         )
         m, d = empty_state(BLOCK_M)
         m, d, _, _ = online_update(m, d, s, LOG2E)
-        bad = (d != d) | (d == float("inf"))
-        hidden = bad[:, None] & (s == float("-inf")) & row_ok[:, None] & (cols < seqlen_k)[None, :]
+        hidden = _nonfinite_rows(d)[:, None] & (s == float("-inf")) & row_ok[:, None] & (cols < seqlen_k)[None, :]
         zeros = tl.zeros([BLOCK_M, BLOCK_N], tl.float32).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows[:, None] * seqlen_k + cols[None, :], zeros, mask=hidden)
 
