@@ -47,6 +47,17 @@ def environment() -> dict:
     }
 
 
+def quack_softmax() -> tuple[Callable | None, str]:
+    """``(softmax, version)``: quack's softmax forward (``quack-kernels``, Dao-AILab's CuTe-DSL kernels) where it
+    imports (``../shared/tools/peer_wheels.sh`` installs it on the GPU machine), else ``(None, why not)``."""
+    try:
+        import quack
+        from quack.softmax import softmax_fwd
+    except Exception as e:  # noqa: BLE001 (any failure to import means: not measured)
+        return None, f"not importable ({type(e).__name__}: {e})"[:200]
+    return softmax_fwd, getattr(quack, "__version__", "?")
+
+
 def backward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
     """FLOPs of attention's backward, counted as FlashAttention does: 2.5x the forward (five products to two)."""
     return 2.5 * attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal)

@@ -6,7 +6,7 @@ tensor, timed like the softmax, is the ceiling at its size. Modes:
 
     python bench/softmax.py            # full sweep -> bench/results/<gpu>/softmax.{json,md,png}
     python bench/softmax.py --tune X   # time the heuristic constants' candidates (X: fused, short, online, grid,
-                                       # shared, reread or all)
+                                       # shared, reread, long or all)
     python bench/softmax.py --replot   # redraw softmax.png from the committed softmax.json (no GPU)
 
 GPU correctness (poisoned memory, every regime, > 2^31 elements) is tests/test_gpu_softmax.py's (pytest -m gpu).
@@ -34,11 +34,12 @@ from flashlite.softmax.api import clear_plans, softmax_forward  # noqa: E402
 from flashlite.softmax.frames import row_vectors  # noqa: E402
 from flashlite.softmax.fused import fused_launch, softmax_fused_kernel  # noqa: E402
 from flashlite.softmax.plan import SoftmaxPlan, plan_backward, plan_rows, plan_softmax  # noqa: E402
+from flashlite.softmax.shared_rows import shared_rows_launch  # noqa: E402
 
 from baselines import naive_softmax, textbook_fused_softmax, textbook_online_softmax  # noqa: E402
 from common import (  # noqa: E402
-    copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, poison_allocator, results_dir,
-    tensor_softmax_bytes, time_ms, try_time_ms, write_results,
+    copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, poison_allocator, quack_softmax,
+    results_dir, tensor_softmax_bytes, time_ms, try_time_ms, write_results,
 )
 
 WIDE_N = [256, 1024, 4096, 8192, 16384, 32768, 65536]  # with M = 4096 rows
@@ -46,7 +47,7 @@ LONG_ROWS = [(128, 1 << 17), (16, 1 << 20), (4, 1 << 22), (1, 1 << 24)]
 # Odd row lengths (a GPT-2 vocabulary; a long odd row): contiguous rows that start anywhere in a 16-byte vector.
 ODD_ROWS = [(4096, 50257), (16, 1_000_003)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PEERS = ["torch", "compile"]
+PEERS = ["torch", "compile", "quack"]  # quack where it imports (common.quack_softmax)
 
 
 def raise_recompile_limits() -> None:
@@ -77,6 +78,21 @@ def backward_plan(y: torch.Tensor, algorithm: str = "auto"):
     return plan, "shared" if plan.shares_rows else plan.algorithm
 
 
+def _quack_provider():
+    """quack's softmax forward, None where it does not import or does not take the shape (rows of a
+    multiple of 16 bytes; its clusters hold at most 2^18 columns or so)."""
+    quack, _ = quack_softmax()
+
+    def call(x):
+        if quack is None or x.shape[1] * x.element_size() % 16:
+            return None
+        try:
+            return quack(x)
+        except Exception:  # noqa: BLE001 (a shape quack refuses: not measured)
+            return None
+    return call
+
+
 def providers(compiled) -> dict:
     return {
         "flashlite": lambda x: flashlite.softmax(x),
@@ -84,6 +100,7 @@ def providers(compiled) -> dict:
         "online": lambda x: flashlite.softmax(x, algorithm="online"),
         "torch": lambda x: torch.softmax(x, dim=-1),
         "compile": compiled,
+        "quack": _quack_provider(),
         "naive": naive_softmax,
         "textbook_fused": lambda x: textbook_fused_softmax(x) if x.shape[1] <= 65536 else None,
         "textbook_online": textbook_online_softmax,
@@ -135,14 +152,16 @@ def run_bench(args) -> None:
             row["x_best_peer"] = row["flashlite"] / best_peer
             row["x_torch"] = row["flashlite"] / row["torch"]
             row["x_compile"] = row["flashlite"] / row["compile"] if row["compile"] else None
+            row["x_quack"] = row["flashlite"] / row["quack"] if row["quack"] else None
             rows.append(row)
             print(f"{dname} {shape}: flashlite {row['flashlite']:.0f} GB/s ({row['frac_copy']:.0%} of copy), "
                   f"x{row['x_best_peer']:.2f} best peer  [{time.time() - t0:.1f}s]", flush=True)
-    meta = environment() | {"copy_gbs": copy, "flashlite_fused_max_cols": tuning.FUSED_MAX_COLS,
+    meta = environment() | {"copy_gbs": copy, "flashlite_fused_max_cols": tuning.FUSED_MAX_COLS, "quack": quack_softmax()[1],
                             "inputs": "a fresh copy a provider (common.fresh_copy)"}
     out = results_dir(args.out)
-    cols = ["dtype", "M", "N", "flashlite", "flashlite_graph", "fused", "online", "torch", "compile", "naive", "textbook_fused",
-            "textbook_online", "copy_same_size", "frac_copy", "frac_copy_same_size", "x_best_peer"]
+    cols = ["dtype", "M", "N", "flashlite", "flashlite_graph", "fused", "online", "torch", "compile", "quack", "naive",
+            "textbook_fused", "textbook_online", "copy_same_size", "frac_copy", "frac_copy_same_size", "x_best_peer",
+            "x_quack"]
     write_results("softmax", out, meta, rows, cols, "Softmax forward, GB/s (read + write)")
     plot_results(rows, copy, out)
     print_summary(rows, copy)
@@ -176,10 +195,12 @@ def replot(args) -> None:
 
 def print_summary(rows, copy) -> None:
     print(f"\ncopy {copy:.0f} GB/s")
-    print(f"{'dtype':9}{'shape':>16}{'flashlite':>10}{'torch':>8}{'compile':>9}{'%copy':>7}{'%same':>7}{'xbest':>7}")
+    print(f"{'dtype':9}{'shape':>16}{'flashlite':>10}{'torch':>8}{'compile':>9}{'quack':>7}{'%copy':>7}{'%same':>7}"
+          f"{'xbest':>7}")
     for r in rows:
         print(f"{r['dtype']:9}{str((r['M'], r['N'])):>16}{r['flashlite']:>10.0f}{r['torch']:>8.0f}"
-              f"{(r['compile'] or 0):>9.0f}{r['frac_copy']:>7.0%}{r['frac_copy_same_size']:>7.0%}{r['x_best_peer']:>7.2f}")
+              f"{(r['compile'] or 0):>9.0f}{(r.get('quack') or 0):>7.0f}{r['frac_copy']:>7.0%}"
+              f"{r['frac_copy_same_size']:>7.0%}{r['x_best_peer']:>7.2f}")
 
 
 # ----------------------------------------------------------------------------- --tune
@@ -187,14 +208,17 @@ def print_summary(rows, copy) -> None:
 HEADS_FRACTION = tuning.SHARED_HEADS_L2_FRACTION
 
 
-def _time_plan(x: torch.Tensor, plan) -> str:
-    """'do_bench/graph' GB/s of softmax_forward under ``plan``, checked against float64 first."""
+def _time_plan(x: torch.Tensor, plan, graph: bool = True) -> str:
+    """'do_bench/graph' GB/s of softmax_forward under ``plan`` (do_bench alone without ``graph``), checked against
+    float64 first."""
     fn = lambda: softmax_forward(x, x.dtype, plan)[0]  # noqa: E731
     poison_allocator()
     err = (fn().double() - torch.softmax(x.double(), -1)).abs().max().item()
     if not err <= (2e-6 if x.dtype == torch.float32 else 8e-3):
         return f"WRONG({err:.1e})"
     nbytes = tensor_softmax_bytes(x)
+    if not graph:
+        return f"{gbs(nbytes, time_ms(fn)):.0f}"
     return f"{gbs(nbytes, time_ms(fn)):.0f}/{gbs(nbytes, graph_time_ms(fn)):.0f}"
 
 
@@ -241,6 +265,88 @@ def tune_reread(cols: list[int] | None = None, rounds: int = 2, warps_tried=(16,
                 for name, plan in (plans.items() if r % 2 == 0 else reversed(plans.items())):
                     xc = fresh_copy(x)
                     line.append(f"{name}:{_time_plan(xc, plan)}" + (f"({regs[name]})" if name in regs else ""))
+                    del xc
+                print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + "  ".join(line), flush=True)
+            del x
+            torch.cuda.empty_cache()
+
+
+LONG_TUNE_SHAPES = ((4096, 16384), (4096, 32768), (4096, 65536), (1024, 131072), (128, 262144), (16, 1 << 20))
+LONG_TUNE_PARTS = ((8192, 4), (8192, 8), (16384, 4), (16384, 8), (16384, 16), (32768, 8), (32768, 16))  # cols, warps
+
+
+def _shared_programs(x: torch.Tensor, plan) -> int:
+    """Programs of the shared-row launch of ``x`` under ``plan`` (one wave of resident programs), 0 where a
+    row's parts cannot all be resident."""
+    slots = torch.zeros(x.shape[0] * plan.n_splits, dtype=torch.int64, device=x.device)
+    launch = shared_rows_launch(x, torch.empty_like(x), x, (slots, slots, 0), plan, True, False)
+    return launch[0][0] if launch is not None else 0
+
+
+def _pipelined_fused(x: torch.Tensor, programs: int, warps: int, stages: int):
+    """The fused kernel, a row a tile, on a persistent grid of ``programs``, its row loop software-pipelined over
+    ``stages`` (Triton's cp.async ring in shared memory: the next row loads while this one is reduced); or None
+    if that does not compile for the device."""
+    n_rows, n_cols = x.shape
+    y = torch.empty_like(x)
+    meta = dict(BLOCK_M=1, BLOCK_N=triton.next_power_of_2(n_cols), VEC_COLS=1, REREAD=False, WRITE_Y=True,
+                WRITE_LSE=False, num_warps=warps, num_stages=stages)
+
+    def run():
+        softmax_fused_kernel[(min(programs, n_rows),)](x, y, x, n_rows, n_cols, 0, x.stride(0), x.stride(1), n_cols,
+                                                       **meta)
+        return y
+    try:
+        run()
+    except Exception as e:  # noqa: BLE001 (out of shared memory, say: not timed)
+        print(f"    (pipelined w{warps}/s{stages}: {type(e).__name__})")
+        return None
+    return run
+
+
+def tune_long(rounds: int = 2, dtypes=(torch.bfloat16, torch.float32), shapes=LONG_TUNE_SHAPES) -> None:
+    """Long rows (the shapes where quack led): flashlite's plan against rows shared by resident programs holding
+    LONG_TUNE_PARTS columns each (no heads; the next part into L2 or not), and against quack, torch.compile and a
+    copy; do_bench GB/s, each plan checked against float64, ``rounds`` rounds in alternating order."""
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    compiled, quack = _compiled_softmax(), _quack_provider()
+    print(f"long rows: plan -> GB/s do_bench (cols/warps/next part into L2 or not (programs a multiprocessor)); "
+          f"quack {quack_softmax()[1]}")
+    for dtype in dtypes:
+        for shape in shapes:
+            x = torch.randn(*shape, device="cuda", dtype=dtype)
+            nbytes = tensor_softmax_bytes(x)
+            auto = _fused_plan(x)
+            plans = {f"auto({auto.block_n}/w{auto.num_warps}x{auto.n_splits}{'/head' if auto.head_cols else ''}"
+                     f"{'/reread' if auto.reread else ''})": auto}
+            for cols, warps in LONG_TUNE_PARTS:
+                parts = triton.cdiv(shape[1], cols)
+                for prefetch in (tuning.PREFETCH_NONE.value, tuning.PREFETCH_L2.value):
+                    plan = SoftmaxPlan("fused", 1, cols, warps, parts, cols, prefetch=prefetch)
+                    programs = _shared_programs(x, plan) if parts > 1 else 0
+                    if programs:
+                        plans[f"{cols}/w{warps}/{'L2' if prefetch else '-'}({programs / num_sms:.1f})"] = plan
+            pipelined = {}
+            if shape[1] <= tuning.FUSED_MAX_COLS:
+                for warps, stages, per_sm in ((16, 2, 1), (16, 3, 1), (8, 2, 1), (8, 1, 2), (16, 1, 1)):
+                    run = _pipelined_fused(x, per_sm * num_sms, warps, stages)
+                    if run is not None:
+                        err = (run().double() - torch.softmax(x.double(), -1)).abs().max().item()
+                        pipelined[f"rows/w{warps}/s{stages}({per_sm})"] = (run, err)
+            peers = {"quack": quack, "compile": compiled, "copy": lambda t: t.clone()}
+            for r in range(rounds):
+                line = []
+                for name, plan in (plans.items() if r % 2 == 0 else reversed(plans.items())):
+                    xc = fresh_copy(x)
+                    line.append(f"{name}:{_time_plan(xc, plan, graph=False)}")
+                    del xc
+                for name, (run, err) in pipelined.items():  # on x itself: the kernel was built for it
+                    ok = err <= (2e-6 if dtype == torch.float32 else 8e-3)
+                    line.append(f"{name}:{gbs(nbytes, time_ms(run)):.0f}" if ok else f"{name}:WRONG({err:.1e})")
+                for name, fn in peers.items():
+                    xc = fresh_copy(x)
+                    ms = try_time_ms(functools.partial(fn, xc)) if fn(xc) is not None else None
+                    line.append(f"{name}:{gbs(nbytes, ms) or 0:.0f}")
                     del xc
                 print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + "  ".join(line), flush=True)
             del x
@@ -368,6 +474,8 @@ def run_tune(args) -> None:
     clear_plans()
     if args.tune in ("all", "reread"):
         tune_reread(args.cols)
+    if args.tune in ("all", "long"):
+        tune_long()
     print("host cost per call (us), 4096 x 256 fp32:")
     x = torch.randn(4096, 256, device="cuda")
     for name, fn in (("flashlite", lambda: flashlite.softmax(x)), ("torch", lambda: torch.softmax(x, -1))):
@@ -386,7 +494,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--quick", action="store_true", help="three shapes only")
     parser.add_argument("--replot", action="store_true", help="redraw softmax.png from the results folder's JSON")
-    parser.add_argument("--tune", choices=["all", "fused", "short", "online", "grid", "shared", "reread"], help="time heuristic candidates instead of the sweep")
+    parser.add_argument("--tune", choices=["all", "fused", "short", "online", "grid", "shared", "reread", "long"], help="time heuristic candidates instead of the sweep")
     parser.add_argument("--cols", nargs="+", type=int, help="--tune reread: only the shapes of these row lengths")
     args = parser.parse_args(argv)
     if args.replot:

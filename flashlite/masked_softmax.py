@@ -196,11 +196,6 @@ def _score_rows(rows, n_rows, n_inner, seqlen_q, seqlen_k, x_ptr, stride_xb, str
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.heuristics({
-    "HAS_MASK": lambda a: a["mask_ptr"] is not None,
-    "MASK_IS_BOOL": lambda a: a["mask_ptr"] is not None and a["mask_ptr"].dtype == torch.uint8,
-    "SINGLE_BLOCK": lambda a: a["seqlen_k"] <= a["BLOCK_N"],
-})
 @triton.jit
 def _masked_softmax_fwd_kernel(
     x_ptr, mask_ptr, y_ptr, part_m_ptr, part_d_ptr, bad_ptr,
@@ -278,10 +273,6 @@ def _masked_softmax_fwd_kernel(
                     tl.store(y_rows[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.heuristics({
-    "HAS_MASK": lambda a: a["mask_ptr"] is not None,
-    "MASK_IS_BOOL": lambda a: a["mask_ptr"] is not None and a["mask_ptr"].dtype == torch.uint8,
-})
 @triton.jit
 def _zero_hidden_kernel(
     x_ptr, mask_ptr, y_ptr, bad_ptr,
@@ -335,7 +326,6 @@ def _zero_hidden_of_tile(
         tl.store(y_ptr + rows[:, None] * seqlen_k + cols[None, :], zeros, mask=hidden)
 
 
-@triton.heuristics({"SINGLE_BLOCK": lambda a: a["seqlen_k"] <= a["BLOCK_N"]})
 @triton.jit
 def _masked_softmax_bwd_kernel(
     y_ptr, dy_ptr, dx_ptr, part_ptr,
@@ -464,20 +454,25 @@ def _launch_forward(
     args = (x, mask, y, part_m, part_d, bad, n_rows, sizes[1], seqlen_q, seqlen_k, plan.n_splits, cols_per_split,
             scale, sx[0], sx[1], x.stride(-2), x.stride(-1), sm[0], sm[1], *mask_qk)
     key = ("masked_softmax_fwd", plan, x.dtype, None if mask is None else mask.dtype, causal, x.device)
+    # Constexprs from the host, not triton.heuristics: a kernel so wrapped takes Triton's own launch path,
+    # tens of microseconds a call (core.runtime.launch).
+    mask_kind = dict(HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.uint8)
     if fused:
         launch_persistent(
             _masked_softmax_fwd_kernel, n_tiles, x.device, key, args, plan.num_warps,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
+            SINGLE_BLOCK=seqlen_k <= plan.block_n, **mask_kind,
         )
     else:
-        launch_online(_masked_softmax_fwd_kernel, plan, n_rows, x.device, args, BLOCK_M=1, IS_CAUSAL=causal)
+        launch_online(_masked_softmax_fwd_kernel, plan, n_rows, x.device, args, BLOCK_M=1, IS_CAUSAL=causal,
+                      SINGLE_BLOCK=seqlen_k <= plan.block_n, **mask_kind)
     if bad is not None:
         launch_persistent(
             _zero_hidden_kernel, triton.cdiv(n_tiles, ZERO_HIDDEN_FLAGS), x.device,
             ("masked_softmax_zero_hidden", *key[1:]),
             (x, mask, y, bad, n_rows, sizes[1], seqlen_q, seqlen_k, scale, sx[0], sx[1], x.stride(-2), x.stride(-1),
              sm[0], sm[1], *mask_qk), plan.num_warps, BLOCK_M=block_m, BLOCK_N=plan.block_n,
-            FLAGS=ZERO_HIDDEN_FLAGS, IS_CAUSAL=causal,
+            FLAGS=ZERO_HIDDEN_FLAGS, IS_CAUSAL=causal, **mask_kind,
         )
 
 
@@ -525,9 +520,11 @@ def masked_softmax_backward(
         launch_persistent(
             _masked_softmax_bwd_kernel, triton.cdiv(n_rows, plan.block_m), y2d.device, key, args, plan.num_warps,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
+            SINGLE_BLOCK=seqlen_k <= plan.block_n,
         )
     else:
-        launch_online(_masked_softmax_bwd_kernel, plan, n_rows, y2d.device, args, BLOCK_M=1, IS_CAUSAL=causal)
+        launch_online(_masked_softmax_bwd_kernel, plan, n_rows, y2d.device, args, BLOCK_M=1, IS_CAUSAL=causal,
+                      SINGLE_BLOCK=seqlen_k <= plan.block_n)
     return dx
 
 
