@@ -245,7 +245,8 @@ def test_interpreter_keeps_forward_kernel(monkeypatch):
 def test_automatic_rule():
     sms = 132  # an H200; the expected counts are the fastest ones bench/decode.py --tune measured there
     # Decoding (Lq = 1), B = 1: one wave of about one program per multiprocessor, never past it (17 splits of 8
-    # programs made a second wave of 4: 372 us against 254 at 16, bench/results/h200/decode_ceil_rule.md).
+    # programs made a second wave of 4: 372 us against 254 at 16, bench/results/h200/decode_ceil_rule.md at commit
+    # 17242bc; TUNING.md#decode-splits).
     assert sk.splits_for(32, 32, True, 65536, sms) == 4  # 32 K/V heads (best measured: 4)
     assert sk.splits_for(32, 8, True, 65536, sms) == 16  # 8 K/V heads, 4 query heads packed (best: 16)
     assert sk.splits_for(32, 8, True, 4096, sms) == 8  # ... each split at least SPLIT_MIN_KEYS keys (best: 8)

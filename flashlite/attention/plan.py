@@ -195,9 +195,9 @@ def tma_safe(has_mask: bool, block_n: int, head_dim_pad: int) -> bool:
     tiles by TMA in square boxes (``BLOCK_N == HEAD_DIM_PADDED``).
 
     Such launches gave errors of about 2 (tolerances ~0.03) whenever the loop ran more than one
-    K tile; pointer loads, non-square boxes and unmasked calls are right (``bench/probe_tma_mask.py``
-    finds them; TUNING.md#tma-safe). Such launches take pointer loads, and such configs leave the
-    autotune list.
+    K tile; pointer loads, non-square boxes and unmasked calls are right (``bench/probe_tma_mask.py`` at
+    commit 17242bc finds them: ``git show 17242bc:bench/probe_tma_mask.py``; TUNING.md#tma-safe). Such
+    launches take pointer loads, and such configs leave the autotune list.
     """
     return not (has_mask and block_n == head_dim_pad)
 
