@@ -44,9 +44,10 @@ def _short(dtype: str) -> str:
 
 
 def softmax_table(data: dict) -> str:
+    # quack: a peer from 2026-11-28 on (None where it did not import or refused the shape)
     rows = [[_short(r["dtype"]), f"{r['M']} × {r['N']}", r["flashlite"], f"{r['frac_copy']:.0%}", r["torch"],
-             r["compile"], f"{r['x_best_peer']:.2f}"] for r in data["rows"]]
-    return _table(["dtype", "M × N", "flashlite GB/s", "% of copy", "torch.softmax", "torch.compile",
+             r["compile"], r.get("quack"), f"{r['x_best_peer']:.2f}"] for r in data["rows"]]
+    return _table(["dtype", "M × N", "flashlite GB/s", "% of copy", "torch.softmax", "torch.compile", "quack",
                    "× best peer"], rows)
 
 
