@@ -44,8 +44,8 @@ from flashlite.attention.forward_hopper import attention_forward_hopper  # noqa:
 from flashlite.attention.plan import default_config, wgmma_config  # noqa: E402
 from flashlite.attention.tuning import AttentionConfig, WgmmaConfig  # noqa: E402
 from common import (  # noqa: E402
-    attention_flops, backward_flops, environment, graph_time_ms, markdown_table, matmul_tflops, plot_lines,
-    results_dir, tflops, time_ms, write_results,
+    attention_flops, backward_flops, environment, fa4_attention, graph_time_ms, markdown_table, matmul_tflops,
+    plot_lines, results_dir, tflops, time_ms, write_results,
 )
 
 HEADS = 16
@@ -53,7 +53,8 @@ TOKENS = 16384  # B·L while L <= TOKENS
 LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 QUICK_LENGTHS = [1024, 8192]
 HEAD_DIMS = [64, 128]
-PEERS = ("flash", "cudnn", "efficient", "naive")
+PEERS = ("fa4", "flash", "cudnn", "efficient", "naive")  # fa4: FlashAttention-4 where it imports
+FA4, FA4_VERSION = fa4_attention()
 # Targets of the issue: flashlite over SDPA flash where L >= 1024, over cuDNN at D = 128 where L >= 2048.
 TARGET_FLASH, TARGET_FLASH_MIN_L = 1.3, 1024
 TARGET_CUDNN, TARGET_CUDNN_MIN_L, TARGET_CUDNN_D = 0.9, 2048, 128
@@ -116,8 +117,23 @@ def providers(causal: bool) -> dict:
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         provs[name] = run
+    provs["fa4"] = lambda q, k, v: fa4_forward(q, k, v, causal)
     provs["naive"] = lambda q, k, v: naive_attention(q, k, v, causal)
     return provs
+
+
+def fa4_forward(q, k, v, causal: bool) -> torch.Tensor:
+    """FlashAttention-4 on (B, H, L, D) tensors, handed over as (B, L, H, D) views (its layout; strides as they
+    are); RuntimeError where it does not import or refuses the call (the provider is then not measured)."""
+    if FA4 is None:
+        raise RuntimeError(f"FlashAttention-4 {FA4_VERSION}")
+    try:
+        out = FA4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    except RuntimeError:
+        raise
+    except Exception as e:  # noqa: BLE001 (its own error types: reported as not measured)
+        raise RuntimeError(f"FlashAttention-4: {type(e).__name__}: {e}") from e
+    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
 
 def tl_kernel_forward(q, k, v, causal: bool):
@@ -198,7 +214,7 @@ def run_bench(args) -> None:
 
     out = results_dir(args.out)
     meta = environment() | {"matmul_tflops_bf16": ceiling, "heads": HEADS, "tokens_per_batch": TOKENS,
-                            "dtype": "bfloat16", "flops": "4·B·H·L²·D, halved for causal"}
+                            "dtype": "bfloat16", "flops": "4·B·H·L²·D, halved for causal", "flash_attn_4": FA4_VERSION}
     cols = ["D", "causal", "L", "B", "flashlite", "flashlite_graph", "flashlite_tl", *PEERS, "frac_matmul",
             *(f"x_{p}" for p in PEERS)]
     name = args.name or "attention"
@@ -252,7 +268,7 @@ def print_summary(rows: list[dict]) -> None:
 
 # ----------------------------------------------------------------------------- --backward
 
-BACKWARD_PEERS = ("flash", "cudnn")
+BACKWARD_PEERS = ("fa4", "flash", "cudnn")
 
 
 def measure_backward(length: int, head_dim: int, causal: bool, ceiling: float) -> dict:
@@ -299,7 +315,8 @@ def run_backward(args) -> None:
                     f"{n} {row[f'{n}_bwd']:.0f}" if row[f"{n}_bwd"] else f"{n} —" for n in names), flush=True)
     out = results_dir(args.out)
     meta = environment() | {"matmul_tflops_bf16": ceiling, "heads": HEADS, "tokens_per_batch": TOKENS, "dtype": "bfloat16",
-                            "flops": "bwd 2.5x fwd (4·B·H·L²·D, halved for causal); fwd+bwd 3.5x"}
+                            "flops": "bwd 2.5x fwd (4·B·H·L²·D, halved for causal); fwd+bwd 3.5x",
+                            "flash_attn_4": FA4_VERSION}
     cols = ["D", "causal", "L", "B", *(f"{n}_bwd" for n in names), *(f"{n}_fwdbwd" for n in names),
             "frac_matmul_bwd", *(f"x_{p}_bwd" for p in BACKWARD_PEERS)]
     name = args.name or "attention_backward"

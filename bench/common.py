@@ -47,15 +47,30 @@ def environment() -> dict:
     }
 
 
-def quack_softmax() -> tuple[Callable | None, str]:
-    """``(softmax, version)``: quack's softmax forward (``quack-kernels``, Dao-AILab's CuTe-DSL kernels) where it
-    imports (``../shared/tools/peer_wheels.sh`` installs it on the GPU machine), else ``(None, why not)``."""
+def quack_softmax(backward: bool = False) -> tuple[Callable | None, str]:
+    """``(fn, version)``: quack's softmax forward ``fn(x)``, or with ``backward`` its backward ``fn(dy, y)``
+    (``quack-kernels``, Dao-AILab's CuTe-DSL kernels) where it imports (``../shared/tools/peer_wheels.sh``
+    installs it on the GPU machine), else ``(None, why not)``."""
     try:
         import quack
-        from quack.softmax import softmax_fwd
+        from quack.softmax import softmax_bwd, softmax_fwd
     except Exception as e:  # noqa: BLE001 (any failure to import means: not measured)
         return None, f"not importable ({type(e).__name__}: {e})"[:200]
-    return softmax_fwd, getattr(quack, "__version__", "?")
+    return (softmax_bwd if backward else softmax_fwd), getattr(quack, "__version__", "?")
+
+
+def fa4_attention() -> tuple[Callable | None, str]:
+    """``(flash_attn_func, version)``: FlashAttention-4's attention (``flash-attn-4``, CuTe DSL, inputs (B, L, H, D))
+    where it imports (``../shared/tools/peer_wheels.sh`` installs it on the GPU machine), else ``(None, why not)``."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # noqa: BLE001 (any failure to import means: not measured)
+        return None, f"not importable ({type(e).__name__}: {e})"[:200]
+    try:
+        from importlib.metadata import version
+        return flash_attn_func, version("flash-attn-4")
+    except Exception:  # noqa: BLE001
+        return flash_attn_func, "?"
 
 
 def backward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:

@@ -390,6 +390,7 @@ def run_tune(args) -> None:
                   + f"   worst: {line[-1][1]}:{line[-1][0]:.0f}", flush=True)
             del x
     print("short rows: tile elems/warps, persistent (P) or one program a tile (G) -> GB/s, CUDA graph (peers too)")
+    quack = _quack_provider()
     saved = tuning.FUSED_TILE_ELEMS, tuning.FUSED_SHORT_TILE_ELEMS, tuning.FUSED_ELEMS_PER_THREAD, tuning.FUSED_PERSISTENT_MAX_COLS
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "short") else ():
         for n in (256, 512, 1024, 2048):
@@ -400,6 +401,8 @@ def run_tune(args) -> None:
             plan = plan_softmax(4096, n, x.device, "auto", shared_rows=dtype)
             now = f"{plan.block_m * plan.block_n}/w{plan.num_warps}/{'P' if n <= saved[3] else 'G'}"
             line = {"torch": graph_time_ms(lambda: torch.softmax(x, -1)), "compile": graph_time_ms(lambda: compiled(x))}
+            if quack(x) is not None:
+                line["quack"] = graph_time_ms(lambda: quack(x))
             for tile in (512, 1024, 2048, 4096, 8192):
                 for ept in (8, 16, 32):
                     tuning.FUSED_TILE_ELEMS = tuning.FUSED_SHORT_TILE_ELEMS = tile

@@ -4,7 +4,8 @@ dx = y * (dy - sum(dy * y)) reads y and dy and writes dx: GB/s counts those
 three tensors once each. flashlite runs ``softmax_backward`` under the plan its
 forward made for the same input (what autograd calls), and under the streamed
 ("online") plan. The peers: ``torch._softmax_backward_data`` (torch.softmax's
-backward), the same op under torch.compile, and the formula in eager PyTorch.
+backward), the same op under torch.compile, quack's backward where it imports
+(``common.quack_softmax``), and the formula in eager PyTorch.
 The ceilings are the device copy bandwidth measured in the same run and a copy
 moving the same number of bytes, timed the same way. The shapes are the forward
 sweep's (bench/softmax.py).
@@ -29,12 +30,12 @@ from flashlite.softmax.backward import softmax_backward  # noqa: E402
 from flashlite.softmax.plan import plan_rows  # noqa: E402
 
 from common import (  # noqa: E402
-    copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, results_dir, try_time_ms,
-    write_results,
+    copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, quack_softmax, results_dir,
+    try_time_ms, write_results,
 )
 from softmax import DTYPES, LONG_ROWS, ODD_ROWS, WIDE_N, backward_plan, raise_recompile_limits  # noqa: E402
 
-PEERS = ["torch", "compile"]
+PEERS = ["torch", "compile", "quack"]  # quack where it imports and takes the shape
 
 
 def backward_bytes(y: torch.Tensor) -> int:
@@ -63,6 +64,21 @@ def flashlite_backward(y: torch.Tensor, dy: torch.Tensor, algorithm: str = "auto
     return softmax_backward(y, dy, y.dtype, plan_rows(y, y.dtype, algorithm))
 
 
+def _quack_backward():
+    """quack's softmax backward as ``fn(y, dy)``, None where it does not import or refuses the shape (rows of a
+    multiple of 16 bytes, at most what its clusters hold)."""
+    quack, _ = quack_softmax(backward=True)
+
+    def call(y, dy):
+        if quack is None or y.shape[1] * y.element_size() % 16:
+            return None
+        try:
+            return quack(dy, y)
+        except Exception:  # noqa: BLE001 (a shape quack refuses: not measured)
+            return None
+    return call
+
+
 def providers(compiled) -> dict:
     """Backward providers, each called as ``fn(y, dy)``."""
     return {
@@ -70,6 +86,7 @@ def providers(compiled) -> dict:
         "online": functools.partial(flashlite_backward, algorithm="online"),
         "torch": torch_backward,
         "compile": compiled,
+        "quack": _quack_backward(),
         "naive": naive_backward,
     }
 
@@ -83,6 +100,9 @@ def measure(shape, dtype, provs) -> dict:
     inputs = []  # each provider's own copies (common.fresh_copy), alive until all are timed
     for name, fn in provs.items():
         inputs.append((fresh_copy(y), fresh_copy(dy)))
+        if fn(*inputs[-1]) is None:
+            row[name] = None
+            continue
         row[name] = gbs(n_bytes, try_time_ms(functools.partial(fn, *inputs[-1])))
     inputs.append((fresh_copy(y), fresh_copy(dy)))
     row["flashlite_graph"] = gbs(n_bytes, graph_time_ms(functools.partial(provs["flashlite"], *inputs[-1])))
@@ -111,9 +131,10 @@ def run_bench(args) -> None:
             rows.append(row)
             print(f"{dname} {shape}: flashlite {row['flashlite']:.0f} GB/s ({row['frac_copy']:.0%} of copy), "
                   f"x{row['x_best_peer']:.2f} best peer  [{time.time() - t0:.1f}s]", flush=True)
-    meta = environment() | {"copy_gbs": copy, "inputs": "y and dy, a fresh copy a provider (common.fresh_copy)"}
+    meta = environment() | {"copy_gbs": copy, "inputs": "y and dy, a fresh copy a provider (common.fresh_copy)",
+                            "quack": quack_softmax()[1]}
     out = results_dir(args.out)
-    cols = ["dtype", "M", "N", "plan", "flashlite", "flashlite_graph", "online", "torch", "compile", "naive",
+    cols = ["dtype", "M", "N", "plan", "flashlite", "flashlite_graph", "online", "torch", "compile", "quack", "naive",
             "copy_same_bytes", "frac_copy", "frac_copy_same_bytes", "x_best_peer"]
     write_results("softmax_backward", out, meta, rows, cols, "Softmax backward, GB/s (y and dy read, dx written)")
     plot_results(rows, copy, out)
