@@ -324,10 +324,10 @@ if gluon is not None:
         mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
         tma_load(do_desc, [b, h, m_start, 0], q_bar, do_smem)
-        # The K/V rings (gluon_tiles): the program refills its slots itself (the ready barriers stand in for the
-        # free ones).
-        k_ring = (k_desc, k_smem, k_bars, k_bars)
-        v_ring = (v_desc, v_smem, v_bars, v_bars)
+        # The K/V rings (gluon_tiles), one column part each (the padded head dim): the program refills its slots
+        # itself (the ready barriers stand in for the free ones).
+        k_ring = ((k_desc,), (k_smem,), k_bars, k_bars)
+        v_ring = ((v_desc,), (v_smem,), v_bars, v_bars)
         source = (b, h_kv, key_start, n_kv_tiles)
         for i in gl.static_range(STAGES):
             issue_kv_load(k_ring, i, source)
@@ -347,8 +347,8 @@ if gluon is not None:
         mbarrier.wait(q_bar, 0)
         if n_kv_tiles > 0:
             # Turn 0's scores and dP alone.
-            k_tile = wait_kv(k_ring, 0)
-            v_tile = wait_kv(v_ring, 0)
+            k_tile = wait_kv(k_ring, 0)[0]
+            v_tile = wait_kv(v_ring, 0)[0]
             s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_token = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_token,))
@@ -359,8 +359,8 @@ if gluon is not None:
             for j in range(1, n_kv_tiles):
                 ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
                 dq_token = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
-                k_tile = wait_kv(k_ring, j)
-                v_tile = wait_kv(v_ring, j)
+                k_tile = wait_kv(k_ring, j)[0]
+                v_tile = wait_kv(v_ring, j)[0]
                 s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dp_token = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dq, ds_op, s = warpgroup_mma_wait(1, deps=(dq_token, ds_op, s_token))  # dP_j may still run

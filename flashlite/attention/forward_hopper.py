@@ -45,12 +45,20 @@ merged into every row's final state (``merge_sink``); V and O may be narrower or
 256 (boxes as wide as the next power of two, zero-filled past D by TMA), no user mask, causal or not, sliding
 windows (K/V tiles outside a program's window never loaded), GQA/MQA, any lengths, Q/K/V whose strides TMA
 accepts (16-byte aligned), on Hopper.
+
+Head dims as sums of power-of-two parts (``FLASHLITE_HEAD_SPLIT=1``, off by default: built for sm_90 on CPU,
+not yet run on a GPU). Padded, D = 192 runs D = 256's products, a third of them on zeros. Split, the kernel
+that is not warp-specialized loads Q/K's head dim, and V/O's on its own, in column parts
+(``plan.head_dim_parts``: 192 = 128 + 64, 160 = 128 + 32), one TMA box and one shared-memory buffer a part and
+one mbarrier a tile counting the bytes of all; S is the sum of one wgmma a part chained on one accumulator, O
+one accumulator a part (each rescaled, normalized and stored by TMA on its own), and the loop waits until the
+P V products, one a part of O, are the only ones in flight (``wgmma.wait_group 2`` for two parts).
 ``flashlite.attention.api.attention_forward`` sends such calls here and the rest
 to the ``triton.language`` kernel (``forward``). Gluon has no interpreter, so these kernels
 run on the GPU only: ``pytest -m gpu`` (tests/test_gpu_attention.py) tests them
 there against a float64 reference. On CPU, tests/test_attention_wgmma.py checks the dispatch
 rules and builds the kernels for sm_90, asserting that their loop keeps a product
-in flight (``wgmma.wait_group 1``); the jit helpers they share are tested
+in flight (``wgmma.wait_group 1``; 2 with O in two parts); the jit helpers they share are tested
 through the other kernels.
 
 Speed against the ``triton.language`` kernel and SDPA: bench/results/h200/attention.md
@@ -72,9 +80,13 @@ from ..core.triton_compat import descriptor_template, rebind_descriptor
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
-    WGMMA_CAPABILITY, gluon, gluon_descriptor, issue_kv_load, thread_barrier, tma_load, tma_store, wait_kv,
+    WGMMA_CAPABILITY, box_views, gluon, gluon_descriptor, issue_kv_load, load_boxes, part_start, thread_barrier,
+    tma_load, tma_store, wait_kv,
 )
-from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, query_tile, variant_args, wgmma_config
+from .plan import (
+    NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, head_split_enabled, query_tile, variant_args,
+    wgmma_config,
+)
 from .tuning import WgmmaConfig
 
 if gluon is not None:
@@ -92,8 +104,8 @@ if gluon is not None:
         else refill the slot here: one thread issues the copy, after a barrier when two
         warpgroups read the slot.
         """
-        desc, smem, ready, free = ring
-        KV_STAGES: gl.constexpr = smem.type.shape[0]
+        descs, slots, ready, free = ring
+        KV_STAGES: gl.constexpr = slots[0].type.shape[0]
         if LOAD_WARP:
             mbarrier.arrive(free.index(tile % KV_STAGES))
         else:
@@ -128,51 +140,52 @@ if gluon is not None:
         m, d, p, alpha = online_update_scaled(m, d, s, scale)
         return m, d, gl.convert_layout(p.to(DTYPE), P_LAYOUT), alpha
 
+    # ------------------------------------------------ column parts: a head dim as a sum of power-of-two widths
+    #
+    # Q/K's head dim and V/O's are each loaded in one or more column parts (``plan.head_dim_parts``: usually
+    # one, the padded head dim; 192 = 128 + 64 and 160 = 128 + 32 under FLASHLITE_HEAD_SPLIT=1). Every tile of
+    # Q, K, V or O is then a tuple of one box (and one product operand) a part: S sums one product a part of
+    # Q/K, and O is one accumulator a part of V/O. With one part each helper compiles to the code of a single
+    # tile.
+
     @gluon.jit
-    def _attend_kv_tiles(q_op, s_zero, acc, k_ring, v_ring, source, full, rows, qk_scale, mods,
-                         IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, NUM_WARPS: gl.constexpr,
-                         LOAD_WARP: gl.constexpr):
-        """The K/V loop of one query tile: ``(m, d, O)`` after every K/V tile, O not yet divided by d.
+    def _column_parts(first, second):
+        """A tensor's column parts as a tuple: ``(first,)``, or ``(first, second)`` when its head dim is split
+        (``second`` is None otherwise). The kernel's descriptor arguments come so, one a part."""
+        parts = (first,)
+        if second is not None:
+            parts = (first, second)
+        return parts
 
-        The tiles come through the rings ``k_ring`` and ``v_ring`` (``gluon_tiles``); ``source = (b, h_kv,
-        key_start, n_kv_tiles)``: its ``n_kv_tiles`` K/V tiles start at key ``key_start``, and the full tiles
-        ``full = (full_first, full_stop)`` are numbered from there; ``rows``: the queries (``_fold_scores``). V
-        tiles are as wide as O.
+    @gluon.jit
+    def _tile_boxes(descs):
+        """One shared-memory box for a tile of each column part of ``descs`` (Q's, or O's), a tuple."""
+        boxes = ()
+        for i in gl.static_range(len(descs)):
+            boxes = boxes + (gl.allocate_shared_memory(descs[i].dtype, descs[i].block_type.shape, descs[i].layout),)
+        return boxes
 
-        Turn j issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` together, waits until only the
-        second is in flight, folds S_j into ``(m, d)`` while P V runs, then waits for O, rescales it and
-        releases the K and V slots it read (``_release_kv_slot``). ``s_zero`` carries the layout of S.
-        """
-        dtype: gl.constexpr = k_ring[0].dtype
-        b, h_kv, key_start, n_kv_tiles = source
-        o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-        m = gl.full([s_zero.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_zero.type.layout))
-        d = gl.zeros_like(m)
-        if n_kv_tiles > 0:
-            # Turn 0: S_0 alone (there is no P V to overlap yet).
-            k_tile = wait_kv(k_ring, 0)
-            s = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False)
-            _release_kv_slot(k_ring, 0, source, NUM_WARPS, LOAD_WARP)
-            m, d, p, alpha = _fold_scores(s, m, d, 0, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
-                                          p_layout, dtype)
-            for j in range(1, n_kv_tiles):
-                k_tile = wait_kv(k_ring, j)
-                v_tile = wait_kv(v_ring, j - 1)
-                s_token = warpgroup_mma(q_op, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                acc_token = warpgroup_mma(p, v_tile, acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_token,))  # S_j is ready; P V may still run
-                _release_kv_slot(k_ring, j, source, NUM_WARPS, LOAD_WARP)
-                m, d, p, alpha = _fold_scores(s, m, d, j, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
-                                              p_layout, dtype)
-                acc = warpgroup_mma_wait(0, deps=(acc_token,))
-                _release_kv_slot(v_ring, j - 1, source, NUM_WARPS, LOAD_WARP)
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_tile = wait_kv(v_ring, n_kv_tiles - 1)
-            acc = warpgroup_mma(p, v_tile, acc)
-            if LOAD_WARP:  # (without one, nothing is left to load into the slot)
-                _release_kv_slot(v_ring, n_kv_tiles - 1, source, NUM_WARPS, LOAD_WARP)
-        return m, d, acc
+    @gluon.jit
+    def _ring_slots(descs, KV_STAGES: gl.constexpr):
+        """The slots of a K or V ring (``gluon_tiles``): ``KV_STAGES`` boxes of each column part of ``descs``."""
+        slots = ()
+        for i in gl.static_range(len(descs)):
+            slots = slots + (gl.allocate_shared_memory(descs[i].dtype, [KV_STAGES] + descs[i].block_type.shape,
+                                                       descs[i].layout),)
+        return slots
+
+    @gluon.jit
+    def _zero_accumulators(v_descs, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """O's fp32 accumulators at zero: one [BLOCK_M, width] a column part of V (``v_descs``), each in the register
+        layout of its own wgmma (instruction width: the part's)."""
+        accs = ()
+        for i in gl.static_range(len(v_descs)):
+            # (gl.full, a builtin, takes the part's width as a plain int; gl.zeros would want a constexpr)
+            accs = accs + (gl.full([BLOCK_M, v_descs[i].block_type.shape[3]], 0.0, gl.float32,
+                                   layout=gl.NVMMADistributedLayout(
+                                       version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                       instr_shape=[16, v_descs[i].block_type.shape[3], 16])),)
+        return accs
 
     @gluon.jit
     def _q_operand(q_tile, S_LAYOUT: gl.constexpr):
@@ -181,27 +194,114 @@ if gluon is not None:
         return q_tile.load(q_layout)
 
     @gluon.jit
-    def _write_output(acc, m, d, rows, out, o_start, sink, WRITE_LSE: gl.constexpr, HAS_SINKS: gl.constexpr):
-        """O / d through shared memory ``o_smem`` by TMA into its tile at ``o_start = (b, h, row_start)`` (rows past
-        seqlen_q dropped), and the LSE into ``lse_row`` (this batch and head's), for ``out = (o_desc, o_smem,
-        lse_row)`` and the queries ``rows = (q_idx, seqlen_q, seqlen_k)``; rows that saw no key give zeros. With
-        ``HAS_SINKS`` the head's ``sink`` (``_sink_logit``) is merged into every row's state first
-        (``merge_sink``)."""
+    def _score_products(q_ops, k_tiles, s_zero):
+        """Start ``S = Σ_i Q_i K_iᵀ`` over the column parts of Q/K's head dim (async): the first product from zero,
+        each next one added to it by the tensor cores (no wait between them). Returns the last product's token."""
+        s = warpgroup_mma(q_ops[0], k_tiles[0].permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        for i in gl.static_range(1, len(k_tiles)):
+            s = warpgroup_mma(q_ops[i], k_tiles[i].permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _value_products(p, v_tiles, accs):
+        """Start ``O_i += P V_i`` for each column part ``i`` of V/O (async): their tokens, a tuple. P comes in
+        the register-operand layout of the first part's product and is laid out for each other's (the same
+        registers: a wgmma's register operand does not depend on the product's width)."""
+        tokens = ()
+        for i in gl.static_range(len(accs)):
+            p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=accs[i].type.layout, k_width=2))
+            tokens = tokens + (warpgroup_mma(p_op, v_tiles[i], accs[i], is_async=True),)
+        return tokens
+
+    @gluon.jit
+    def _wait_products(tokens):
+        """Wait for every product in flight and return the accumulators of ``tokens`` (``_value_products``'),
+        a tuple."""
+        done = warpgroup_mma_wait(0, deps=tokens)
+        if len(tokens) == 1:  # (one dependency comes back as itself, not in a tuple)
+            done = (done,)
+        return done
+
+    @gluon.jit
+    def _rescale(accs, alpha):
+        """Each column part of O times its row's ``alpha``."""
+        scaled = ()
+        for i in gl.static_range(len(accs)):
+            scaled = scaled + (accs[i] * gl.convert_layout(alpha, gl.SliceLayout(1, accs[i].type.layout))[:, None],)
+        return scaled
+
+    # ------------------------------------------------------------------------------------------ the K/V loop
+
+    @gluon.jit
+    def _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, full, rows, qk_scale, mods,
+                         IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, NUM_WARPS: gl.constexpr,
+                         LOAD_WARP: gl.constexpr):
+        """The K/V loop of one query tile: ``(m, d, O)`` after every K/V tile, O not yet divided by d.
+
+        Q, its K tiles and its V tiles and O come as tuples of column parts (above): ``q_ops`` Q's operands,
+        ``accs`` O's accumulators. The tiles come through the rings ``k_ring`` and ``v_ring`` (``gluon_tiles``);
+        ``source = (b, h_kv, key_start, n_kv_tiles)``: its ``n_kv_tiles`` K/V tiles start at key ``key_start``,
+        and the full tiles ``full = (full_first, full_stop)`` are numbered from there; ``rows``: the queries
+        (``_fold_scores``). V tiles are as wide as O.
+
+        Turn j issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` together, waits until only the
+        second is in flight (one product a part of O), folds S_j into ``(m, d)`` while P V runs, then waits
+        for O, rescales it and releases the K and V slots it read (``_release_kv_slot``). ``s_zero`` carries
+        the layout of S.
+        """
+        dtype: gl.constexpr = k_ring[0][0].dtype
+        b, h_kv, key_start, n_kv_tiles = source
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accs[0].type.layout, k_width=2)
+        m = gl.full([s_zero.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_zero.type.layout))
+        d = gl.zeros_like(m)
+        if n_kv_tiles > 0:
+            # Turn 0: S_0 alone (there is no P V to overlap yet).
+            k_tiles = wait_kv(k_ring, 0)
+            s = warpgroup_mma_wait(0, deps=(_score_products(q_ops, k_tiles, s_zero),))
+            _release_kv_slot(k_ring, 0, source, NUM_WARPS, LOAD_WARP)
+            m, d, p, alpha = _fold_scores(s, m, d, 0, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
+                                          p_layout, dtype)
+            for j in range(1, n_kv_tiles):
+                k_tiles = wait_kv(k_ring, j)
+                v_tiles = wait_kv(v_ring, j - 1)
+                s_token = _score_products(q_ops, k_tiles, s_zero)
+                acc_tokens = _value_products(p, v_tiles, accs)
+                s = warpgroup_mma_wait(len(acc_tokens), deps=(s_token,))  # S_j is ready; P V may still run
+                _release_kv_slot(k_ring, j, source, NUM_WARPS, LOAD_WARP)
+                m, d, p, alpha = _fold_scores(s, m, d, j, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
+                                              p_layout, dtype)
+                accs = _wait_products(acc_tokens)
+                _release_kv_slot(v_ring, j - 1, source, NUM_WARPS, LOAD_WARP)
+                accs = _rescale(accs, alpha)
+            v_tiles = wait_kv(v_ring, n_kv_tiles - 1)
+            accs = _wait_products(_value_products(p, v_tiles, accs))
+            if LOAD_WARP:  # (without one, nothing is left to load into the slot)
+                _release_kv_slot(v_ring, n_kv_tiles - 1, source, NUM_WARPS, LOAD_WARP)
+        return m, d, accs
+
+    @gluon.jit
+    def _write_output(accs, m, d, rows, out, o_start, sink, WRITE_LSE: gl.constexpr, HAS_SINKS: gl.constexpr):
+        """O / d through shared memory by TMA into its tile at ``o_start = (b, h, row_start)`` (rows past
+        seqlen_q dropped), and the LSE into ``lse_row`` (this batch and head's), for ``out = (o_descs, o_boxes,
+        lse_row)`` (a descriptor and a shared-memory box a column part of O, as ``accs``) and the queries ``rows
+        = (q_idx, seqlen_q, seqlen_k)``; rows that saw no key give zeros. With ``HAS_SINKS`` the head's ``sink``
+        (``_sink_logit``) is merged into every row's state first (``merge_sink``)."""
         q_idx, seqlen_q, seqlen_k = rows
-        o_desc, o_smem, lse_row = out
+        o_descs, o_boxes, lse_row = out
         b, h, row_start = o_start
-        o_tile = o_smem.reshape([acc.shape[0], acc.shape[1]])
-        o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        o_tiles = box_views(o_boxes)
         if HAS_SINKS:
             m, d, alpha = merge_sink(m, d, sink, BASE2_UNITS)
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            accs = _rescale(accs, alpha)
         if WRITE_LSE:
             gl.store(lse_row + q_idx, state_logsumexp(m, d, BASE2_UNITS), mask=q_idx < seqlen_q)
-        o = normalize(acc, gl.convert_layout(d, o_rows), ZERO_IF_EMPTY=True)
-        o_tile.store(o.to(o_desc.dtype))
+        for i in gl.static_range(len(accs)):
+            o = normalize(accs[i], gl.convert_layout(d, gl.SliceLayout(1, accs[i].type.layout)), ZERO_IF_EMPTY=True)
+            o_tiles[i].store(o.to(o_descs[i].dtype))
         fence_async_shared()
-        thread_barrier()  # every warp's part of O is written before the copy starts
-        tma_store(o_desc, [b, h, row_start, 0], o_smem)
+        thread_barrier()  # every warp's part of O is written before the copies start
+        for i in gl.static_range(len(accs)):
+            tma_store(o_descs[i], [b, h, row_start, part_start(o_descs, i)], o_boxes[i])
         tma.store_wait(0)
 
     @gluon.jit
@@ -215,19 +315,23 @@ if gluon is not None:
 
     @gluon.jit
     def _attention_fwd_wgmma_kernel(
-        q_desc, k_desc, v_desc, o_desc, lse_ptr, alibi_ptr, sinks_ptr,
+        q_desc, k_desc, v_desc, o_desc, q_desc_b, k_desc_b, v_desc_b, o_desc_b, lse_ptr, alibi_ptr, sinks_ptr,
         n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         KV_STAGES: gl.constexpr, Q_IN_REGISTERS: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
         FAST_TANH: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
         WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
     ):
-        dtype: gl.constexpr = q_desc.dtype
-        # Register layouts: the wgmma accumulators of S [BLOCK_M, BLOCK_N] and O [BLOCK_M, HEAD_DIM].
+        # The column parts of Q/K's head dim and of V/O's (``plan.head_dim_parts``): the ``*_desc`` descriptors
+        # load the first part's boxes, the ``*_desc_b`` ones the second's, or are None (one part). HEAD_DIM and
+        # HEAD_DIM_V are the widths on chip: the parts' sums.
+        q_descs = _column_parts(q_desc, q_desc_b)
+        k_descs = _column_parts(k_desc, k_desc_b)
+        v_descs = _column_parts(v_desc, v_desc_b)
+        o_descs = _column_parts(o_desc, o_desc_b)
+        # The register layout of the wgmma accumulator S [BLOCK_M, BLOCK_N] (O's: _zero_accumulators).
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM_V, 16])
 
         # One query tile per program, numbered as the other kernels number them.
         bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, IS_CAUSAL)
@@ -245,9 +349,9 @@ if gluon is not None:
             HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
         n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
 
-        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = _tile_boxes(q_descs)
+        k_smem = _ring_slots(k_descs, KV_STAGES)
+        v_smem = _ring_slots(v_descs, KV_STAGES)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
@@ -257,44 +361,46 @@ if gluon is not None:
             mbarrier.init(v_bars.index(i), count=1)
 
         # The K/V rings (gluon_tiles). No load warp: the program refills its slots itself (no free-slot barriers:
-        # the ready ones fill in).
-        k_ring = (k_desc, k_smem, k_bars, k_bars)
-        v_ring = (v_desc, v_smem, v_bars, v_bars)
+        # the ready ones fill in). Each barrier counts the bytes of every column part of its tile.
+        k_ring = (k_descs, k_smem, k_bars, k_bars)
+        v_ring = (v_descs, v_smem, v_bars, v_bars)
         source = (b, h_kv, key_start, n_kv_tiles)
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
+        load_boxes(q_descs, (b, h, m_start), q_bar, q_smem)
         for i in gl.static_range(KV_STAGES):
             issue_kv_load(k_ring, i, source)
             issue_kv_load(v_ring, i, source)
 
-        # Q, unscaled: kept in registers as the S products' first operand (Q_IN_REGISTERS: then only K is
+        # Q, unscaled: kept in registers as the S products' first operands (Q_IN_REGISTERS: then only K is
         # read from shared memory by each product), or read by each product from shared memory.
-        q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+        q_tiles = box_views(q_smem)
         mbarrier.wait(q_bar, 0)
         if Q_IN_REGISTERS:
-            q_op = _q_operand(q_tile, s_layout)
+            q_ops = ()
+            for i in gl.static_range(len(q_tiles)):
+                q_ops = q_ops + (_q_operand(q_tiles[i], s_layout),)
         else:
-            q_op = q_tile
+            q_ops = q_tiles
 
         q_idx = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, layout=o_layout)
+        accs = _zero_accumulators(v_descs, BLOCK_M, num_warps)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
         rows = (q_idx, seqlen_q, seqlen_k)
-        m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_ring, v_ring, source, full, rows, qk_scale, mods,
-                                     IS_CAUSAL, MODS, NUM_WARPS=num_warps, LOAD_WARP=False)
+        m, d, accs = _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, full, rows, qk_scale, mods,
+                                      IS_CAUSAL, MODS, NUM_WARPS=num_warps, LOAD_WARP=False)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(KV_STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
-        # Q's buffer is free: O goes out through it (a buffer of its own when O is narrower or wider than Q).
+        # Q's buffers are free: O goes out through them (buffers of their own when O is narrower or wider than
+        # Q; equal widths are split into equal parts).
         if HEAD_DIM_V == HEAD_DIM:
             o_smem = q_smem
         else:
-            o_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
+            o_smem = _tile_boxes(o_descs)
         lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q
-        _write_output(acc, m, d, rows, (o_desc, o_smem, lse_row), (b, h, m_start), sink, WRITE_LSE, HAS_SINKS)
+        _write_output(accs, m, d, rows, (o_descs, o_smem, lse_row), (b, h, m_start), sink, WRITE_LSE, HAS_SINKS)
 
     # ---------------------------------------------- warp-specialized: a load warp, two softmax warpgroups
 
@@ -305,12 +411,12 @@ if gluon is not None:
         once both softmax warpgroups have released the slot (a fresh mbarrier counts as released: phase 1 is
         done)."""
         q_desc, q_smem, q_bars = q_tiles
-        k_desc, k_smem, k_ready, k_free = k_ring
-        v_desc, v_smem, v_ready, v_free = v_ring
+        k_descs, k_slots, k_ready, k_free = k_ring
+        v_descs, v_slots, v_ready, v_free = v_ring
         b, h, m_start = q_start
         n_kv_tiles = source[3]  # (b, h_kv, key_start, n_kv_tiles)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        KV_STAGES: gl.constexpr = k_smem.type.shape[0]
+        KV_STAGES: gl.constexpr = k_slots[0].type.shape[0]
         for wg in gl.static_range(2):
             mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
             tma_load(q_desc, [b, h, m_start + wg * BLOCK_M, 0], q_bars.index(wg), q_smem.index(wg))
@@ -328,7 +434,7 @@ if gluon is not None:
                               WRITE_LSE: gl.constexpr, WARPGROUP: gl.constexpr):
         """One softmax warpgroup: query rows ``m_start + WARPGROUP * BLOCK_M`` on, over the shared K/V tiles
         (the arguments as ``_ws_load_partition`` and ``_write_output`` take them; ``out``'s ``o_smem`` holds both
-        warpgroups' buffers, ``lengths = (seqlen_q, seqlen_k)``)."""
+        warpgroups' buffers, ``lengths = (seqlen_q, seqlen_k)``). Every head dim is one column part here."""
         q_desc, q_smem, q_bars = q_tiles
         o_desc, o_smem, lse_row = out
         b, h, m_start = q_start
@@ -336,14 +442,11 @@ if gluon is not None:
         key_start = source[2]  # (b, h_kv, key_start, n_kv_tiles)
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-        HEAD_DIM_V: gl.constexpr = v_ring[0].block_type.shape[3]  # (the rings as gluon_tiles describes them)
-        BLOCK_N: gl.constexpr = k_ring[0].block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_ring[0][0].block_type.shape[2]  # (the rings as gluon_tiles describes them)
         HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
         softcap, alibi, window_left, window_right = mods
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16])
 
         row_start = m_start + WARPGROUP * BLOCK_M
         sink = _sink_logit(sinks_ptr, h, HAS_SINKS)
@@ -354,15 +457,15 @@ if gluon is not None:
         mbarrier.wait(q_bars.index(WARPGROUP), 0)
         q_op = _q_operand(q_tile, s_layout)
         q_idx = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, layout=o_layout)
+        accs = _zero_accumulators(v_ring[0], BLOCK_M, 4)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         # Both warpgroups walk the K/V tiles of the whole program (masking covers the tiles only the other sees).
         full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
         rows = (q_idx, seqlen_q, seqlen_k)
-        m, d, acc = _attend_kv_tiles(q_op, s_zero, acc, k_ring, v_ring, source, full, rows, qk_scale, mods,
-                                     IS_CAUSAL, MODS, NUM_WARPS=4, LOAD_WARP=True)
+        m, d, accs = _attend_kv_tiles((q_op,), s_zero, accs, k_ring, v_ring, source, full, rows, qk_scale, mods,
+                                      IS_CAUSAL, MODS, NUM_WARPS=4, LOAD_WARP=True)
         # Q is in registers: O goes out through this warpgroup's Q buffer (o_smem is q_smem when O is as wide).
-        _write_output(acc, m, d, rows, (o_desc, o_smem.index(WARPGROUP), lse_row), (b, h, row_start), sink,
+        _write_output(accs, m, d, rows, ((o_desc,), (o_smem.index(WARPGROUP),), lse_row), (b, h, row_start), sink,
                       WRITE_LSE, HAS_SINKS)
 
     @gluon.jit
@@ -410,8 +513,8 @@ if gluon is not None:
 
         lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q  # this batch and head's LSE
         q_tiles = (q_desc, q_smem, q_bars)
-        k_ring = (k_desc, k_smem, k_ready, k_free)  # (gluon_tiles)
-        v_ring = (v_desc, v_smem, v_ready, v_free)
+        k_ring = ((k_desc,), (k_smem,), k_ready, k_free)  # (gluon_tiles: one column part)
+        v_ring = ((v_desc,), (v_smem,), v_ready, v_free)
         out = (o_desc, o_smem, lse_row)
         q_start = (b, h, m_start)
         source = (b, h_kv, key_start, n_kv_tiles)
@@ -445,10 +548,32 @@ def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: 
     )
 
 
+def column_parts(head_dim: int, config: WgmmaConfig) -> tuple[int, ...]:
+    """The column parts the kernel of ``config`` loads a head dim in: ``plan.head_dim_parts``' under
+    ``FLASHLITE_HEAD_SPLIT=1`` (``plan.head_split_enabled``, off by default: not yet run on a GPU) in the kernel
+    that is not warp-specialized, else one part, the padded head dim."""
+    if head_split_enabled() and not config.warp_specialized:
+        return head_dim_parts(head_dim)
+    return (head_dim_padded(head_dim),)
+
+
+def kernel_descriptors(tensors: tuple, config: WgmmaConfig, q_parts: tuple, v_parts: tuple) -> tuple:
+    """The kernel's TMA descriptor arguments for ``tensors = (q, k, v, o)`` (``gluon_descriptor``; rows: the
+    tiles' of ``config``): the boxes of each tensor's first column part (``q_parts`` for q and k, ``v_parts`` for v
+    and o), then, for the kernel that is not warp-specialized, of each one's second part, or None where its head
+    dim is one part. A box is as wide as its part; where a part's columns start is a coordinate of each copy."""
+    rows = (config.block_m, config.block_n, config.block_n, config.block_m)
+    parts = (q_parts, q_parts, v_parts, v_parts)
+    n_parts = 1 if config.warp_specialized else 2
+    return tuple(gluon_descriptor(t, n_rows, widths[i]) if i < len(widths) else None
+                 for i in range(n_parts) for t, n_rows, widths in zip(tensors, rows, parts))
+
+
 def kernel_for(config: WgmmaConfig, head_dim: int, head_dim_v: int, causal: bool, write_lse: bool,
                variant_meta: dict | None = None) -> tuple:
     """``(kernel, launch keywords)`` of a call: its constexprs (``variant_meta``: ``plan.variant_args``' switches,
-    none by default), ``num_warps`` and, warp-specialized, ``maxnreg``."""
+    none by default; ``head_dim``, ``head_dim_v``: the widths on chip, the sums of the column parts), ``num_warps``
+    and, warp-specialized, ``maxnreg``."""
     variants = {**NO_VARIANTS, **(variant_meta or {})}
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                 KV_STAGES=config.kv_stages, IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps,
@@ -461,11 +586,17 @@ def kernel_for(config: WgmmaConfig, head_dim: int, head_dim_v: int, causal: bool
 
 class HopperForwardLaunch:
     """The Hopper kernel for one call signature, planned once (as ``forward.TlForwardLaunch``): tiles, grid,
-    descriptor templates (``gluon_descriptor``; a call rebinds them to its tensors), constexprs, scalars.
+    descriptor templates (``kernel_descriptors``; a call rebinds them to its tensors), constexprs, scalars.
 
     Built from checked (B, H, L, D) fp16/bf16 tensors that ``wgmma_eligible`` accepted (v's head dim Dv may
     differ from D). The variants as ``forward.TlForwardLaunch`` takes them: ``window`` (its key tiles outside
     it never loaded), ``softcap``, ``has_alibi`` ((B, H) slopes per call), ``has_sinks`` ((H,) per call).
+
+    Head dims are loaded in boxes as wide as the padded head dim: TMA fills the columns past D with zeros on
+    loads and drops them on the output's store, so a head dim that is not a power of two costs the padded tile's
+    products. Under ``FLASHLITE_HEAD_SPLIT=1`` (off by default: the split kernel has not yet run on a GPU) the
+    kernel that is not warp-specialized loads D (and Dv) of 129 to 192 in two column parts instead
+    (``column_parts``: 192 = 128 + 64, 160 = 128 + 32), and runs the products of 192 (160) columns, not 256.
     """
 
     def __init__(
@@ -478,20 +609,15 @@ class HopperForwardLaunch:
         config = config or wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
         self.output = OutputLayout(q, head_dim_v)
         self.lse_shape = (batch, n_heads, seqlen_q) if write_lse else None
-        # Boxes as wide as the padded head dims: TMA fills the columns past D with zeros on loads and drops them
-        # on the output's store, so a head dim that is not a power of two costs the padded tile's products,
-        # nothing more.
-        hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
-        o_like = self.output.meta(q.dtype)
+        q_parts, v_parts = column_parts(head_dim, config), column_parts(head_dim_v, config)
         self.descriptors = tuple(
-            descriptor_template(gluon_descriptor(t, rows, width))
-            for t, rows, width in ((q, config.block_m, hd_pad), (k, config.block_n, hd_pad),
-                                   (v, config.block_n, dv_pad), (o_like, config.block_m, dv_pad)))
+            None if d is None else descriptor_template(d)
+            for d in kernel_descriptors((q, k, v, self.output.meta(q.dtype)), config, q_parts, v_parts))
         variant_scalars, variant_meta = variant_args(q, False, softcap, window, has_alibi, has_sinks,
                                                      seqlen_q, seqlen_k)
         self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)
         self.scalars = (scale * LOG2E.value, *variant_scalars)
-        kernel, meta = kernel_for(config, hd_pad, dv_pad, causal, write_lse, variant_meta)
+        kernel, meta = kernel_for(config, sum(q_parts), sum(v_parts), causal, write_lse, variant_meta)
         grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
         self.kernel = KernelLaunch(kernel, grid, **meta)
 
@@ -502,7 +628,8 @@ class HopperForwardLaunch:
         """``(o, lse)``: o (B, H, Lq, Dv), lse (B, H, Lq) fp32 or None."""
         o = self.output.empty(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if self.lse_shape else None
-        descs = [rebind_descriptor(d, t) for d, t in zip(self.descriptors, (q, k, v, o))]
+        tensors = (q, k, v, o)  # (the descriptors come as kernel_descriptors orders them: q, k, v, o part by part)
+        descs = [None if d is None else rebind_descriptor(d, tensors[i % 4]) for i, d in enumerate(self.descriptors)]
         self.kernel(*descs, lse if lse is not None else o, alibi, sinks, *self.sizes,
                     alibi.stride(0) if alibi is not None else 0, *self.scalars)
         return o, lse

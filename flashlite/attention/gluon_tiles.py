@@ -3,12 +3,15 @@ of shared-memory slots completed on mbarriers, and the host's TMA descriptors.
 
 A ring holds ``KV_STAGES`` slots of K (or V) tiles; tile ``t`` goes to slot ``t % KV_STAGES`` and its mbarrier
 completes phase ``(t // KV_STAGES) & 1`` when the copy lands (``issue_kv_load``, ``wait_kv``). The kernels pass a
-ring as one tuple ``(desc, smem, ready, free)``: the TMA descriptor of its [1, 1, BLOCK_N, D] boxes, the
-``[KV_STAGES, 1, 1, BLOCK_N, D]`` slots, and per slot the mbarrier a landed copy completes (``ready``) and the one
-its readers release it on (``free``; ``ready`` again where the readers refill the slot themselves). Tile sizes are
-read from the descriptor and the slots, not passed. Gluon is
-Triton's lower-level language (``triton.experimental.gluon``, Triton >= 3.5); without it ``gluon`` is None and
-the ``triton.language`` kernels serve every call.
+ring as one tuple ``(descs, slots, ready, free)``: per column part of the head dim, the TMA descriptor of its
+[1, 1, BLOCK_N, width] boxes and its ``[KV_STAGES, 1, 1, BLOCK_N, width]`` slots (``descs`` and ``slots`` are
+tuples of one entry a part, usually one part: the whole padded head dim), and per slot the mbarrier a landed copy
+completes (``ready``; it counts the bytes of every part) and the one its readers release it on (``free``;
+``ready`` again where the readers refill the slot themselves). A head dim split into parts (``plan.head_dim_parts``:
+192 = 128 + 64) is loaded part by part, each part's columns starting where the previous part's end (the copy's
+column coordinate), so that no product runs on zero-filled padding. Tile sizes are read from the descriptors and
+the slots, not passed. Gluon is Triton's lower-level language (``triton.experimental.gluon``, Triton >= 3.5);
+without it ``gluon`` is None and the ``triton.language`` kernels serve every call.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import functools
 import torch
 
 try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
+    from triton import constexpr_function
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
@@ -40,29 +44,69 @@ WGMMA_CAPABILITY = (9, 0)
 
 if gluon is not None:
 
+    # (Compile-time sums: a value assigned in a jit function becomes a run-time one, and mbarrier.expect takes a
+    # constant.)
+    @constexpr_function
+    def boxes_nbytes(descs):
+        """Bytes of one box of every column part of the descriptors ``descs`` (what one tile's copies bring)."""
+        return sum(desc.block_type.nbytes for desc in descs)
+
+    @constexpr_function
+    def part_start(descs, part):
+        """The first column of part ``part`` of a head dim split into the boxes of ``descs``, in order."""
+        return sum(desc.block_type.shape[3] for desc in list(descs)[:part])
+
+    @gluon.jit
+    def load_boxes(descs, start, bar, boxes, pred=True):
+        """Start the TMA copies of the boxes at ``start = (b, h, row)`` of every column part of ``descs`` into
+        ``boxes`` (one shared-memory box a part), all completing on ``bar``, which expects their bytes; part
+        ``i``'s columns start where part ``i - 1``'s end (its column offset is the copy's coordinate). ``pred``:
+        whether to copy at all."""
+        b, h, row = start
+        mbarrier.expect(bar, boxes_nbytes(descs), pred=pred)
+        for i in gl.static_range(len(descs)):
+            tma_load(descs[i], [b, h, row, part_start(descs, i)], bar, boxes[i], pred=pred)
+
     @gluon.jit
     def issue_kv_load(ring, tile, source):
-        """Start the TMA copy of K (or V) tile ``tile`` into its slot of ``ring``, if the tile exists; ``source =
-        (b, h_kv, key_start, n_tiles)``: tile ``t`` holds keys from ``key_start + t · BLOCK_N`` of batch ``b``,
-        K/V head ``h_kv``, and tiles ``n_tiles`` on do not exist."""
-        desc, smem, ready, free = ring
+        """Start the TMA copies of K (or V) tile ``tile`` (every column part) into its slot of ``ring``, if the
+        tile exists; ``source = (b, h_kv, key_start, n_tiles)``: tile ``t`` holds keys from ``key_start + t ·
+        BLOCK_N`` of batch ``b``, K/V head ``h_kv``, and tiles ``n_tiles`` on do not exist."""
+        descs, slots, ready, free = ring
         b, h_kv, key_start, n_tiles = source
-        BLOCK_N: gl.constexpr = desc.block_type.shape[2]
-        KV_STAGES: gl.constexpr = smem.type.shape[0]
+        BLOCK_N: gl.constexpr = descs[0].block_type.shape[2]
+        KV_STAGES: gl.constexpr = slots[0].type.shape[0]
         slot = tile % KV_STAGES
         exists = tile < n_tiles
         bar = ready.index(slot)
-        mbarrier.expect(bar, desc.block_type.nbytes, pred=exists)
-        tma_load(desc, [b, h_kv, key_start + tile * BLOCK_N, 0], bar, smem.index(slot), pred=exists)
+        load_boxes(descs, (b, h_kv, key_start + tile * BLOCK_N), bar, slot_boxes(slots, slot), pred=exists)
+
+    @gluon.jit
+    def slot_boxes(slots, slot):
+        """Slot ``slot`` of a ring's ``slots`` (``KV_STAGES`` boxes of each column part): its box of every part."""
+        boxes = ()
+        for i in gl.static_range(len(slots)):
+            boxes = boxes + (slots[i].index(slot),)
+        return boxes
+
+    @gluon.jit
+    def box_views(boxes):
+        """Each [1, 1, rows, width] shared-memory box of ``boxes`` (a tuple, one a column part) as a [rows, width]
+        view: the operands of the products."""
+        views = ()
+        for i in gl.static_range(len(boxes)):
+            views = views + (boxes[i].reshape([boxes[i].type.shape[2], boxes[i].type.shape[3]]),)
+        return views
 
     @gluon.jit
     def wait_kv(ring, tile):
-        """Wait for K (or V) tile ``tile`` of ``ring`` and return its slot as a [BLOCK_N, HEAD_DIM] view."""
-        desc, smem, ready, free = ring
-        KV_STAGES: gl.constexpr = smem.type.shape[0]
+        """Wait for K (or V) tile ``tile`` of ``ring`` and return its slot as [BLOCK_N, width] views, one a column
+        part (a tuple)."""
+        descs, slots, ready, free = ring
+        KV_STAGES: gl.constexpr = slots[0].type.shape[0]
         slot = tile % KV_STAGES
         mbarrier.wait(ready.index(slot), (tile // KV_STAGES) & 1)
-        return smem.index(slot).reshape([desc.block_type.shape[2], desc.block_type.shape[3]])
+        return box_views(slot_boxes(slots, slot))
 
 
 def wgmma_available() -> bool:
@@ -78,6 +122,9 @@ def box_layout(box: tuple, dtype: torch.dtype):
 
 def gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
     """A (B, H, L, D) TMA descriptor of ``t`` loading [1, 1, block_rows, head_dim] boxes (zeros past L and D).
+
+    ``head_dim`` is the box's width: the padded head dim, or one column part of it (``plan.head_dim_parts``;
+    where a part's columns start is a coordinate of each copy, not part of the descriptor).
 
     Filled in directly: the dataclass's own checks (alignment, box shape) cost host time on every
     call, four descriptors a call, and ``wgmma_eligible`` / the fixed configs already ensure them
