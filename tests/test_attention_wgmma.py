@@ -8,7 +8,10 @@ default-variant case with D = 64/128, fp16/bf16 and no mask on it). Here, on CPU
 * the kernel compiled for sm_90 (no GPU needed): its K/V loop must keep one
   wgmma in flight while the softmax runs (``wgmma.wait_group 1`` in the PTX),
   which is the point of the module;
-* the descriptors built without the dataclass's checks equal checked ones.
+* the descriptors built without the dataclass's checks equal checked ones;
+* head dims in column parts (``FLASHLITE_HEAD_SPLIT=1``, issue 44): which parts a head dim takes, the
+  descriptors a split call launches with, and the split kernel built for sm_90 (one product a part, the
+  P V products of every part of O in flight across the softmax: ``wgmma.wait_group 2``).
 """
 
 import dataclasses
@@ -123,25 +126,29 @@ def test_descriptor_matches_a_checked_one():
 
 
 def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool, write_lse: bool,
-                        variants: dict | None = None, head_dim_v: int | None = None):
+                        variants: dict | None = None, head_dim_v: int | None = None, split: bool = False,
+                        dtype: torch.dtype = torch.bfloat16):
     """The kernel ``config`` selects, built for sm_90 from CPU (the types a launch on Hopper would give);
-    ``variants``: ``plan.variant_args``' switches that are on."""
+    ``variants``: ``plan.variant_args``' switches that are on; ``split``: head dims in column parts
+    (``plan.head_dim_parts``, as ``FLASHLITE_HEAD_SPLIT=1`` plans them), else padded."""
     from triton.backends.compiler import GPUTarget
     from flashlite.core.triton_compat import gluon_source, mangle_type
 
     head_dim_v = head_dim_v or head_dim
-    descs = {name: gluon_tiles.gluon_descriptor(torch.randn(1, 1, 256, width, dtype=torch.bfloat16), rows, width)
-             for name, rows, width in (("q_desc", config.block_m, head_dim), ("k_desc", config.block_n, head_dim),
-                                       ("v_desc", config.block_n, head_dim_v), ("o_desc", config.block_m, head_dim_v))}
-    kernel, meta = fw.kernel_for(config, head_dim, head_dim_v, causal, write_lse, variants)  # a launch's
+    parts = plan.head_dim_parts if split else (lambda d: (plan.head_dim_padded(d),))
+    q_parts, v_parts = parts(head_dim), parts(head_dim_v)
+    tensors = [torch.randn(1, 1, 256, d, dtype=dtype) for d in (head_dim, head_dim, head_dim_v, head_dim_v)]
+    kernel, meta = fw.kernel_for(config, sum(q_parts), sum(v_parts), causal, write_lse, variants)  # a launch's
+    descs = dict(zip(kernel.arg_names, fw.kernel_descriptors(tensors, config, q_parts, v_parts)))  # (its first args)
     options = {name: meta[name] for name in ("num_warps", "maxnreg") if name in meta}
     constants = {name: value for name, value in meta.items() if name != "maxnreg"}
+    constants.update({name: None for name, desc in descs.items() if desc is None})
     signature = {}
     for name in kernel.arg_names:
-        if name in descs:
-            signature[name] = mangle_type(descs[name])
-        elif name in constants:
+        if name in constants:
             signature[name] = "constexpr"
+        elif name in descs:
+            signature[name] = mangle_type(descs[name])
         else:
             signature[name] = {"lse_ptr": "*fp32", "alibi_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32",
                                "softcap": "fp32"}.get(name, "i32")
@@ -197,3 +204,125 @@ def test_kernel_builds_with_products_in_flight():
         else:
             assert built["warps"] == 4 and built["registers"] == [], case
     assert report["128-False"]["warp_specialized"]
+
+
+# ----------------------------------------------------------------------------- head dims in column parts
+
+
+def test_head_dim_parts():
+    # Issue 44: 129 to 160 as 128 + 32, 161 to 192 as 128 + 64; every other head dim one part, padded.
+    for head_dim in range(1, 257):
+        parts = plan.head_dim_parts(head_dim)
+        if 128 < head_dim <= 160:
+            assert parts == (128, 32), head_dim
+        elif 160 < head_dim <= 192:
+            assert parts == (128, 64), head_dim
+        else:
+            assert parts == (plan.head_dim_padded(head_dim),), head_dim
+        assert sum(parts) >= head_dim and all(p & (p - 1) == 0 and p >= 16 for p in parts), head_dim
+
+
+def test_head_split_switch(monkeypatch):
+    # Off unless FLASHLITE_HEAD_SPLIT=1 (the split kernel has not run on a GPU yet); the warp-specialized kernel
+    # (D = 128) never splits.
+    monkeypatch.delenv("FLASHLITE_HEAD_SPLIT", raising=False)
+    assert not plan.head_split_enabled()
+    assert fw.column_parts(192, tuning.WGMMA_CONFIGS[256]) == (256,)
+    monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "0")
+    assert not plan.head_split_enabled()
+    monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1")
+    assert plan.head_split_enabled()
+    assert fw.column_parts(192, tuning.WGMMA_CONFIGS[256]) == (128, 64)
+    assert fw.column_parts(160, tuning.WGMMA_CAUSAL_CONFIGS[256]) == (128, 32)
+    assert fw.column_parts(96, tuning.WGMMA_CONFIGS[256]) == (128,)
+    ws = dataclasses.replace(tuning.WGMMA_CONFIGS[256], warp_specialized=True)
+    assert fw.column_parts(192, ws) == (256,)
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v, causal", [
+    (192, 192, False), (192, 192, True), (160, 160, False), (192, 128, True), (128, 192, False), (144, 96, True),
+    (64, 64, False), (256, 256, True), (128, 128, False)])
+def test_head_split_dispatch(hopper, monkeypatch, head_dim, head_dim_v, causal):
+    """A call on Hopper with and without FLASHLITE_HEAD_SPLIT=1: the kernel that is not warp-specialized gets one
+    descriptor a column part of each of q, k, v, o (boxes as wide as the parts, ``plan.head_dim_parts``), bound to
+    the call's own tensors, None for the second part of a head dim of one part, and the parts' sums as its
+    widths; unsplit, boxes as wide as the padded head dims. The warp-specialized kernel (D = 128) takes four."""
+    launched = []
+    monkeypatch.setattr(fw.KernelLaunch, "__call__", lambda launch, *args: launched.append((launch, args)))
+    q, k, _ = map(on_hopper, hopper_qkv(head_dim, torch.bfloat16, seqlen_k=3000, kv_heads=2))  # GQA
+    v = on_hopper(torch.randn(2, 2, 3000, head_dim_v, dtype=torch.bfloat16))
+    config = plan.wgmma_config(max(head_dim, head_dim_v), causal, 3000)
+    for split in (False, True):
+        monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1" if split else "0")
+        o, _ = api.attention_forward(q, k, v, causal, 0.1, None, False, True)
+        launch, args = launched[-1]
+        parts = plan.head_dim_parts if split and not config.warp_specialized else (
+            lambda d: (plan.head_dim_padded(d),))
+        q_parts, v_parts = parts(head_dim), parts(head_dim_v)
+        assert (launch.options["HEAD_DIM"], launch.options["HEAD_DIM_V"]) == (sum(q_parts), sum(v_parts))
+        n_descs = 4 if config.warp_specialized else 8
+        assert launch.kernel is (fw._attention_fwd_ws_kernel if config.warp_specialized
+                                 else fw._attention_fwd_wgmma_kernel)
+        assert launch.kernel.arg_names[n_descs] == "lse_ptr"
+        tensors, widths = (q, k, v, o), (q_parts, q_parts, v_parts, v_parts)
+        rows = (config.block_m, config.block_n, config.block_n, config.block_m)
+        for i, desc in enumerate(args[:n_descs]):
+            part, which = divmod(i, 4)
+            if part >= len(widths[which]):
+                assert desc is None, (split, i)
+                continue
+            assert desc.base is tensors[which], (split, i)
+            assert desc.block_shape == [1, 1, rows[which], widths[which][part]], (split, i)
+
+
+def _split_build_report(cases: list) -> dict:
+    """For each (head_dim, head_dim_v, causal, variants, dtype name), the kernel built with its head dims in column
+    parts (as ``FLASHLITE_HEAD_SPLIT=1`` plans them): the PTX's wgmma widths (N of each m64nNk16), wait depths, the
+    bytes each mbarrier expects, and its TMA stores."""
+    report = {}
+    for head_dim, head_dim_v, causal, variants, dtype in cases:
+        config = plan.wgmma_config(max(head_dim, head_dim_v), causal, 1024)
+        compiled = _compile_for_hopper(config, head_dim, causal, write_lse=not causal,
+                                       variants=ALL_VARIANTS if variants else None, head_dim_v=head_dim_v,
+                                       split=True, dtype=getattr(torch, dtype))
+        ptx = compiled.asm["ptx"]
+        name = f"{head_dim}-v{head_dim_v}-{causal}-{dtype}" + ("-variants" if variants else "")
+        report[name] = dict(
+            block=[config.block_m, config.block_n], warps=compiled.metadata.num_warps,
+            widths=_ptx_numbers(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx),
+            waits=_ptx_numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
+            expects=_ptx_numbers(r"mbarrier\.arrive\.expect_tx\.shared(?:::cta)?\.b64 _, \[%r\d+\], (\d+)", ptx),
+            stores=len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared", ptx)),
+            tanh="tanh.approx.f32" in ptx)
+    return report
+
+
+def _ptx_numbers(pattern: str, ptx: str) -> list:
+    """The distinct numbers that ``pattern``'s group captures in ``ptx``, sorted."""
+    return sorted({int(n) for n in re.findall(pattern, ptx)})
+
+
+def test_split_kernel_builds_with_products_in_flight():
+    """Head dims in column parts, built for sm_90 in a fresh process (as test_kernel_builds_with_products_in_flight):
+    S from one product a part of Q/K chained on one accumulator (their widths the S tile's), O one accumulator a part
+    of V/O (one product of each part's width, one TMA store a part), one mbarrier a tile expecting the bytes of
+    every part, and the loop waiting until only the P V products, one a part of O, are in flight."""
+    cases = [(192, 192, False, False, "bfloat16"), (192, 192, True, False, "float16"),
+             (192, 128, False, False, "bfloat16"), (160, 160, True, False, "bfloat16"),
+             (128, 192, True, False, "float16"), (192, 192, True, True, "bfloat16")]  # every variant switched on
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"import json; from tests.test_attention_wgmma import _split_build_report; "
+            f"print(json.dumps(_split_build_report({cases})))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for (head_dim, head_dim_v, causal, variants, dtype), built in zip(cases, report.values()):
+        q_parts, v_parts = plan.head_dim_parts(head_dim), plan.head_dim_parts(head_dim_v)
+        block_m, block_n = built["block"]
+        assert built["warps"] == 4, built
+        assert set(built["widths"]) == {block_n, *v_parts}, built  # S's products, then one a part of O
+        assert len(v_parts) in built["waits"], built  # every P V product left in flight across the softmax
+        assert {block_m * sum(q_parts) * 2, block_n * sum(q_parts) * 2,  # Q's tile, K's: both parts, one barrier
+                block_n * sum(v_parts) * 2} <= set(built["expects"]), built
+        assert built["stores"] == len(v_parts), built
+        assert built["tanh"] == variants, built

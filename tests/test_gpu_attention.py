@@ -6,7 +6,9 @@ plus a floor); outputs are allocated from memory filled with NaN first, so an
 element the kernels forget to write fails. The matrix is FlashAttention's
 (its ten seqlen pairs, head dims 32..256, powers of two and not, fp16 and bf16),
 MHA/GQA/MQA, causal and not, forward and both backward paths (the Hopper kernels
-take the head dims and calls they serve, the tl kernels the rest).
+take the head dims and calls they serve, the tl kernels the rest). Head dims of 129 to 192 in two column parts
+on the Hopper forward (``FLASHLITE_HEAD_SPLIT=1``, issue 44: off by default until these tests pass) have
+tests of their own at the end.
 """
 
 import math
@@ -16,9 +18,11 @@ import torch
 import torch.nn.functional as F
 
 import flashlite
+from flashlite.attention import api, plan, route
 from flashlite.nn import alibi_slopes
 
-from .utils import assert_attention_close, attention_grads_ref, attention_ref, need_memory, poison
+from .test_gpu_decode import require_hopper
+from .utils import assert_attention_close, attention_grads_ref, attention_ref, check_attention, need_memory, poison
 
 pytestmark = pytest.mark.gpu
 
@@ -335,4 +339,81 @@ def test_head_dim_v_on_the_gpu(head_dim, head_dim_v, dtype, backward_path):
             except AssertionError as err:
                 failures.append(f"Lq={lq} Lk={lk} {sorted(kw)}: {err}")
     failures += ragged_decoding_failures(head_dim, dtype, head_dim_v)
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------- head dims in column parts (issue 44)
+
+# (D, Dv) that the Hopper forward loads in two column parts under FLASHLITE_HEAD_SPLIT=1 (``plan.head_dim_parts``):
+# 160 = 128 + 32 and 192 = 128 + 64, q/k's head dim and v's each on its own (Dv = 128: one part).
+SPLIT_HEAD_DIMS = [(d, dv) for d in (160, 192) for dv in (128, 160, 192)]
+
+
+@pytest.fixture
+def head_split(monkeypatch):
+    """FLASHLITE_HEAD_SPLIT=1 for one test (the Hopper kernels required), routes planned without it forgotten first
+    and those planned with it afterwards. Yields the list of ``(HEAD_DIM, HEAD_DIM_V)``, the widths on chip, of every
+    Hopper forward planned meanwhile (the split kernel's: the parts' sums)."""
+    require_hopper()
+    planned = []
+    real = route.HopperForwardLaunch
+
+    def spy(*args, **kwargs):
+        launch = real(*args, **kwargs)
+        planned.append((launch.kernel.options["HEAD_DIM"], launch.kernel.options["HEAD_DIM_V"]))
+        return launch
+
+    monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1")
+    monkeypatch.setattr(route, "HopperForwardLaunch", spy)
+    api.clear_routes()
+    yield planned
+    api.clear_routes()
+
+
+def split_widths(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """The widths on chip of a split call: the sums of its head dims' column parts."""
+    return sum(plan.head_dim_parts(head_dim)), sum(plan.head_dim_parts(head_dim_v))
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", SPLIT_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_head_dim_split_on_the_gpu(head_dim, head_dim_v, dtype, head_split):
+    # The Hopper forward with its head dims in column parts: output (poisoned first), LSE and dq/dk/dv against
+    # float64 under FlashAttention's rule, over odd lengths, Lq != Lk both ways (rows that see no key under causal),
+    # MHA and GQA, causal and not; every call must have run the split kernel.
+    failures = []
+    for lq, lk in [(113, 203), (1000, 1777), (1023, 1024), (2048, 2048), (1024, 300)]:
+        for h, h_kv in [(6, 6), (6, 2)]:
+            for causal in (False, True):
+                b = 2 if lq * lk <= 512 * 512 else 1
+                q = make(b, h, lq, head_dim, dtype, True)
+                k, v = make(b, h_kv, lk, head_dim, dtype, True), make(b, h_kv, lk, head_dim_v, dtype, True)
+                poison()
+                try:
+                    check_attention(q, k, v, causal=causal)
+                except AssertionError as err:
+                    failures.append(f"Lq={lq} Lk={lk} H={h}/{h_kv} causal={causal}: {err}")
+    assert head_split and set(head_split) == {split_widths(head_dim, head_dim_v)}, head_split
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("head_dim_v", [128, 192])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_head_dim_split_variants_on_the_gpu(head_dim_v, dtype, head_split):
+    # D = 192 in column parts under each score modifier, sinks, and all at once (GQA, Lq != Lk).
+    q = make(2, 6, 700, 192, dtype, True)
+    k, v = make(2, 2, 900, 192, dtype, True), make(2, 2, 900, head_dim_v, dtype, True)
+    slopes, sinks = alibi_slopes(6).cuda() / 16, torch.randn(6, device="cuda")
+    cases = [dict(causal=False, softcap=20.0), dict(causal=True, alibi_slopes=slopes),
+             dict(causal=True, window_size=(300, 0)), dict(causal=False, window_size=(200, 77)),
+             dict(causal=False, sinks=sinks),
+             dict(causal=True, window_size=(300, 0), softcap=20.0, alibi_slopes=slopes, sinks=sinks)]
+    failures = []
+    for kw in cases:
+        poison()
+        try:
+            check_attention(q, k, v, **kw)
+        except AssertionError as err:
+            failures.append(f"{sorted(kw)} causal={kw['causal']}: {err}")
+    assert head_split and set(head_split) == {split_widths(192, head_dim_v)}, head_split
     assert not failures, "\n".join(failures)
