@@ -33,7 +33,7 @@ Two kernels run that loop (``_attend_kv_tiles``):
 * ``_attention_fwd_ws_kernel``, warp-specialized (``gl.warp_specialize``): a
   load warp streams K/V tiles into a ring of buffers, and two softmax
   warpgroups of 64 query rows each read every tile, releasing a buffer through
-  an mbarrier that counts both (D = 128). Each K/V tile brought in serves 128
+  an mbarrier that counts both (D = 65 to 128). Each K/V tile brought in serves 128
   rows, and the load warp hands most of its registers to the softmax warpgroups
   (``setmaxnreg``), which then hold 128-key tiles.
 
@@ -47,12 +47,14 @@ windows (K/V tiles outside a program's window never loaded), GQA/MQA, any length
 accepts (16-byte aligned), on Hopper.
 
 Head dims as sums of power-of-two parts (``FLASHLITE_HEAD_SPLIT=1``, off by default: built for sm_90 on CPU,
-not yet run on a GPU). Padded, D = 192 runs D = 256's products, a third of them on zeros. Split, the kernel
-that is not warp-specialized loads Q/K's head dim, and V/O's on its own, in column parts
-(``plan.head_dim_parts``: 192 = 128 + 64, 160 = 128 + 32), one TMA box and one shared-memory buffer a part and
-one mbarrier a tile counting the bytes of all; S is the sum of one wgmma a part chained on one accumulator, O
-one accumulator a part (each rescaled, normalized and stored by TMA on its own), and the loop waits until the
-P V products, one a part of O, are the only ones in flight (``wgmma.wait_group 2`` for two parts).
+not yet run on a GPU). Padded, D = 192 runs D = 256's products, a third of them on zeros, and D = 96 D = 128's,
+a quarter. Split, both kernels load Q/K's head dim, and V/O's on its own, in column parts
+(``plan.head_dim_parts``: 192 = 128 + 64, 160 = 128 + 32 in the kernel that is not warp-specialized; 96 = 64 +
+32, 80 = 64 + 16 mostly in the warp-specialized one), one TMA box and one shared-memory buffer a part (the
+warp-specialized kernel's load warp puts every part of a tile onto one mbarrier, which counts the bytes of all);
+S is the sum of one wgmma a part chained on one accumulator, O one accumulator a part (each rescaled, normalized
+and stored by TMA on its own, through Q's boxes of the same parts when O is as wide as Q), and the loop waits
+until the P V products, one a part of O, are the only ones in flight (``wgmma.wait_group 2`` for two parts).
 ``flashlite.attention.api.attention_forward`` sends such calls here and the rest
 to the ``triton.language`` kernel (``forward``). Gluon has no interpreter, so these kernels
 run on the GPU only: ``pytest -m gpu`` (tests/test_gpu_attention.py) tests them
@@ -80,14 +82,17 @@ from ..core.triton_compat import descriptor_template, rebind_descriptor
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
-    WGMMA_CAPABILITY, box_views, gluon, gluon_descriptor, issue_kv_load, load_boxes, part_start, thread_barrier,
-    tma_load, tma_store, wait_kv,
+    WGMMA_CAPABILITY, box_views, gluon, gluon_descriptor, issue_kv_load, load_boxes, part_start, slot_boxes,
+    thread_barrier, tma_store, wait_kv,
 )
 from .plan import (
     NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, head_split_enabled, query_tile, variant_args,
     wgmma_config,
 )
 from .tuning import WgmmaConfig
+
+# Descriptors the kernels take of each of q, k, v and o: one a column part (``plan.head_dim_parts``: at most two).
+MAX_COLUMN_PARTS = 2
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -143,7 +148,7 @@ if gluon is not None:
     # ------------------------------------------------ column parts: a head dim as a sum of power-of-two widths
     #
     # Q/K's head dim and V/O's are each loaded in one or more column parts (``plan.head_dim_parts``: usually
-    # one, the padded head dim; 192 = 128 + 64 and 160 = 128 + 32 under FLASHLITE_HEAD_SPLIT=1). Every tile of
+    # one, the padded head dim; 192 = 128 + 64, 96 = 64 + 32 and so on under FLASHLITE_HEAD_SPLIT=1). Every tile of
     # Q, K, V or O is then a tuple of one box (and one product operand) a part: S sums one product a part of
     # Q/K, and O is one accumulator a part of V/O. With one part each helper compiles to the code of a single
     # tile.
@@ -166,11 +171,13 @@ if gluon is not None:
         return boxes
 
     @gluon.jit
-    def _ring_slots(descs, KV_STAGES: gl.constexpr):
-        """The slots of a K or V ring (``gluon_tiles``): ``KV_STAGES`` boxes of each column part of ``descs``."""
+    def _ring_slots(descs, SLOTS: gl.constexpr):
+        """``SLOTS`` boxes of each column part of ``descs``, a tuple of one [SLOTS, 1, 1, rows, width] buffer a part:
+        the slots of a K or V ring (``gluon_tiles``), or the warp-specialized kernel's Q (or O) boxes, one a
+        softmax warpgroup (``slot_boxes`` picks one slot's box of every part)."""
         slots = ()
         for i in gl.static_range(len(descs)):
-            slots = slots + (gl.allocate_shared_memory(descs[i].dtype, [KV_STAGES] + descs[i].block_type.shape,
+            slots = slots + (gl.allocate_shared_memory(descs[i].dtype, [SLOTS] + descs[i].block_type.shape,
                                                        descs[i].layout),)
         return slots
 
@@ -188,10 +195,14 @@ if gluon is not None:
         return accs
 
     @gluon.jit
-    def _q_operand(q_tile, S_LAYOUT: gl.constexpr):
-        """Q, loaded from its (arrived) tile into registers as the S products' first operand."""
+    def _q_operands(q_tiles, S_LAYOUT: gl.constexpr):
+        """Q, loaded from its (arrived) tiles, one a column part, into registers as the S products' first operands
+        (a tuple, one a part)."""
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_LAYOUT, k_width=2)
-        return q_tile.load(q_layout)
+        q_ops = ()
+        for i in gl.static_range(len(q_tiles)):
+            q_ops = q_ops + (q_tiles[i].load(q_layout),)
+        return q_ops
 
     @gluon.jit
     def _score_products(q_ops, k_tiles, s_zero):
@@ -375,9 +386,7 @@ if gluon is not None:
         q_tiles = box_views(q_smem)
         mbarrier.wait(q_bar, 0)
         if Q_IN_REGISTERS:
-            q_ops = ()
-            for i in gl.static_range(len(q_tiles)):
-                q_ops = q_ops + (_q_operand(q_tiles[i], s_layout),)
+            q_ops = _q_operands(q_tiles, s_layout)
         else:
             q_ops = q_tiles
 
@@ -406,20 +415,19 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_load_partition(q_tiles, k_ring, v_ring, q_start, source):
-        """The load warp: both Q tiles (``q_tiles = (q_desc, q_smem, q_bars)``, rows from ``q_start = (b, h,
-        m_start)``), then every K and V tile (from ``source``, ``issue_kv_load``) into its ring of slots, each
-        once both softmax warpgroups have released the slot (a fresh mbarrier counts as released: phase 1 is
-        done)."""
-        q_desc, q_smem, q_bars = q_tiles
+        """The load warp: both Q tiles (``q_tiles = (q_descs, q_smem, q_bars)``, rows from ``q_start = (b, h,
+        m_start)``; each warpgroup's tile, every column part of it, onto its own mbarrier), then every K and V tile
+        (from ``source``, ``issue_kv_load``) into its ring of slots, each once both softmax warpgroups have
+        released the slot (a fresh mbarrier counts as released: phase 1 is done)."""
+        q_descs, q_smem, q_bars = q_tiles
         k_descs, k_slots, k_ready, k_free = k_ring
         v_descs, v_slots, v_ready, v_free = v_ring
         b, h, m_start = q_start
         n_kv_tiles = source[3]  # (b, h_kv, key_start, n_kv_tiles)
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_M: gl.constexpr = q_descs[0].block_type.shape[2]
         KV_STAGES: gl.constexpr = k_slots[0].type.shape[0]
         for wg in gl.static_range(2):
-            mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
-            tma_load(q_desc, [b, h, m_start + wg * BLOCK_M, 0], q_bars.index(wg), q_smem.index(wg))
+            load_boxes(q_descs, (b, h, m_start + wg * BLOCK_M), q_bars.index(wg), slot_boxes(q_smem, wg))
         for tile in range(n_kv_tiles):
             slot = tile % KV_STAGES
             released = ((tile // KV_STAGES) & 1) ^ 1
@@ -433,15 +441,15 @@ if gluon is not None:
                               IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, HAS_SINKS: gl.constexpr,
                               WRITE_LSE: gl.constexpr, WARPGROUP: gl.constexpr):
         """One softmax warpgroup: query rows ``m_start + WARPGROUP * BLOCK_M`` on, over the shared K/V tiles
-        (the arguments as ``_ws_load_partition`` and ``_write_output`` take them; ``out``'s ``o_smem`` holds both
-        warpgroups' buffers, ``lengths = (seqlen_q, seqlen_k)``). Every head dim is one column part here."""
-        q_desc, q_smem, q_bars = q_tiles
-        o_desc, o_smem, lse_row = out
+        (the arguments as ``_ws_load_partition`` and ``_write_output`` take them, a tuple of column parts where
+        the other kernel has them too; ``out = (o_descs, o_smem, lse_row)``, ``o_smem`` holding both warpgroups'
+        boxes of each part of O; ``lengths = (seqlen_q, seqlen_k)``)."""
+        q_descs, q_smem, q_bars = q_tiles
+        o_descs, o_smem, lse_row = out
         b, h, m_start = q_start
         seqlen_q, seqlen_k = lengths
         key_start = source[2]  # (b, h_kv, key_start, n_kv_tiles)
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_M: gl.constexpr = q_descs[0].block_type.shape[2]
         BLOCK_N: gl.constexpr = k_ring[0][0].block_type.shape[2]  # (the rings as gluon_tiles describes them)
         HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
         softcap, alibi, window_left, window_right = mods
@@ -453,31 +461,37 @@ if gluon is not None:
         _, full_start, full_end, _ = key_ranges(
             row_start, gl.minimum(row_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL,
             HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-        q_tile = q_smem.index(WARPGROUP).reshape([BLOCK_M, HEAD_DIM])
+        q_tiles = box_views(slot_boxes(q_smem, WARPGROUP))  # this warpgroup's Q, one [BLOCK_M, width] a part
         mbarrier.wait(q_bars.index(WARPGROUP), 0)
-        q_op = _q_operand(q_tile, s_layout)
+        q_ops = _q_operands(q_tiles, s_layout)
         q_idx = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         accs = _zero_accumulators(v_ring[0], BLOCK_M, 4)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         # Both warpgroups walk the K/V tiles of the whole program (masking covers the tiles only the other sees).
         full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
         rows = (q_idx, seqlen_q, seqlen_k)
-        m, d, accs = _attend_kv_tiles((q_op,), s_zero, accs, k_ring, v_ring, source, full, rows, qk_scale, mods,
+        m, d, accs = _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, full, rows, qk_scale, mods,
                                       IS_CAUSAL, MODS, NUM_WARPS=4, LOAD_WARP=True)
-        # Q is in registers: O goes out through this warpgroup's Q buffer (o_smem is q_smem when O is as wide).
-        _write_output(accs, m, d, rows, ((o_desc,), (o_smem.index(WARPGROUP),), lse_row), (b, h, row_start), sink,
+        # Q is in registers: O goes out through this warpgroup's Q boxes (o_smem is q_smem when O is as wide).
+        _write_output(accs, m, d, rows, (o_descs, slot_boxes(o_smem, WARPGROUP), lse_row), (b, h, row_start), sink,
                       WRITE_LSE, HAS_SINKS)
 
     @gluon.jit
     def _attention_fwd_ws_kernel(
-        q_desc, k_desc, v_desc, o_desc, lse_ptr, alibi_ptr, sinks_ptr,
+        q_desc, k_desc, v_desc, o_desc, q_desc_b, k_desc_b, v_desc_b, o_desc_b, lse_ptr, alibi_ptr, sinks_ptr,
         n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         KV_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
         HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
         SOFTMAX_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        dtype: gl.constexpr = q_desc.dtype
+        # The column parts of Q/K's head dim and of V/O's, as _attention_fwd_wgmma_kernel takes them: the
+        # ``*_desc_b`` descriptors load the second part's boxes, or are None (one part); HEAD_DIM and HEAD_DIM_V
+        # are the parts' sums.
+        q_descs = _column_parts(q_desc, q_desc_b)
+        k_descs = _column_parts(k_desc, k_desc_b)
+        v_descs = _column_parts(v_desc, v_desc_b)
+        o_descs = _column_parts(o_desc, o_desc_b)
         # A program holds 2 * BLOCK_M query rows, BLOCK_M per softmax warpgroup, numbered as the other kernels do.
         bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, 2 * BLOCK_M), 2 * BLOCK_M, IS_CAUSAL)
         b = bh // n_heads
@@ -491,31 +505,33 @@ if gluon is not None:
             HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
         n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
 
-        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [KV_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = _ring_slots(q_descs, 2)  # a Q box of each part for each softmax warpgroup
+        k_smem = _ring_slots(k_descs, KV_STAGES)
+        v_smem = _ring_slots(v_descs, KV_STAGES)
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
         k_free = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
         v_free = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
-        if HEAD_DIM_V == HEAD_DIM:  # O goes out through the Q buffers (Q lives in registers by then)
+        # O goes out through the Q boxes (Q lives in registers by then; equal widths are split into equal parts),
+        # or through boxes of its own when it is narrower or wider than Q.
+        if HEAD_DIM_V == HEAD_DIM:
             o_smem = q_smem
         else:
-            o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+            o_smem = _ring_slots(o_descs, 2)
         for wg in gl.static_range(2):
             mbarrier.init(q_bars.index(wg), count=1)
         for i in gl.static_range(KV_STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_ready.index(i), count=1)  # each counts the bytes of every column part of its tile
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_free.index(i), count=2)  # released by both softmax warpgroups
             mbarrier.init(v_free.index(i), count=2)
 
         lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q  # this batch and head's LSE
-        q_tiles = (q_desc, q_smem, q_bars)
-        k_ring = ((k_desc,), (k_smem,), k_ready, k_free)  # (gluon_tiles: one column part)
-        v_ring = ((v_desc,), (v_smem,), v_ready, v_free)
-        out = (o_desc, o_smem, lse_row)
+        q_tiles = (q_descs, q_smem, q_bars)
+        k_ring = (k_descs, k_smem, k_ready, k_free)  # (gluon_tiles)
+        v_ring = (v_descs, v_smem, v_ready, v_free)
+        out = (o_descs, o_smem, lse_row)
         q_start = (b, h, m_start)
         source = (b, h_kv, key_start, n_kv_tiles)
         lengths = (seqlen_q, seqlen_k)
@@ -548,11 +564,11 @@ def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: 
     )
 
 
-def column_parts(head_dim: int, config: WgmmaConfig) -> tuple[int, ...]:
-    """The column parts the kernel of ``config`` loads a head dim in: ``plan.head_dim_parts``' under
-    ``FLASHLITE_HEAD_SPLIT=1`` (``plan.head_split_enabled``, off by default: not yet run on a GPU) in the kernel
-    that is not warp-specialized, else one part, the padded head dim."""
-    if head_split_enabled() and not config.warp_specialized:
+def column_parts(head_dim: int) -> tuple[int, ...]:
+    """The column parts the Hopper kernels (either) load a head dim in: ``plan.head_dim_parts``' under
+    ``FLASHLITE_HEAD_SPLIT=1`` (``plan.head_split_enabled``, off by default: not yet run on a GPU), else one part,
+    the padded head dim."""
+    if head_split_enabled():
         return head_dim_parts(head_dim)
     return (head_dim_padded(head_dim),)
 
@@ -560,13 +576,12 @@ def column_parts(head_dim: int, config: WgmmaConfig) -> tuple[int, ...]:
 def kernel_descriptors(tensors: tuple, config: WgmmaConfig, q_parts: tuple, v_parts: tuple) -> tuple:
     """The kernel's TMA descriptor arguments for ``tensors = (q, k, v, o)`` (``gluon_descriptor``; rows: the
     tiles' of ``config``): the boxes of each tensor's first column part (``q_parts`` for q and k, ``v_parts`` for v
-    and o), then, for the kernel that is not warp-specialized, of each one's second part, or None where its head
-    dim is one part. A box is as wide as its part; where a part's columns start is a coordinate of each copy."""
+    and o), then of each one's second part, or None where its head dim is one part (both kernels take the eight).
+    A box is as wide as its part; where a part's columns start is a coordinate of each copy."""
     rows = (config.block_m, config.block_n, config.block_n, config.block_m)
     parts = (q_parts, q_parts, v_parts, v_parts)
-    n_parts = 1 if config.warp_specialized else 2
     return tuple(gluon_descriptor(t, n_rows, widths[i]) if i < len(widths) else None
-                 for i in range(n_parts) for t, n_rows, widths in zip(tensors, rows, parts))
+                 for i in range(MAX_COLUMN_PARTS) for t, n_rows, widths in zip(tensors, rows, parts))
 
 
 def kernel_for(config: WgmmaConfig, head_dim: int, head_dim_v: int, causal: bool, write_lse: bool,
@@ -594,9 +609,10 @@ class HopperForwardLaunch:
 
     Head dims are loaded in boxes as wide as the padded head dim: TMA fills the columns past D with zeros on
     loads and drops them on the output's store, so a head dim that is not a power of two costs the padded tile's
-    products. Under ``FLASHLITE_HEAD_SPLIT=1`` (off by default: the split kernel has not yet run on a GPU) the
-    kernel that is not warp-specialized loads D (and Dv) of 129 to 192 in two column parts instead
-    (``column_parts``: 192 = 128 + 64, 160 = 128 + 32), and runs the products of 192 (160) columns, not 256.
+    products. Under ``FLASHLITE_HEAD_SPLIT=1`` (off by default: the split kernels have not yet run on a GPU) both
+    kernels load D (and Dv) of 65 to 96 and 129 to 192 in two column parts instead (``column_parts``: 96 = 64 + 32,
+    80 = 64 + 16, 192 = 128 + 64, 160 = 128 + 32), and run the products of 96 (80, 192, 160) columns, not 128
+    (256).
     """
 
     def __init__(
@@ -609,7 +625,7 @@ class HopperForwardLaunch:
         config = config or wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
         self.output = OutputLayout(q, head_dim_v)
         self.lse_shape = (batch, n_heads, seqlen_q) if write_lse else None
-        q_parts, v_parts = column_parts(head_dim, config), column_parts(head_dim_v, config)
+        q_parts, v_parts = column_parts(head_dim), column_parts(head_dim_v)
         self.descriptors = tuple(
             None if d is None else descriptor_template(d)
             for d in kernel_descriptors((q, k, v, self.output.meta(q.dtype)), config, q_parts, v_parts))
