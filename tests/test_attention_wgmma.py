@@ -10,8 +10,9 @@ default-variant case with D = 64/128, fp16/bf16 and no mask on it). Here, on CPU
   which is the point of the module;
 * the descriptors built without the dataclass's checks equal checked ones;
 * head dims in column parts (``FLASHLITE_HEAD_SPLIT=1``, issue 44): which parts a head dim takes, the
-  descriptors a split call launches with, and the split kernel built for sm_90 (one product a part, the
-  P V products of every part of O in flight across the softmax: ``wgmma.wait_group 2``).
+  descriptors a split call launches with, and both split kernels (the warp-specialized one at 65 to 96) built
+  for sm_90 (one product a part, the P V products of every part of O in flight across the softmax:
+  ``wgmma.wait_group 2``).
 """
 
 import dataclasses
@@ -210,10 +211,15 @@ def test_kernel_builds_with_products_in_flight():
 
 
 def test_head_dim_parts():
-    # Issue 44: 129 to 160 as 128 + 32, 161 to 192 as 128 + 64; every other head dim one part, padded.
+    # Issue 44: 65 to 80 as 64 + 16, 81 to 96 as 64 + 32, 129 to 160 as 128 + 32, 161 to 192 as 128 + 64; every
+    # other head dim (97 to 127 among them) one part, padded.
     for head_dim in range(1, 257):
         parts = plan.head_dim_parts(head_dim)
-        if 128 < head_dim <= 160:
+        if 64 < head_dim <= 80:
+            assert parts == (64, 16), head_dim
+        elif 80 < head_dim <= 96:
+            assert parts == (64, 32), head_dim
+        elif 128 < head_dim <= 160:
             assert parts == (128, 32), head_dim
         elif 160 < head_dim <= 192:
             assert parts == (128, 64), head_dim
@@ -223,30 +229,31 @@ def test_head_dim_parts():
 
 
 def test_head_split_switch(monkeypatch):
-    # Off unless FLASHLITE_HEAD_SPLIT=1 (the split kernel has not run on a GPU yet); the warp-specialized kernel
-    # (D = 128) never splits.
+    # Off unless FLASHLITE_HEAD_SPLIT=1 (the split kernels have not run on a GPU yet); on, both kernels split
+    # (D = 96 takes the warp-specialized kernel, or the other one for short causal calls).
     monkeypatch.delenv("FLASHLITE_HEAD_SPLIT", raising=False)
     assert not plan.head_split_enabled()
-    assert fw.column_parts(192, tuning.WGMMA_CONFIGS[256]) == (256,)
+    assert fw.column_parts(192) == (256,) and fw.column_parts(96) == (128,)
     monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "0")
     assert not plan.head_split_enabled()
     monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1")
     assert plan.head_split_enabled()
-    assert fw.column_parts(192, tuning.WGMMA_CONFIGS[256]) == (128, 64)
-    assert fw.column_parts(160, tuning.WGMMA_CAUSAL_CONFIGS[256]) == (128, 32)
-    assert fw.column_parts(96, tuning.WGMMA_CONFIGS[256]) == (128,)
-    ws = dataclasses.replace(tuning.WGMMA_CONFIGS[256], warp_specialized=True)
-    assert fw.column_parts(192, ws) == (256,)
+    assert fw.column_parts(192) == (128, 64) and fw.column_parts(160) == (128, 32)
+    assert fw.column_parts(96) == (64, 32) and fw.column_parts(80) == (64, 16)
+    assert fw.column_parts(100) == (128,) and fw.column_parts(64) == (64,) and fw.column_parts(128) == (128,)
+    assert plan.wgmma_config(96, False, 4096).warp_specialized
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v, causal", [
     (192, 192, False), (192, 192, True), (160, 160, False), (192, 128, True), (128, 192, False), (144, 96, True),
+    (96, 96, False), (96, 96, True), (80, 80, False), (96, 64, True), (64, 96, False), (96, 128, False),
+    (128, 80, True), (112, 112, False), (96, 192, False),
     (64, 64, False), (256, 256, True), (128, 128, False)])
 def test_head_split_dispatch(hopper, monkeypatch, head_dim, head_dim_v, causal):
-    """A call on Hopper with and without FLASHLITE_HEAD_SPLIT=1: the kernel that is not warp-specialized gets one
-    descriptor a column part of each of q, k, v, o (boxes as wide as the parts, ``plan.head_dim_parts``), bound to
-    the call's own tensors, None for the second part of a head dim of one part, and the parts' sums as its
-    widths; unsplit, boxes as wide as the padded head dims. The warp-specialized kernel (D = 128) takes four."""
+    """A call on Hopper with and without FLASHLITE_HEAD_SPLIT=1: the kernel (either: warp-specialized at padded
+    D = 128, 3000 keys) gets one descriptor a column part of each of q, k, v, o (boxes as wide as the parts,
+    ``plan.head_dim_parts``), bound to the call's own tensors, None for the second part of a head dim of one part,
+    and the parts' sums as its widths; unsplit, boxes as wide as the padded head dims."""
     launched = []
     monkeypatch.setattr(fw.KernelLaunch, "__call__", lambda launch, *args: launched.append((launch, args)))
     q, k, _ = map(on_hopper, hopper_qkv(head_dim, torch.bfloat16, seqlen_k=3000, kv_heads=2))  # GQA
@@ -256,11 +263,10 @@ def test_head_split_dispatch(hopper, monkeypatch, head_dim, head_dim_v, causal):
         monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1" if split else "0")
         o, _ = api.attention_forward(q, k, v, causal, 0.1, None, False, True)
         launch, args = launched[-1]
-        parts = plan.head_dim_parts if split and not config.warp_specialized else (
-            lambda d: (plan.head_dim_padded(d),))
+        parts = plan.head_dim_parts if split else (lambda d: (plan.head_dim_padded(d),))
         q_parts, v_parts = parts(head_dim), parts(head_dim_v)
         assert (launch.options["HEAD_DIM"], launch.options["HEAD_DIM_V"]) == (sum(q_parts), sum(v_parts))
-        n_descs = 4 if config.warp_specialized else 8
+        n_descs = 4 * fw.MAX_COLUMN_PARTS
         assert launch.kernel is (fw._attention_fwd_ws_kernel if config.warp_specialized
                                  else fw._attention_fwd_wgmma_kernel)
         assert launch.kernel.arg_names[n_descs] == "lse_ptr"
@@ -276,19 +282,21 @@ def test_head_split_dispatch(hopper, monkeypatch, head_dim, head_dim_v, causal):
 
 
 def _split_build_report(cases: list) -> dict:
-    """For each (head_dim, head_dim_v, causal, variants, dtype name), the kernel built with its head dims in column
-    parts (as ``FLASHLITE_HEAD_SPLIT=1`` plans them): the PTX's wgmma widths (N of each m64nNk16), wait depths, the
-    bytes each mbarrier expects, and its TMA stores."""
+    """For each (head_dim, head_dim_v, causal, variants, dtype name, seqlen_k), the kernel a call of ``seqlen_k`` keys
+    takes, built with its head dims in column parts (as ``FLASHLITE_HEAD_SPLIT=1`` plans them): the PTX's wgmma
+    widths (N of each m64nNk16), wait depths, the bytes each mbarrier expects, its TMA stores and register moves."""
     report = {}
-    for head_dim, head_dim_v, causal, variants, dtype in cases:
-        config = plan.wgmma_config(max(head_dim, head_dim_v), causal, 1024)
+    for head_dim, head_dim_v, causal, variants, dtype, seqlen_k in cases:
+        config = plan.wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
         compiled = _compile_for_hopper(config, head_dim, causal, write_lse=not causal,
                                        variants=ALL_VARIANTS if variants else None, head_dim_v=head_dim_v,
                                        split=True, dtype=getattr(torch, dtype))
         ptx = compiled.asm["ptx"]
-        name = f"{head_dim}-v{head_dim_v}-{causal}-{dtype}" + ("-variants" if variants else "")
+        name = f"{head_dim}-v{head_dim_v}-{causal}-{dtype}-{seqlen_k}" + ("-variants" if variants else "")
         report[name] = dict(
             block=[config.block_m, config.block_n], warps=compiled.metadata.num_warps,
+            warp_specialized=config.warp_specialized,
+            registers=_ptx_numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
             widths=_ptx_numbers(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx),
             waits=_ptx_numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
             expects=_ptx_numbers(r"mbarrier\.arrive\.expect_tx\.shared(?:::cta)?\.b64 _, \[%r\d+\], (\d+)", ptx),
@@ -305,24 +313,39 @@ def _ptx_numbers(pattern: str, ptx: str) -> list:
 def test_split_kernel_builds_with_products_in_flight():
     """Head dims in column parts, built for sm_90 in a fresh process (as test_kernel_builds_with_products_in_flight):
     S from one product a part of Q/K chained on one accumulator (their widths the S tile's), O one accumulator a part
-    of V/O (one product of each part's width, one TMA store a part), one mbarrier a tile expecting the bytes of
-    every part, and the loop waiting until only the P V products, one a part of O, are in flight."""
-    cases = [(192, 192, False, False, "bfloat16"), (192, 192, True, False, "float16"),
-             (192, 128, False, False, "bfloat16"), (160, 160, True, False, "bfloat16"),
-             (128, 192, True, False, "float16"), (192, 192, True, True, "bfloat16")]  # every variant switched on
+    of V/O (one product of each part's width, one TMA store a part, in each softmax warpgroup of the
+    warp-specialized kernel), one mbarrier a tile expecting the bytes of every part, and the loop waiting until only
+    the P V products, one a part of O, are in flight."""
+    cases = [(192, 192, False, False, "bfloat16", 1024), (192, 192, True, False, "float16", 1024),
+             (192, 128, False, False, "bfloat16", 1024), (160, 160, True, False, "bfloat16", 1024),
+             (128, 192, True, False, "float16", 1024), (192, 192, True, True, "bfloat16", 1024),  # every variant
+             # 65 to 96: the warp-specialized kernel (the other one for short causal calls, and beside Dv = 192)
+             (96, 96, False, False, "bfloat16", 4096), (96, 96, True, False, "float16", 4096),
+             (80, 80, False, False, "float16", 4096), (96, 64, True, False, "bfloat16", 4096),
+             (64, 96, False, False, "bfloat16", 4096), (96, 128, True, False, "float16", 4096),
+             (128, 80, False, False, "bfloat16", 4096), (96, 96, True, True, "bfloat16", 4096),
+             (80, 96, False, True, "float16", 4096), (96, 96, True, False, "bfloat16", 1024),
+             (96, 192, False, False, "bfloat16", 4096)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"import json; from tests.test_attention_wgmma import _split_build_report; "
             f"print(json.dumps(_split_build_report({cases})))")
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    for (head_dim, head_dim_v, causal, variants, dtype), built in zip(cases, report.values()):
+    for (head_dim, head_dim_v, causal, variants, dtype, seqlen_k), built in zip(cases, report.values()):
         q_parts, v_parts = plan.head_dim_parts(head_dim), plan.head_dim_parts(head_dim_v)
         block_m, block_n = built["block"]
-        assert built["warps"] == 4, built
+        ws = built["warp_specialized"]
+        assert ws == (plan.head_dim_padded(max(head_dim, head_dim_v)) == 128 and (not causal or seqlen_k > 1024))
+        assert built["warps"] == (12 if ws else 4), built
+        if ws:  # registers moved from the load warp to the softmax warpgroups
+            assert {tuning.WS_SOFTMAX_REGISTERS, tuning.WS_LOAD_REGISTERS} <= set(built["registers"]), built
+        else:
+            assert built["registers"] == [], built
         assert set(built["widths"]) == {block_n, *v_parts}, built  # S's products, then one a part of O
         assert len(v_parts) in built["waits"], built  # every P V product left in flight across the softmax
         assert {block_m * sum(q_parts) * 2, block_n * sum(q_parts) * 2,  # Q's tile, K's: both parts, one barrier
                 block_n * sum(v_parts) * 2} <= set(built["expects"]), built
-        assert built["stores"] == len(v_parts), built
+        assert built["stores"] == len(v_parts) * (2 if ws else 1), built  # (each softmax warpgroup stores its rows)
         assert built["tanh"] == variants, built
+    assert sum(built["warp_specialized"] for built in report.values()) >= 9

@@ -6,9 +6,9 @@ plus a floor); outputs are allocated from memory filled with NaN first, so an
 element the kernels forget to write fails. The matrix is FlashAttention's
 (its ten seqlen pairs, head dims 32..256, powers of two and not, fp16 and bf16),
 MHA/GQA/MQA, causal and not, forward and both backward paths (the Hopper kernels
-take the head dims and calls they serve, the tl kernels the rest). Head dims of 129 to 192 in two column parts
-on the Hopper forward (``FLASHLITE_HEAD_SPLIT=1``, issue 44: off by default until these tests pass) have
-tests of their own at the end.
+take the head dims and calls they serve, the tl kernels the rest). Head dims of 65 to 96 and 129 to 192 in two
+column parts on the Hopper forward (``FLASHLITE_HEAD_SPLIT=1``, issue 44: off by default until these tests pass)
+have tests of their own at the end.
 """
 
 import math
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import flashlite
 from flashlite.attention import api, plan, route
+from flashlite.attention import forward_hopper as fw
 from flashlite.nn import alibi_slopes
 
 from .test_gpu_decode import require_hopper
@@ -345,22 +346,28 @@ def test_head_dim_v_on_the_gpu(head_dim, head_dim_v, dtype, backward_path):
 # ----------------------------------------------------------------------------- head dims in column parts (issue 44)
 
 # (D, Dv) that the Hopper forward loads in two column parts under FLASHLITE_HEAD_SPLIT=1 (``plan.head_dim_parts``):
-# 160 = 128 + 32 and 192 = 128 + 64, q/k's head dim and v's each on its own (Dv = 128: one part).
-SPLIT_HEAD_DIMS = [(d, dv) for d in (160, 192) for dv in (128, 160, 192)]
+# 160 = 128 + 32 and 192 = 128 + 64 (the kernel that is not warp-specialized), 80 = 64 + 16 and 96 = 64 + 32 (the
+# warp-specialized kernel; the other one for causal calls of up to 1024 keys), q/k's head dim and v's each on its
+# own (Dv = 64 or 128: one part).
+SPLIT_HEAD_DIMS = ([(d, dv) for d in (160, 192) for dv in (128, 160, 192)]
+                   + [(d, dv) for d in (80, 96) for dv in (64, 96, 128)])
 
 
 @pytest.fixture
 def head_split(monkeypatch):
     """FLASHLITE_HEAD_SPLIT=1 for one test (the Hopper kernels required), routes planned without it forgotten first
-    and those planned with it afterwards. Yields the list of ``(HEAD_DIM, HEAD_DIM_V)``, the widths on chip, of every
-    Hopper forward planned meanwhile (the split kernel's: the parts' sums)."""
+    and those planned with it afterwards. Yields the list of ``(HEAD_DIM, HEAD_DIM_V, warp-specialized)`` of every
+    Hopper forward planned meanwhile: the widths on chip (the split kernel's: the parts' sums) and whether the
+    warp-specialized kernel ran it."""
     require_hopper()
     planned = []
     real = route.HopperForwardLaunch
 
     def spy(*args, **kwargs):
         launch = real(*args, **kwargs)
-        planned.append((launch.kernel.options["HEAD_DIM"], launch.kernel.options["HEAD_DIM_V"]))
+        kernel = launch.kernel
+        planned.append((kernel.options["HEAD_DIM"], kernel.options["HEAD_DIM_V"],
+                        kernel.kernel is fw._attention_fwd_ws_kernel))
         return launch
 
     monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1")
@@ -373,6 +380,14 @@ def head_split(monkeypatch):
 def split_widths(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     """The widths on chip of a split call: the sums of its head dims' column parts."""
     return sum(plan.head_dim_parts(head_dim)), sum(plan.head_dim_parts(head_dim_v))
+
+
+def assert_split_ran(planned: list, head_dim: int, head_dim_v: int):
+    """Every Hopper forward of ``planned`` (``head_split``'s) ran the split widths of (D, Dv); at padded D = 128 both
+    kernels did (the warp-specialized one, and the other for short causal calls)."""
+    assert planned and {p[:2] for p in planned} == {split_widths(head_dim, head_dim_v)}, planned
+    if plan.head_dim_padded(max(head_dim, head_dim_v)) == 128:
+        assert {p[2] for p in planned} == {True, False}, planned
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", SPLIT_HEAD_DIMS)
@@ -393,16 +408,17 @@ def test_head_dim_split_on_the_gpu(head_dim, head_dim_v, dtype, head_split):
                     check_attention(q, k, v, causal=causal)
                 except AssertionError as err:
                     failures.append(f"Lq={lq} Lk={lk} H={h}/{h_kv} causal={causal}: {err}")
-    assert head_split and set(head_split) == {split_widths(head_dim, head_dim_v)}, head_split
+    assert_split_ran(head_split, head_dim, head_dim_v)
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("head_dim_v", [128, 192])
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (192, 192), (96, 64), (96, 96)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_head_dim_split_variants_on_the_gpu(head_dim_v, dtype, head_split):
-    # D = 192 in column parts under each score modifier, sinks, and all at once (GQA, Lq != Lk).
-    q = make(2, 6, 700, 192, dtype, True)
-    k, v = make(2, 2, 900, 192, dtype, True), make(2, 2, 900, head_dim_v, dtype, True)
+def test_head_dim_split_variants_on_the_gpu(head_dim, head_dim_v, dtype, head_split):
+    # D = 192 and 96 in column parts under each score modifier, sinks, and all at once (GQA, Lq != Lk; 1500 keys:
+    # D = 96 takes the warp-specialized kernel, causal or not).
+    q = make(2, 6, 700, head_dim, dtype, True)
+    k, v = make(2, 2, 1500, head_dim, dtype, True), make(2, 2, 1500, head_dim_v, dtype, True)
     slopes, sinks = alibi_slopes(6).cuda() / 16, torch.randn(6, device="cuda")
     cases = [dict(causal=False, softcap=20.0), dict(causal=True, alibi_slopes=slopes),
              dict(causal=True, window_size=(300, 0)), dict(causal=False, window_size=(200, 77)),
@@ -415,5 +431,5 @@ def test_head_dim_split_variants_on_the_gpu(head_dim_v, dtype, head_split):
             check_attention(q, k, v, **kw)
         except AssertionError as err:
             failures.append(f"{sorted(kw)} causal={kw['causal']}: {err}")
-    assert head_split and set(head_split) == {split_widths(192, head_dim_v)}, head_split
+    assert head_split and {p[:2] for p in head_split} == {split_widths(head_dim, head_dim_v)}, head_split
     assert not failures, "\n".join(failures)
