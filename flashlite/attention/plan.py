@@ -171,8 +171,8 @@ def head_dim_padded(head_dim: int) -> int:
 
 
 def head_dim_parts(head_dim: int) -> tuple[int, ...]:
-    """The column parts, powers of two, first to last, that the Hopper forward kernel loads a head dim in under
-    ``FLASHLITE_HEAD_SPLIT=1`` (``head_split_enabled``): 161 to 192 -> (128, 64), 129 to 160 -> (128, 32); any
+    """The column parts, powers of two, first to last, that the Hopper forward and backward kernels load a head dim
+    in under ``FLASHLITE_HEAD_SPLIT=1`` (``head_split_enabled``): 161 to 192 -> (128, 64), 129 to 160 -> (128, 32); any
     other head dim is one part, ``head_dim_padded``. The parts' sum is the tile's width on chip: 192 (or 160)
     columns of products instead of the padded 256, a third (three eighths) fewer."""
     if 128 < head_dim <= 192:
@@ -181,11 +181,12 @@ def head_dim_parts(head_dim: int) -> tuple[int, ...]:
 
 
 def head_split_enabled() -> bool:
-    """True when ``FLASHLITE_HEAD_SPLIT=1``: the Hopper forward (its kernel that is not warp-specialized) loads
-    head dims of 129 to 192 in two column parts (``head_dim_parts``) rather than padded to 256.
+    """True when ``FLASHLITE_HEAD_SPLIT=1``: the Hopper forward (its kernel that is not warp-specialized) and the
+    Hopper backward (both kernels of its two passes) load head dims of 129 to 192 in two column parts
+    (``head_dim_parts``) rather than padded to 256.
 
-    Off by default: the split kernel is built for sm_90 on CPU (tests/test_attention_wgmma.py) but has not yet
-    run on a GPU; tests/test_gpu_attention.py checks it there against float64 before it may become the default.
+    Off by default: the split kernels are built for sm_90 on CPU (tests/test_attention_wgmma.py,
+    tests/test_attention_backward_wgmma.py) but have not yet run on a GPU; tests/test_gpu_attention.py checks it there against float64 before it may become the default.
     Read when a call is planned (``api.clear_routes`` after changing it)."""
     return os.environ.get("FLASHLITE_HEAD_SPLIT", "0") == "1"
 
