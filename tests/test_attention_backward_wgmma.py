@@ -197,8 +197,8 @@ def _split_build_report(cases: list) -> dict:
     for kernel_name, head_dim, head_dim_v, causal, variants, dtype in cases:
         config = tuning.WGMMA_BACKWARD_CONFIGS[256]
         switches = dict(HAS_SOFTCAP=True, FAST_TANH=True, HAS_ALIBI=True, HAS_WINDOW=True) if variants else {}
-        compiled = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, switches, head_dim_v=head_dim_v,
-                                                  split=True, dtype=getattr(torch, dtype))
+        compiled = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, switches,
+                                                  head_dim_v=head_dim_v, split=True, dtype=getattr(torch, dtype))
         ptx = compiled.asm["ptx"]
         numbers = lambda pattern: sorted({int(n) for n in re.findall(pattern, ptx)})  # noqa: E731
         report[f"{kernel_name}-{head_dim}-v{head_dim_v}-{causal}-{dtype}" + ("-variants" if variants else "")] = dict(
@@ -216,9 +216,10 @@ def test_split_kernels_build_with_products_in_flight():
     chained on one accumulator, dK and dV (dQ) one accumulator a part (two warpgroups splitting each part's columns
     in the dK/dV kernel), one mbarrier a tile expecting the bytes of every part, one TMA store a part, and the waits
     leaving the other products in flight (one a part of V/dO's head dim)."""
-    cases = [(kernel, d, dv, causal, variants, dtype) for kernel in ("dkdv", "dq") for d, dv, causal, variants, dtype in (
-        (192, 192, False, False, "bfloat16"), (192, 192, True, False, "float16"), (192, 128, False, False, "float16"),
-        (160, 160, True, False, "bfloat16"), (128, 192, True, False, "bfloat16"), (192, 192, True, True, "bfloat16"))]
+    shapes = [(192, 192, False, False, "bfloat16"), (192, 192, True, False, "float16"),
+              (192, 128, False, False, "float16"), (160, 160, True, False, "bfloat16"),
+              (128, 192, True, False, "bfloat16"), (192, 192, True, True, "bfloat16")]  # (the last: every variant)
+    cases = [(kernel, *shape) for kernel in ("dkdv", "dq") for shape in shapes]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"import json; from tests.test_attention_backward_wgmma import _split_build_report; "
             f"print(json.dumps(_split_build_report({cases})))")

@@ -33,17 +33,19 @@ and ragged last tiles), and the score modifiers (softcap, ALiBi) are ``core.mask
 
 Scope: fp16/bf16 on Hopper, no user mask, causal or not, sliding windows, softcap, ALiBi, GQA/MQA, any
 lengths, head dims 17 to 256 (tiles as wide as the next power of two, TMA zero-filling past D; v's may
-differ), tensors TMA accepts. Head dims as sums of power-of-two parts (``FLASHLITE_HEAD_SPLIT=1``, off by default: built
-for sm_90 on CPU, not yet run on a GPU): padded, D = 192 runs D = 256's products, a quarter of them on zeros.
-Split, both kernels load Q/K's head dim, and V/dO's on its own, in column parts (``plan.head_dim_parts``: 192 =
-128 + 64, 160 = 128 + 32; ``gluon_tiles``' column-part helpers, as the forward): one TMA box and one
-shared-memory buffer a part, one mbarrier a tile counting the bytes of all; every product contracting over a
-head dim (Sᵀ, dPᵀ; S, dP) is a sum of one wgmma a part chained on one accumulator, every accumulator whose
-columns are a head dim (dK, dV; dQ) one accumulator a part, stored part by part. The tiles stay the padded head
-dim's (256: two warpgroups, each holding half the columns of every part of dK and dV: 190 registers, no spills,
-for D = 192; one warpgroup would hold 96 + 96 accumulator registers a thread and spills 452 bytes). Gluon has no interpreter: ``pytest -m gpu`` checks both kernels on the GPU
+differ), tensors TMA accepts. Gluon has no interpreter: ``pytest -m gpu`` checks both kernels on the GPU
 against float64 (tests/test_gpu_attention.py, every path); on CPU tests/test_attention_backward_wgmma.py
 builds them for sm_90 and checks that their products stay in flight.
+
+Head dims as sums of power-of-two parts (``FLASHLITE_HEAD_SPLIT=1``, off by default: built for sm_90 on CPU,
+not yet run on a GPU). Padded, D = 192 runs D = 256's products, a quarter of them on zeros. Split, both kernels
+load Q/K's head dim, and V/dO's on its own, in column parts (``plan.head_dim_parts``: 192 = 128 + 64, 160 =
+128 + 32; ``gluon_tiles``' column-part helpers, as the forward): one TMA box and one shared-memory buffer a
+part, one mbarrier a tile counting the bytes of all; every product contracting over a head dim (Sᵀ, dPᵀ; S,
+dP) is a sum of one wgmma a part chained on one accumulator, every accumulator whose columns are a head dim
+(dK, dV; dQ) one accumulator a part, stored part by part. The tiles stay the padded head dim's (256: two
+warpgroups, each holding half the columns of every part of dK and dV: 190 registers, no spills, for D = 192;
+on one warpgroup dK and dV would take 96 + 96 accumulator registers a thread: 255 and 452 bytes of spills).
 """
 
 from __future__ import annotations
@@ -562,10 +564,12 @@ class HopperBackwardLaunch:
         stride_alibi = alibi.stride(0) if alibi is not None else 0
         # (the descriptors come as part_descriptors orders them: the tensors' first parts, then their second)
         tensors = (q, k, v, do, dk, dv)
-        descs = [None if d is None else rebind_descriptor(d, tensors[i % 6]) for i, d in enumerate(self.dkdv_descriptors)]
+        descs = [None if d is None else rebind_descriptor(d, tensors[i % len(tensors)])
+                 for i, d in enumerate(self.dkdv_descriptors)]
         self.dkdv(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
         tensors = (q, k, v, do, dq)
-        descs = [None if d is None else rebind_descriptor(d, tensors[i % 5]) for i, d in enumerate(self.dq_descriptors)]
+        descs = [None if d is None else rebind_descriptor(d, tensors[i % len(tensors)])
+                 for i, d in enumerate(self.dq_descriptors)]
         self.dq(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
         return dq, dk, dv
 

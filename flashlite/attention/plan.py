@@ -186,8 +186,9 @@ def head_split_enabled() -> bool:
     (``head_dim_parts``) rather than padded to 256.
 
     Off by default: the split kernels are built for sm_90 on CPU (tests/test_attention_wgmma.py,
-    tests/test_attention_backward_wgmma.py) but have not yet run on a GPU; tests/test_gpu_attention.py checks it there against float64 before it may become the default.
-    Read when a call is planned (``api.clear_routes`` after changing it)."""
+    tests/test_attention_backward_wgmma.py) but have not yet run on a GPU; tests/test_gpu_attention.py checks them
+    there against float64 before it may become the default. Read when a call is planned (``api.clear_routes``
+    after changing it)."""
     return os.environ.get("FLASHLITE_HEAD_SPLIT", "0") == "1"
 
 
