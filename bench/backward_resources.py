@@ -77,20 +77,28 @@ Tiles = WgmmaBackwardConfig
 HOPPER_CASES = [(d, kernel, tuning.WGMMA_BACKWARD_CONFIGS[d]) for d in (64, 128, 256) for kernel in ("dK/dV", "dQ")]
 HOPPER_CASES += [(128, "dK/dV", Tiles(64, 128, 2)), (128, "dK/dV", Tiles(64, 64, 2, split=2)),
                  (256, "dQ", Tiles(64, 64, 2, split=2, dq_block_n=32))]
+# Head dims in column parts (FLASHLITE_HEAD_SPLIT=1, plan.head_dim_parts), on the padded head dim's tiles, and D =
+# 192 on one warpgroup (D = 128's tiles: dK and dV of 64 x 192 fp32 would be 96 registers each a thread).
+HOPPER_SPLIT_CASES = [(d, dv, kernel, tuning.WGMMA_BACKWARD_CONFIGS[256])
+                      for d, dv in ((192, 192), (192, 128), (160, 160)) for kernel in ("dK/dV", "dQ")]
+HOPPER_SPLIT_CASES += [(192, 192, "dK/dV", Tiles(64, 64, 2))]
 
 
-def hopper_report(head_dim: int, kernel_name: str, config) -> str:
-    """One row of the Hopper kernels' table (non-causal, bf16, no variants)."""
+def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | None = None, split: bool = False) -> str:
+    """One row of the Hopper kernels' table (non-causal, bf16, no variants); ``split``: head dims in column parts
+    (``head_dim_v``: v's head dim, by default q's)."""
     dq = kernel_name == "dQ"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
-    compiled = backward_hopper.build_for_sm90("dq" if dq else "dkdv", config, head_dim, False)
+    compiled = backward_hopper.build_for_sm90("dq" if dq else "dkdv", config, head_dim, False,
+                                              head_dim_v=head_dim_v, split=split)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_report(ptx)
     waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
     atomics = len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx))
-    split = f", split {config.split}" if config.split > 1 and not dq else ""
+    split = f", split {config.split}" if config.split > 1 and not dq else ""  # (the warpgroups' column split)
     stages = config.dq_stages if dq else config.stages
-    return (f"| {head_dim} | {kernel_name} | {rows} x {keys}{split} | "
+    dims = f"{head_dim}/{head_dim_v} in parts" if head_dim_v else head_dim
+    return (f"| {dims} | {kernel_name} | {rows} x {keys}{split} | "
             f"{compiled.metadata.num_warps} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
             f"{ptx.count('wgmma.mma_async')} | {', '.join(waits)} | {atomics} |")
 
@@ -105,6 +113,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for case in HOPPER_CASES:
         print(hopper_report(*case), flush=True)
+    for head_dim, head_dim_v, kernel_name, config in HOPPER_SPLIT_CASES:
+        print(hopper_report(head_dim, kernel_name, config, head_dim_v, split=True), flush=True)
     print("\n`triton.language` dK/dV kernel, `backward`\n")
     print("| D | tiles | warps | stages | registers | spill stores (B) | shared (B) | wgmma | wait depths |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -4,7 +4,9 @@ Gluon has no interpreter, so its gradients are checked on the GPU only (``pytest
 tests/test_gpu_attention.py runs FlashAttention's matrix on every backward path, tests/test_gpu_backward.py the
 bitwise repeatability of the two-pass path). Here, on CPU: the dispatch rules, and both kernels compiled for
 sm_90 (no GPU needed) keep a product in flight while the softmax-like work runs (``wgmma.wait_group 1``), move
-tiles by TMA, and add nothing by atomics (dQ is summed in a fixed order).
+tiles by TMA, and add nothing by atomics (dQ is summed in a fixed order). Head dims in column parts
+(``FLASHLITE_HEAD_SPLIT=1``, issue 44): the switch, the descriptors a split backward launches with, and both split
+kernels built for sm_90 (one product a part, one accumulator a part of dK/dV/dQ, one TMA store a part).
 """
 
 import json
@@ -16,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from flashlite.attention import backward, backward_hopper, tuning
+from flashlite.attention import backward, backward_hopper, plan, tuning
 from flashlite.attention import gluon_tiles
 
 from .test_attention_wgmma import ROOT
@@ -130,3 +132,114 @@ def test_kernels_build_with_products_in_flight():
         assert 1 in built["waits"], f"{case}: no product left in flight (waits {built['waits']})"
         assert built["atomics"] == 0, case  # dQ is summed by its own kernel, in a fixed order
         assert built["tanh"] == ("variants" in case), case
+
+
+# ----------------------------------------------------------------------------- head dims in column parts (issue 44)
+
+
+def test_backward_head_split_switch(monkeypatch):
+    # Off unless FLASHLITE_HEAD_SPLIT=1 (not yet run on a GPU): both kernels then load 129..192 in two parts.
+    monkeypatch.delenv("FLASHLITE_HEAD_SPLIT", raising=False)
+    assert [backward_hopper.column_parts(d) for d in (64, 160, 192, 256)] == [(64,), (256,), (256,), (256,)]
+    monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1")
+    assert [backward_hopper.column_parts(d) for d in (64, 144, 160, 176, 192, 256)] == [
+        (64,), (128, 32), (128, 32), (128, 64), (128, 64), (256,)]
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 192), (160, 160), (192, 128), (128, 192), (176, 144),
+                                                  (64, 64), (256, 256), (192, 256)])
+def test_backward_head_split_dispatch(hopper, monkeypatch, head_dim, head_dim_v):
+    """The backward of a call on Hopper with and without FLASHLITE_HEAD_SPLIT=1: each kernel gets one descriptor a
+    column part of each of its tensors (dK/dV kernel: q, k, v, dO, dk, dv; dQ kernel: q, k, v, dO, dq), first parts
+    then second parts, boxes as wide as the parts (``plan.head_dim_parts``), bound to the call's tensors, None for
+    the second part of a head dim of one part, the parts' sums as the widths on chip, and the padded head dim's
+    tiles (256: two warpgroups); unsplit, boxes as wide as the padded head dims."""
+    launched = []
+    monkeypatch.setattr(backward_hopper.KernelLaunch, "__call__", lambda launch, *args: launched.append((launch, args)))
+    q, k, _ = map(on_hopper, hopper_qkv(head_dim, torch.bfloat16, seqlen_q=300, seqlen_k=500, kv_heads=2))  # GQA
+    v = on_hopper(torch.randn(2, 2, 500, head_dim_v, dtype=torch.bfloat16))
+    do = on_hopper(torch.randn(2, 4, 300, head_dim_v, dtype=torch.bfloat16))
+    assert backward_hopper.wgmma_backward_eligible(q, k, v, do, has_mask=False, scale=0.1)
+    for split in (False, True):
+        monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1" if split else "0")
+        launch = backward_hopper.HopperBackwardLaunch(do, q, k, v, True, 0.1, (0.0, 0, 0), {})
+        lse = delta = torch.zeros(2, 4, 300)
+        dq, dk, dv = launch(do, q, k, v, lse, delta)
+        (dkdv, dkdv_args), (dq_launch, dq_args) = launched[-2:]
+        parts = plan.head_dim_parts if split else (lambda d: (plan.head_dim_padded(d),))
+        q_parts, v_parts = parts(head_dim), parts(head_dim_v)
+        assert launch.parts == (q_parts, v_parts)
+        config = tuning.WGMMA_BACKWARD_CONFIGS[max(plan.head_dim_padded(head_dim), plan.head_dim_padded(head_dim_v))]
+        for kernel_launch, args, tensors, widths, rows in (
+                (dkdv, dkdv_args, (q, k, v, do, dk, dv), (q_parts, q_parts, v_parts, v_parts, q_parts, v_parts),
+                 (config.block_m, config.block_n, config.block_n, config.block_m, config.block_n, config.block_n)),
+                (dq_launch, dq_args, (q, k, v, do, dq), (q_parts, q_parts, v_parts, v_parts, q_parts),
+                 (config.dq_block_m, config.dq_block_n, config.dq_block_n, config.dq_block_m, config.dq_block_m))):
+            n = len(tensors)
+            assert (kernel_launch.options["HEAD_DIM"], kernel_launch.options["HEAD_DIM_V"]) == (
+                sum(q_parts), sum(v_parts))
+            assert kernel_launch.kernel.arg_names[2 * n] == "lse_ptr"
+            for i, desc in enumerate(args[:2 * n]):
+                part, which = divmod(i, n)
+                if part >= len(widths[which]):
+                    assert desc is None, (split, i)
+                    continue
+                assert desc.base is tensors[which], (split, i)
+                assert desc.block_shape == [1, 1, rows[which], widths[which][part]], (split, i)
+        assert dkdv.options["num_warps"] == config.block_n // 16 * config.split
+
+
+def _split_build_report(cases: list) -> dict:
+    """For each (kernel, head_dim, head_dim_v, causal, variants, dtype name): the kernel built for sm_90 with its head
+    dims in column parts (as ``FLASHLITE_HEAD_SPLIT=1`` plans them) on the padded head dim's tiles: the PTX's wgmma
+    widths (N of each m64nNk16), wait depths, the bytes each mbarrier expects, its TMA stores and atomics."""
+    report = {}
+    for kernel_name, head_dim, head_dim_v, causal, variants, dtype in cases:
+        config = tuning.WGMMA_BACKWARD_CONFIGS[256]
+        switches = dict(HAS_SOFTCAP=True, FAST_TANH=True, HAS_ALIBI=True, HAS_WINDOW=True) if variants else {}
+        compiled = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, switches,
+                                                  head_dim_v=head_dim_v, split=True, dtype=getattr(torch, dtype))
+        ptx = compiled.asm["ptx"]
+        numbers = lambda pattern: sorted({int(n) for n in re.findall(pattern, ptx)})  # noqa: E731
+        report[f"{kernel_name}-{head_dim}-v{head_dim_v}-{causal}-{dtype}" + ("-variants" if variants else "")] = dict(
+            warps=compiled.metadata.num_warps,
+            widths=numbers(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16"),
+            waits=numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)"),
+            expects=numbers(r"mbarrier\.arrive\.expect_tx\.shared(?:::cta)?\.b64 _, \[%r\d+\], (\d+)"),
+            stores=len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared", ptx)),
+            atomics=len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx)), tanh="tanh.approx.f32" in ptx)
+    return report
+
+
+def test_split_kernels_build_with_products_in_flight():
+    """Head dims in column parts, both kernels built for sm_90 in a fresh process: Sᵀ/dPᵀ (S/dP) one product a part
+    chained on one accumulator, dK and dV (dQ) one accumulator a part (two warpgroups splitting each part's columns
+    in the dK/dV kernel), one mbarrier a tile expecting the bytes of every part, one TMA store a part, and the waits
+    leaving the other products in flight (one a part of V/dO's head dim)."""
+    shapes = [(192, 192, False, False, "bfloat16"), (192, 192, True, False, "float16"),
+              (192, 128, False, False, "float16"), (160, 160, True, False, "bfloat16"),
+              (128, 192, True, False, "bfloat16"), (192, 192, True, True, "bfloat16")]  # (the last: every variant)
+    cases = [(kernel, *shape) for kernel in ("dkdv", "dq") for shape in shapes]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"import json; from tests.test_attention_backward_wgmma import _split_build_report; "
+            f"print(json.dumps(_split_build_report({cases})))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    config = tuning.WGMMA_BACKWARD_CONFIGS[256]
+    for (kernel, head_dim, head_dim_v, causal, variants, dtype), built in zip(cases, report.values()):
+        q_parts, v_parts = plan.head_dim_parts(head_dim), plan.head_dim_parts(head_dim_v)
+        qv_bytes = (sum(q_parts) + sum(v_parts)) * 2
+        if kernel == "dkdv":  # Sᵀ's products (BLOCK_M columns over two warpgroups), then dK's and dV's of each part
+            assert built["warps"] == 8, built
+            assert set(built["widths"]) == {config.block_m // 2, *(p // 2 for p in q_parts + v_parts)}, built
+            assert {config.block_n * qv_bytes, config.block_m * qv_bytes} <= set(built["expects"]), built  # K+V, Q+dO
+            assert built["stores"] == len(q_parts) + len(v_parts), built
+        else:  # S's products (BLOCK_N columns), then dQ's of each part
+            assert built["warps"] == 4, built
+            assert set(built["widths"]) == {config.dq_block_n, *q_parts}, built
+            assert {config.dq_block_m * qv_bytes, config.dq_block_n * sum(q_parts) * 2,
+                    config.dq_block_n * sum(v_parts) * 2} <= set(built["expects"]), built
+            assert built["stores"] == len(q_parts), built
+        assert len(v_parts) in built["waits"], built  # dPᵀ's (dP's) products in flight while Sᵀ (S) is worked on
+        assert built["atomics"] == 0 and built["tanh"] == variants, built

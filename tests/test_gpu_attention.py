@@ -433,3 +433,69 @@ def test_head_dim_split_variants_on_the_gpu(head_dim, head_dim_v, dtype, head_sp
             failures.append(f"{sorted(kw)} causal={kw['causal']}: {err}")
     assert head_split and {p[:2] for p in head_split} == {split_widths(head_dim, head_dim_v)}, head_split
     assert not failures, "\n".join(failures)
+
+
+# The Hopper backward (two passes: the dK/dV and dQ kernels) loads the same head dims in column parts under
+# FLASHLITE_HEAD_SPLIT=1 (issue 44): Dv = 128 is one part, 160 and 192 two.
+SPLIT_BACKWARD_HEAD_DIMS = [(d, dv) for d in (160, 192) for dv in (128, 192)]
+
+
+@pytest.fixture
+def backward_split(head_split, monkeypatch):
+    """``head_split`` (FLASHLITE_HEAD_SPLIT=1, routes cleared before and after), and the list of ``parts`` (``(q's
+    column parts, v's)``) of every Hopper backward planned meanwhile."""
+    from flashlite.attention import backward
+
+    planned = []
+    real = backward.HopperBackwardLaunch
+
+    def spy(*args, **kwargs):
+        launch = real(*args, **kwargs)
+        planned.append(launch.parts)
+        return launch
+
+    monkeypatch.setattr(backward, "HopperBackwardLaunch", spy)
+    yield planned
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", SPLIT_BACKWARD_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_head_dim_split_backward_on_the_gpu(head_dim, head_dim_v, dtype, backward_split):
+    # The Hopper backward with its head dims in column parts: dq/dk/dv (and output, LSE) against float64 under
+    # FlashAttention's rule, gradients poisoned first, over odd lengths and Lq != Lk both ways, MHA and GQA, causal
+    # and not; every backward must have run the split kernels (the parts of plan.head_dim_parts).
+    failures = []
+    for lq, lk in [(113, 203), (1000, 1777), (2048, 2048), (1024, 300)]:
+        for h, h_kv in [(6, 6), (6, 2)]:
+            for causal in (False, True):
+                b = 2 if lq * lk <= 512 * 512 else 1
+                q = make(b, h, lq, head_dim, dtype, True)
+                k, v = make(b, h_kv, lk, head_dim, dtype, True), make(b, h_kv, lk, head_dim_v, dtype, True)
+                poison()
+                try:
+                    check_attention(q, k, v, causal=causal)
+                except AssertionError as err:
+                    failures.append(f"Lq={lq} Lk={lk} H={h}/{h_kv} causal={causal}: {err}")
+    parts = (plan.head_dim_parts(head_dim), plan.head_dim_parts(head_dim_v))
+    assert backward_split and set(backward_split) == {parts}, backward_split
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_head_dim_split_backward_variants_on_the_gpu(dtype, backward_split):
+    # D = Dv = 192 in column parts through the backward under each score modifier and all at once (GQA, Lq != Lk).
+    q = make(2, 6, 700, 192, dtype, True)
+    k, v = make(2, 2, 900, 192, dtype, True), make(2, 2, 900, 192, dtype, True)
+    slopes = alibi_slopes(6).cuda() / 16
+    cases = [dict(causal=False, softcap=20.0), dict(causal=True, alibi_slopes=slopes),
+             dict(causal=False, window_size=(200, 77)),
+             dict(causal=True, window_size=(300, 0), softcap=20.0, alibi_slopes=slopes)]
+    failures = []
+    for kw in cases:
+        poison()
+        try:
+            check_attention(q, k, v, **kw)
+        except AssertionError as err:
+            failures.append(f"{sorted(kw)} causal={kw['causal']}: {err}")
+    assert backward_split and set(backward_split) == {((128, 64), (128, 64))}, backward_split
+    assert not failures, "\n".join(failures)

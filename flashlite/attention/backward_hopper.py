@@ -36,6 +36,16 @@ lengths, head dims 17 to 256 (tiles as wide as the next power of two, TMA zero-f
 differ), tensors TMA accepts. Gluon has no interpreter: ``pytest -m gpu`` checks both kernels on the GPU
 against float64 (tests/test_gpu_attention.py, every path); on CPU tests/test_attention_backward_wgmma.py
 builds them for sm_90 and checks that their products stay in flight.
+
+Head dims as sums of power-of-two parts (``FLASHLITE_HEAD_SPLIT=1``, off by default: built for sm_90 on CPU,
+not yet run on a GPU). Padded, D = 192 runs D = 256's products, a quarter of them on zeros. Split, both kernels
+load Q/K's head dim, and V/dO's on its own, in column parts (``plan.head_dim_parts``: 192 = 128 + 64, 160 =
+128 + 32; ``gluon_tiles``' column-part helpers, as the forward): one TMA box and one shared-memory buffer a
+part, one mbarrier a tile counting the bytes of all; every product contracting over a head dim (Sᵀ, dPᵀ; S,
+dP) is a sum of one wgmma a part chained on one accumulator, every accumulator whose columns are a head dim
+(dK, dV; dQ) one accumulator a part, stored part by part. The tiles stay the padded head dim's (256: two
+warpgroups, each holding half the columns of every part of dK and dV: 190 registers, no spills, for D = 192;
+on one warpgroup dK and dV would take 96 + 96 accumulator registers a thread: 255 and 452 bytes of spills).
 """
 
 from __future__ import annotations
@@ -53,9 +63,11 @@ from ..core.triton_compat import descriptor_template, gluon_source, mangle_type,
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
-    WGMMA_CAPABILITY, gluon, gluon_descriptor, issue_kv_load, thread_barrier, tma_load, tma_store, wait_kv,
+    WGMMA_CAPABILITY, accumulate_products, box_views, boxes_nbytes, copy_boxes, descriptor_parts, gluon,
+    gluon_descriptor, issue_kv_load, part_start, register_operands, ring_slots, slot_boxes,
+    sum_of_products, thread_barrier, tile_boxes, tma_store, wait_kv, zero_accumulators,
 )
-from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, query_tile
+from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, head_split_enabled, query_tile
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -66,43 +78,66 @@ if gluon is not None:
     @gluon.jit
     def _load_query_tile(q_ring, it, items):
         """Start the TMA copies of work item ``it``'s Q and dO tiles (query head ``h_first + it // n_query_tiles``,
-        rows from ``query_start + (it % n_query_tiles) · BLOCK_M``) into slot ``it % STAGES`` of ``q_ring = (q_desc,
-        do_desc, q_smem, do_smem, bars)``, if it exists: ``items = (b, h_first, query_start, n_query_tiles,
-        n_items)``."""
-        q_desc, do_desc, q_smem, do_smem, bars = q_ring
+        rows from ``query_start + (it % n_query_tiles) · BLOCK_M``), every column part of each, into slot ``it %
+        STAGES`` of ``q_ring = (q_descs, do_descs, q_slots, do_slots, bars)`` (``gluon_tiles``: one descriptor and
+        one ``[STAGES, 1, 1, BLOCK_M, width]`` buffer a part), if it exists: ``items = (b, h_first, query_start,
+        n_query_tiles, n_items)``. One mbarrier a slot counts the bytes of all the copies."""
+        q_descs, do_descs, q_slots, do_slots, bars = q_ring
         b, h_first, query_start, n_query_tiles, n_items = items
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BLOCK_M: gl.constexpr = q_descs[0].block_type.shape[2]
+        STAGES: gl.constexpr = q_slots[0].type.shape[0]
         slot = it % STAGES
         exists = it < n_items
         h = h_first + it // gl.maximum(n_query_tiles, 1)
-        start = query_start + (it % gl.maximum(n_query_tiles, 1)) * BLOCK_M
+        start = (b, h, query_start + (it % gl.maximum(n_query_tiles, 1)) * BLOCK_M)
         bar = bars.index(slot)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=exists)
-        tma_load(q_desc, [b, h, start, 0], bar, q_smem.index(slot), pred=exists)
-        tma_load(do_desc, [b, h, start, 0], bar, do_smem.index(slot), pred=exists)
+        mbarrier.expect(bar, boxes_nbytes(q_descs) + boxes_nbytes(do_descs), pred=exists)
+        copy_boxes(q_descs, start, bar, slot_boxes(q_slots, slot), pred=exists)
+        copy_boxes(do_descs, start, bar, slot_boxes(do_slots, slot), pred=exists)
+
+    @gluon.jit
+    def _stage_parts(accs, factor, boxes):
+        """Write each column part of a gradient (``accs``, fp32 accumulators, times ``factor``) into its box of
+        ``boxes`` (shared memory of the operand the gradient replaces: no product reads it any more), in the
+        boxes' dtype, for ``_store_parts`` (after a fence and a barrier of the program)."""
+        for i in gl.static_range(len(accs)):
+            box = boxes[i]
+            box.reshape([box.type.shape[2], box.type.shape[3]]).store((accs[i] * factor).to(box.dtype))
+
+    @gluon.jit
+    def _store_parts(descs, start, boxes):
+        """Start the TMA stores of ``boxes`` (one a column part, ``_stage_parts``') at ``start = (b, h, row)``
+        of ``descs``' tensor, each part at its own first column, clipped to L and the head dim by the copies."""
+        b, h, row = start
+        for i in gl.static_range(len(descs)):
+            tma_store(descs[i], [b, h, row, part_start(descs, i)], boxes[i])
 
     @gluon.jit
     def _attention_bwd_wgmma_kernel(
-        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr, alibi_ptr,
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_desc_b, k_desc_b, v_desc_b, do_desc_b, dk_desc_b,
+        dv_desc_b, lse_ptr, delta_ptr, alibi_ptr,
         n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
         HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
+        # The column parts of Q/K's head dim (q, k, dk) and of V/dO's (v, do, dv) (``plan.head_dim_parts``): the
+        # ``*_desc`` descriptors load the first part's boxes, the ``*_desc_b`` ones the second's, or are None (one
+        # part, the padded head dim). HEAD_DIM and HEAD_DIM_V are the widths on chip: the parts' sums.
+        q_descs = descriptor_parts(q_desc, q_desc_b)
+        k_descs = descriptor_parts(k_desc, k_desc_b)
+        v_descs = descriptor_parts(v_desc, v_desc_b)
+        do_descs = descriptor_parts(do_desc, do_desc_b)
+        dk_descs = descriptor_parts(dk_desc, dk_desc_b)
+        dv_descs = descriptor_parts(dv_desc, dv_desc_b)
         # Key-row tiles (Sᵀ, dPᵀ, dK, dV): the warps split the keys, 16 rows a warp, and with more warps than
-        # that (SPLIT > 1: wide head dims) the columns too.
+        # that (SPLIT > 1: wide head dims) the columns too (of each column part of dK and dV:
+        # ``zero_accumulators``).
         KEY_WARPS: gl.constexpr = BLOCK_N // 16
         SPLIT: gl.constexpr = num_warps // KEY_WARPS
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[KEY_WARPS, SPLIT], instr_shape=[16, BLOCK_M // SPLIT, 16])
-        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[KEY_WARPS, SPLIT], instr_shape=[16, HEAD_DIM // SPLIT, 16])
-        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[KEY_WARPS, SPLIT], instr_shape=[16, HEAD_DIM_V // SPLIT, 16])
-        pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
-        dst_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
         key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -129,10 +164,10 @@ if gluon is not None:
         n_query_tiles = gl.cdiv(query_end - query_start, BLOCK_M)
         n_items = n_query_tiles * kv_group
 
-        k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        k_smem = tile_boxes(k_descs)
+        v_smem = tile_boxes(v_descs)
+        q_smem = ring_slots(q_descs, STAGES)
+        do_smem = ring_slots(do_descs, STAGES)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
@@ -145,23 +180,26 @@ if gluon is not None:
             p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
             ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
 
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [b, h_kv, n_start, 0], kv_bar, k_smem)
-        tma_load(v_desc, [b, h_kv, n_start, 0], kv_bar, v_smem)
-        q_ring = (q_desc, do_desc, q_smem, do_smem, q_bars)
+        # K and V, every column part, on one barrier counting all their bytes.
+        kv_start = (b, h_kv, n_start)
+        mbarrier.expect(kv_bar, boxes_nbytes(k_descs) + boxes_nbytes(v_descs))
+        copy_boxes(k_descs, kv_start, kv_bar, k_smem)
+        copy_boxes(v_descs, kv_start, kv_bar, v_smem)
+        q_ring = (q_descs, do_descs, q_smem, do_smem, q_bars)
         items = (b, h_first, query_start, n_query_tiles, n_items)
         for i in gl.static_range(STAGES):
             _load_query_tile(q_ring, i, items)
 
-        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=dk_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DIM_V], gl.float32, layout=dv_layout)
+        # dK and dV: one accumulator a column part of K's (V's) head dim.
+        dks = zero_accumulators(k_descs, BLOCK_N, KEY_WARPS, SPLIT)
+        dvs = zero_accumulators(v_descs, BLOCK_N, KEY_WARPS, SPLIT)
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
         k_idx = n_start + gl.arange(0, BLOCK_N, layout=key_rows)
         cols = gl.arange(0, BLOCK_M, layout=query_cols)
         stat_offsets = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
         mbarrier.wait(kv_bar, 0)
-        k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
-        v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM_V])
+        k_tiles = box_views(k_smem)
+        v_tiles = box_views(v_smem)
 
         for it in range(n_items):
             slot = it % STAGES
@@ -171,10 +209,11 @@ if gluon is not None:
             bh = (b * n_heads + h).to(gl.int64)
             q_idx = start + cols
             mbarrier.wait(q_bars.index(slot), (it // STAGES) & 1)
-            q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-            do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
-            s_token = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dp_token = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            q_tiles = box_views(slot_boxes(q_smem, slot))
+            do_tiles = box_views(slot_boxes(do_smem, slot))
+            # Sᵀ and dPᵀ: one product a column part each, chained on its accumulator.
+            s_token = sum_of_products(k_tiles, q_tiles, s_zero)
+            dp_token = sum_of_products(v_tiles, do_tiles, s_zero)
             # The rows' final states and δ load while the products run: a value a thread, then spread to the
             # columns of Sᵀ through shared memory (loaded there directly, each thread would hold a pointer
             # for each of its 16 columns).
@@ -187,7 +226,7 @@ if gluon is not None:
             mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
                     window_left, window_right)
 
-            s = warpgroup_mma_wait(1, deps=(s_token,))
+            s = warpgroup_mma_wait(len(v_tiles), deps=(s_token,))  # dPᵀ's products may still run
             masked = (start < full_start) | (start >= full_end)
             if HAS_SOFTCAP or HAS_ALIBI:
                 s, tanh = modify_scores(s * qk_scale, k_idx, start, cols, seqlen_q, seqlen_k, mods, MODS,
@@ -205,28 +244,34 @@ if gluon is not None:
                                     BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
                                     window_right=window_right, HAS_WINDOW=HAS_WINDOW)
                 p = gl.exp2(s * qk_scale - row_m[None, :])
+            # dV += Pᵀ dO, one product a column part of dO.
             if SPLIT > 1:
                 p_smem.store(p.to(dtype))
                 fence_async_shared()
                 thread_barrier()  # dV's rows of Pᵀ span both warpgroups' columns
-                dv_token = warpgroup_mma(p_smem, do_tile, dv, is_async=True)
-                p_op = p  # (kept alive with the products, as the register operand is below)
+                p_ops = (p_smem,) * len(dvs)
+                p_live = (p,)  # (kept alive with the products, as the register operands are below)
             else:
-                p_op = gl.convert_layout(p.to(dtype), pt_layout)
-                dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+                p_ops = register_operands(p.to(dtype), dvs)
+                p_live = p_ops  # (kept alive with the products)
+            dv_tokens = accumulate_products(p_ops, do_tiles, dvs)
 
-            dp = warpgroup_mma_wait(1, deps=(dp_token,))  # dV may still run
+            dp = warpgroup_mma_wait(len(dvs), deps=(dp_token,))  # dV's products may still run
             ds = p * (dp - delta[None, :])
             if HAS_SOFTCAP:  # the gradient of the scaled scores: c · tanh(s / c)' = 1 - tanh²
                 ds = ds * (1.0 - tanh * tanh)
-            if SPLIT > 1:  # dSᵀ through shared memory, where dK's product reads it
+            # dK += dSᵀ Q, one product a column part of Q.
+            if SPLIT > 1:  # dSᵀ through shared memory, where dK's products read it
                 ds_smem.store(ds.to(dtype))
                 fence_async_shared()
                 thread_barrier()  # every warp's part of dSᵀ is written before the products read it whole
-                dk_token = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
+                ds_ops = (ds_smem,) * len(dks)
             else:
-                dk_token = warpgroup_mma(gl.convert_layout(ds.to(dtype), dst_layout), q_tile, dk, is_async=True)
-            dv, dk, p_op = warpgroup_mma_wait(0, deps=(dv_token, dk_token, p_op))
+                ds_ops = register_operands(ds.to(dtype), dks)
+            dk_tokens = accumulate_products(ds_ops, q_tiles, dks)
+            done = warpgroup_mma_wait(0, deps=dv_tokens + dk_tokens + p_live)
+            dvs = done[:len(dvs)]
+            dks = done[len(dvs):len(dvs) + len(dks)]
             if num_warps > 4:
                 thread_barrier()  # both warpgroups are done with the slot (and dSᵀ) before either reuses it
             _load_query_tile(q_ring, it + STAGES, items)
@@ -234,13 +279,13 @@ if gluon is not None:
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(q_bars.index(i))
-        # dK and dV leave through the K and V buffers (no product reads them any more), clipped to Lk and D.
-        k_tile.store((dk * scale).to(dtype))
-        v_tile.store(dv.to(dtype))
+        # dK and dV leave through the K and V buffers (no product reads them any more), part by part.
+        _stage_parts(dks, scale, k_smem)
+        _stage_parts(dvs, 1.0, v_smem)
         fence_async_shared()
         thread_barrier()
-        tma_store(dk_desc, [b, h_kv, n_start, 0], k_smem)
-        tma_store(dv_desc, [b, h_kv, n_start, 0], v_smem)
+        _store_parts(dk_descs, kv_start, k_smem)
+        _store_parts(dv_descs, kv_start, v_smem)
         tma.store_wait(0)
 
     @gluon.jit
@@ -282,7 +327,8 @@ if gluon is not None:
 
     @gluon.jit
     def _attention_bwd_dq_wgmma_kernel(
-        q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, alibi_ptr,
+        q_desc, k_desc, v_desc, do_desc, dq_desc, q_desc_b, k_desc_b, v_desc_b, do_desc_b, dq_desc_b,
+        lse_ptr, delta_ptr, alibi_ptr,
         n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
@@ -290,13 +336,17 @@ if gluon is not None:
     ):
         # One program a (batch, head, query tile), numbered as the forward; Q and dO stay in shared memory, the
         # K/V tiles stream through STAGES buffers. Turn j issues dQ += dS_j K_j, then S_{j+1} = Q K_{j+1}ᵀ and
-        # dP_{j+1} = dO V_{j+1}ᵀ, and works out dS_{j+1} while the last of them runs.
+        # dP_{j+1} = dO V_{j+1}ᵀ, and works out dS_{j+1} while the last of them runs. Head dims come in column
+        # parts as in the dK/dV kernel (``*_desc_b``: the second part's descriptors, or None): S and dP sum one
+        # product a part, dQ is one accumulator a part of Q's head dim.
         dtype: gl.constexpr = q_desc.dtype
+        q_descs = descriptor_parts(q_desc, q_desc_b)
+        k_descs = descriptor_parts(k_desc, k_desc_b)
+        v_descs = descriptor_parts(v_desc, v_desc_b)
+        do_descs = descriptor_parts(do_desc, do_desc_b)
+        dq_descs = descriptor_parts(dq_desc, dq_desc_b)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
-        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, IS_CAUSAL)
         b = bh // n_heads
         h = bh % n_heads
@@ -310,10 +360,10 @@ if gluon is not None:
         n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
         full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
 
-        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = tile_boxes(q_descs)
+        do_smem = tile_boxes(do_descs)
+        k_smem = ring_slots(k_descs, STAGES)
+        v_smem = ring_slots(v_descs, STAGES)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -321,13 +371,15 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma_load(q_desc, [b, h, m_start, 0], q_bar, q_smem)
-        tma_load(do_desc, [b, h, m_start, 0], q_bar, do_smem)
-        # The K/V rings (gluon_tiles), one column part each (the padded head dim): the program refills its slots
+        # Q and dO, every column part, on one barrier counting all their bytes.
+        q_start = (b, h, m_start)
+        mbarrier.expect(q_bar, boxes_nbytes(q_descs) + boxes_nbytes(do_descs))
+        copy_boxes(q_descs, q_start, q_bar, q_smem)
+        copy_boxes(do_descs, q_start, q_bar, do_smem)
+        # The K/V rings (gluon_tiles), one descriptor and buffer a column part: the program refills its slots
         # itself (the ready barriers stand in for the free ones).
-        k_ring = ((k_desc,), (k_smem,), k_bars, k_bars)
-        v_ring = ((v_desc,), (v_smem,), v_bars, v_bars)
+        k_ring = (k_descs, k_smem, k_bars, k_bars)
+        v_ring = (v_descs, v_smem, v_bars, v_bars)
         source = (b, h_kv, key_start, n_kv_tiles)
         for i in gl.static_range(STAGES):
             issue_kv_load(k_ring, i, source)
@@ -341,29 +393,34 @@ if gluon is not None:
         stats = (row_m, delta)
         rows = (q_idx, seqlen_q, seqlen_k)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-        q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
-        do_tile = do_smem.reshape([BLOCK_M, HEAD_DIM_V])
+        dqs = zero_accumulators(q_descs, BLOCK_M, num_warps)
+        q_tiles = box_views(q_smem)
+        do_tiles = box_views(do_smem)
         mbarrier.wait(q_bar, 0)
         if n_kv_tiles > 0:
             # Turn 0's scores and dP alone.
-            k_tile = wait_kv(k_ring, 0)[0]
-            v_tile = wait_kv(v_ring, 0)[0]
-            s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dp_token = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s_token,))
+            k_tiles = wait_kv(k_ring, 0)
+            v_tiles = wait_kv(v_ring, 0)
+            s_token = sum_of_products(q_tiles, k_tiles, s_zero)
+            dp_token = sum_of_products(do_tiles, v_tiles, s_zero)
+            s = warpgroup_mma_wait(len(v_tiles), deps=(s_token,))  # dP's products may still run
             dp = warpgroup_mma_wait(0, deps=(dp_token,))
             ds = _dq_scores_grads(s, dp, stats, 0, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
                                   HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
             issue_kv_load(v_ring, STAGES, source)
             for j in range(1, n_kv_tiles):
-                ds_op = gl.convert_layout(ds.to(dtype), ds_layout)
-                dq_token = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
-                k_tile = wait_kv(k_ring, j)[0]
-                v_tile = wait_kv(v_ring, j)[0]
-                s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                dp_token = warpgroup_mma(do_tile, v_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                dq, ds_op, s = warpgroup_mma_wait(1, deps=(dq_token, ds_op, s_token))  # dP_j may still run
+                # dQ += dS K, one product a column part of K (dS from registers: the same registers in every
+                # part's operand layout).
+                ds_ops = register_operands(ds.to(dtype), dqs)
+                dq_tokens = accumulate_products(ds_ops, k_tiles, dqs)
+                k_tiles = wait_kv(k_ring, j)
+                v_tiles = wait_kv(v_ring, j)
+                s_token = sum_of_products(q_tiles, k_tiles, s_zero)
+                dp_token = sum_of_products(do_tiles, v_tiles, s_zero)
+                # dQ_{j-1} and S_j done; dP_j's products may still run.
+                done = warpgroup_mma_wait(len(v_tiles), deps=dq_tokens + ds_ops + (s_token,))
+                dqs = done[:len(dqs)]
+                s = done[len(dqs) + len(ds_ops)]
                 if num_warps > 4:
                     thread_barrier()
                 issue_kv_load(k_ring, j - 1 + STAGES, source)
@@ -373,17 +430,22 @@ if gluon is not None:
                 issue_kv_load(v_ring, j + STAGES, source)
                 ds = _dq_scores_grads(s, dp, stats, j, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
                                       HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
-            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k_tile, dq)
+            # The last tile's dQ products, waited for one by one.
+            ds_ops = register_operands(ds.to(dtype), dqs)
+            last = ()
+            for i in gl.static_range(len(dqs)):
+                last = last + (warpgroup_mma(ds_ops[i], k_tiles[i], dqs[i]),)
+            dqs = last
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
-        # dQ leaves through Q's buffer (clipped to Lq and D by the copy).
-        q_tile.store((dq * scale).to(dtype))
+        # dQ leaves through Q's buffers, part by part (clipped to Lq and D by the copies).
+        _stage_parts(dqs, scale, q_smem)
         fence_async_shared()
         thread_barrier()
-        tma_store(dq_desc, [b, h, m_start, 0], q_smem)
+        _store_parts(dq_descs, q_start, q_smem)
         tma.store_wait(0)
 
 
@@ -434,6 +496,29 @@ def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: i
     return meta
 
 
+# The backward splits only head dims padded to this width (129 to 192: the two-warpgroup tiles of D = 256); its
+# kernels were not built for D = 128's tiles in parts (96 = 64 + 32), which stay padded.
+SPLIT_PADDED_HEAD_DIM = 256
+
+
+def column_parts(head_dim: int) -> tuple[int, ...]:
+    """The column parts both kernels load a head dim in: ``plan.head_dim_parts``' under ``FLASHLITE_HEAD_SPLIT=1``
+    (``plan.head_split_enabled``, off by default: not yet run on a GPU) for head dims padded to
+    ``SPLIT_PADDED_HEAD_DIM``, else one part, the padded head dim."""
+    if head_split_enabled() and head_dim_padded(head_dim) == SPLIT_PADDED_HEAD_DIM:
+        return head_dim_parts(head_dim)
+    return (head_dim_padded(head_dim),)
+
+
+def part_descriptors(specs: tuple) -> tuple:
+    """A kernel's TMA descriptor arguments (``gluon_descriptor``) for ``specs``, ``(tensor, rows, parts)`` each
+    (``parts``: ``column_parts``' widths): the boxes of every tensor's first column part, then of every one's
+    second part, or None where its head dim is one part. Where a part's columns start is a coordinate of each
+    copy, not part of the descriptor."""
+    return tuple(gluon_descriptor(t, rows, parts[i]) if i < len(parts) else None
+                 for i in range(2) for t, rows, parts in specs)
+
+
 class HopperBackwardLaunch:
     """The two Hopper backward kernels for one call signature, planned once: tiles, grids, descriptor templates
     (a call rebinds them to its tensors), constexprs and scalars.
@@ -444,6 +529,12 @@ class HopperBackwardLaunch:
     order (two runs give bitwise-equal gradients); dq in q's dtype and memory order.
     ``variant_scalars``/``variant_meta``: ``plan.variant_args``' (the softcap in base-2 units); ``has_alibi``:
     calls bring the (B, H) slopes.
+
+    Head dims are loaded in boxes as wide as the padded head dim (TMA zero-fills past D). Under
+    ``FLASHLITE_HEAD_SPLIT=1`` (off by default: not yet run on a GPU) D and Dv of 129 to 192 are loaded in two
+    column parts (``column_parts``: 192 = 128 + 64, 160 = 128 + 32), on the tiles of the padded head dim (256:
+    two warpgroups splitting the columns of every part), and run the products of 192 (160) columns, not 256.
+    ``parts = (q_parts, v_parts)``: the widths chosen (the tests read them).
     """
 
     def __init__(
@@ -454,21 +545,24 @@ class HopperBackwardLaunch:
         seqlen_k, head_dim_v = k.shape[2], v.shape[3]
         hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
         config = config or tuning.WGMMA_BACKWARD_CONFIGS[max(hd_pad, dv_pad)]
+        q_parts, v_parts = column_parts(head_dim), column_parts(head_dim_v)
+        self.parts = (q_parts, v_parts)
         self.grads = [OutputLayout(t, t.shape[3]) for t in (q, k, v)]  # dq, dk, dv: laid out as empty_like
         dq_like, dk_like, dv_like = (layout.meta(q.dtype) for layout in self.grads)
-        self.dkdv_descriptors = tuple(descriptor_template(gluon_descriptor(t, rows, width)) for t, rows, width in (
-            (q, config.block_m, hd_pad), (k, config.block_n, hd_pad), (v, config.block_n, dv_pad),
-            (do, config.block_m, dv_pad), (dk_like, config.block_n, hd_pad), (dv_like, config.block_n, dv_pad)))
-        self.dq_descriptors = tuple(descriptor_template(gluon_descriptor(t, rows, width)) for t, rows, width in (
-            (q, config.dq_block_m, hd_pad), (k, config.dq_block_n, hd_pad), (v, config.dq_block_n, dv_pad),
-            (do, config.dq_block_m, dv_pad), (dq_like, config.dq_block_m, hd_pad)))
+        self.dkdv_descriptors = tuple(None if d is None else descriptor_template(d) for d in part_descriptors((
+            (q, config.block_m, q_parts), (k, config.block_n, q_parts), (v, config.block_n, v_parts),
+            (do, config.block_m, v_parts), (dk_like, config.block_n, q_parts), (dv_like, config.block_n, v_parts))))
+        self.dq_descriptors = tuple(None if d is None else descriptor_template(d) for d in part_descriptors((
+            (q, config.dq_block_m, q_parts), (k, config.dq_block_n, q_parts), (v, config.dq_block_n, v_parts),
+            (do, config.dq_block_m, v_parts), (dq_like, config.dq_block_m, q_parts))))
         softcap, window_left, window_right = variant_scalars
         self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)
         self.scalars = (scale * LOG2E.value, scale, softcap, window_left, window_right)
+        widths = (sum(q_parts), sum(v_parts))  # on chip: the parts' sums
         self.dkdv = KernelLaunch(_attention_bwd_wgmma_kernel, (triton.cdiv(seqlen_k, config.block_n) * batch * k.shape[1],),
-                                 **kernel_meta(config, hd_pad, dv_pad, causal, variant_meta))
+                                 **kernel_meta(config, *widths, causal, variant_meta))
         self.dq = KernelLaunch(_attention_bwd_dq_wgmma_kernel, (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,),
-                               **dq_kernel_meta(config, hd_pad, dv_pad, causal, variant_meta))
+                               **dq_kernel_meta(config, *widths, causal, variant_meta))
 
     def __call__(
         self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
@@ -476,9 +570,14 @@ class HopperBackwardLaunch:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = (layout.empty(t) for layout, t in zip(self.grads, (q, k, v)))
         stride_alibi = alibi.stride(0) if alibi is not None else 0
-        descs = [rebind_descriptor(d, t) for d, t in zip(self.dkdv_descriptors, (q, k, v, do, dk, dv))]
+        # (the descriptors come as part_descriptors orders them: the tensors' first parts, then their second)
+        tensors = (q, k, v, do, dk, dv)
+        descs = [None if d is None else rebind_descriptor(d, tensors[i % len(tensors)])
+                 for i, d in enumerate(self.dkdv_descriptors)]
         self.dkdv(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
-        descs = [rebind_descriptor(d, t) for d, t in zip(self.dq_descriptors, (q, k, v, do, dq))]
+        tensors = (q, k, v, do, dq)
+        descs = [None if d is None else rebind_descriptor(d, tensors[i % len(tensors)])
+                 for i, d in enumerate(self.dq_descriptors)]
         self.dq(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
         return dq, dk, dv
 
@@ -494,30 +593,40 @@ def attention_backward_hopper(
 
 
 def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_dim: int, causal: bool,
-                   variant_meta: dict | None = None) -> "triton.compiler.CompiledKernel":
+                   variant_meta: dict | None = None, head_dim_v: int | None = None, split: bool = False,
+                   dtype: torch.dtype = torch.bfloat16) -> "triton.compiler.CompiledKernel":
     """One of the two kernels (``kernel_name`` "dkdv" or "dq") built for sm_90 on any machine, no GPU needed, with
-    the argument types a bf16 launch on Hopper gives (head dim ``head_dim`` for q, k and v): Triton's compiled
-    kernel, whose ``asm["ptx"]`` the CPU build test and bench/backward_resources.py read."""
+    the argument types a launch on Hopper gives (``dtype``, bf16 by default; head dim ``head_dim`` for q and k,
+    ``head_dim_v`` (default: the same) for v and dO; ``split``: in column parts as ``FLASHLITE_HEAD_SPLIT=1``
+    plans them, else padded): Triton's compiled kernel, whose ``asm["ptx"]`` the CPU build test and
+    bench/backward_resources.py read."""
     from triton.backends.compiler import GPUTarget
 
+    head_dim_v = head_dim_v or head_dim
+    parts = head_dim_parts if split else (lambda d: (head_dim_padded(d),))
+    q_parts, v_parts = parts(head_dim), parts(head_dim_v)
     dq = kernel_name == "dq"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
-    boxes = {"q_desc": rows, "do_desc": rows, "dq_desc": rows, "k_desc": keys, "v_desc": keys, "dk_desc": keys,
-             "dv_desc": keys}
+    q_like, v_like = (torch.empty(1, 1, 256, d, dtype=dtype) for d in (head_dim, head_dim_v))
     kernel = _attention_bwd_dq_wgmma_kernel if dq else _attention_bwd_wgmma_kernel
-    meta = (dq_kernel_meta(config, head_dim, head_dim, causal, variant_meta) if dq
-            else kernel_meta(config, head_dim, head_dim, causal, variant_meta))
+    specs = (((q_like, rows, q_parts), (q_like, keys, q_parts), (v_like, keys, v_parts), (v_like, rows, v_parts),
+              (q_like, rows, q_parts)) if dq else
+             ((q_like, rows, q_parts), (q_like, keys, q_parts), (v_like, keys, v_parts), (v_like, rows, v_parts),
+              (q_like, keys, q_parts), (v_like, keys, v_parts)))
+    descs = dict(zip(kernel.arg_names, part_descriptors(specs)))  # (a launch's first arguments)
+    meta = (dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta) if dq
+            else kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta))
     options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
     constants = dict(meta, num_warps=options["num_warps"])  # (the kernels read num_warps as a constexpr)
+    constants.update({name: None for name, desc in descs.items() if desc is None})
     if not meta["HAS_ALIBI"]:
         constants["alibi_ptr"] = None
     signature = {}
     for name in kernel.arg_names:
-        if name in boxes:
-            box_source = torch.empty(1, 1, 256, head_dim, dtype=torch.bfloat16)
-            signature[name] = mangle_type(gluon_descriptor(box_source, boxes[name], head_dim))
-        elif name in constants:
+        if name in constants:
             signature[name] = "constexpr"
+        elif name in descs:
+            signature[name] = mangle_type(descs[name])
         elif name.endswith("_ptr"):
             signature[name] = "*fp32"
         else:

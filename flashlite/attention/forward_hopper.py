@@ -82,8 +82,10 @@ from ..core.triton_compat import descriptor_template, rebind_descriptor
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
-    WGMMA_CAPABILITY, box_views, gluon, gluon_descriptor, issue_kv_load, load_boxes, part_start, slot_boxes,
-    thread_barrier, tma_store, wait_kv,
+    WGMMA_CAPABILITY, accumulate_products, box_views, descriptor_parts, gluon, gluon_descriptor, issue_kv_load,
+    load_boxes, part_start, register_operands, ring_slots, slot_boxes, sum_of_products, thread_barrier, tile_boxes,
+    tma_load,
+    tma_store, wait_kv, wait_products, zero_accumulators,
 )
 from .plan import (
     NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, head_split_enabled, query_tile, variant_args,
@@ -151,48 +153,7 @@ if gluon is not None:
     # one, the padded head dim; 192 = 128 + 64, 96 = 64 + 32 and so on under FLASHLITE_HEAD_SPLIT=1). Every tile of
     # Q, K, V or O is then a tuple of one box (and one product operand) a part: S sums one product a part of
     # Q/K, and O is one accumulator a part of V/O. With one part each helper compiles to the code of a single
-    # tile.
-
-    @gluon.jit
-    def _column_parts(first, second):
-        """A tensor's column parts as a tuple: ``(first,)``, or ``(first, second)`` when its head dim is split
-        (``second`` is None otherwise). The kernel's descriptor arguments come so, one a part."""
-        parts = (first,)
-        if second is not None:
-            parts = (first, second)
-        return parts
-
-    @gluon.jit
-    def _tile_boxes(descs):
-        """One shared-memory box for a tile of each column part of ``descs`` (Q's, or O's), a tuple."""
-        boxes = ()
-        for i in gl.static_range(len(descs)):
-            boxes = boxes + (gl.allocate_shared_memory(descs[i].dtype, descs[i].block_type.shape, descs[i].layout),)
-        return boxes
-
-    @gluon.jit
-    def _ring_slots(descs, SLOTS: gl.constexpr):
-        """``SLOTS`` boxes of each column part of ``descs``, a tuple of one [SLOTS, 1, 1, rows, width] buffer a part:
-        the slots of a K or V ring (``gluon_tiles``), or the warp-specialized kernel's Q (or O) boxes, one a
-        softmax warpgroup (``slot_boxes`` picks one slot's box of every part)."""
-        slots = ()
-        for i in gl.static_range(len(descs)):
-            slots = slots + (gl.allocate_shared_memory(descs[i].dtype, [SLOTS] + descs[i].block_type.shape,
-                                                       descs[i].layout),)
-        return slots
-
-    @gluon.jit
-    def _zero_accumulators(v_descs, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """O's fp32 accumulators at zero: one [BLOCK_M, width] a column part of V (``v_descs``), each in the register
-        layout of its own wgmma (instruction width: the part's)."""
-        accs = ()
-        for i in gl.static_range(len(v_descs)):
-            # (gl.full, a builtin, takes the part's width as a plain int; gl.zeros would want a constexpr)
-            accs = accs + (gl.full([BLOCK_M, v_descs[i].block_type.shape[3]], 0.0, gl.float32,
-                                   layout=gl.NVMMADistributedLayout(
-                                       version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                       instr_shape=[16, v_descs[i].block_type.shape[3], 16])),)
-        return accs
+    # tile. The helpers the backward shares live in ``gluon_tiles``.
 
     @gluon.jit
     def _q_operands(q_tiles, S_LAYOUT: gl.constexpr):
@@ -203,35 +164,6 @@ if gluon is not None:
         for i in gl.static_range(len(q_tiles)):
             q_ops = q_ops + (q_tiles[i].load(q_layout),)
         return q_ops
-
-    @gluon.jit
-    def _score_products(q_ops, k_tiles, s_zero):
-        """Start ``S = Σ_i Q_i K_iᵀ`` over the column parts of Q/K's head dim (async): the first product from zero,
-        each next one added to it by the tensor cores (no wait between them). Returns the last product's token."""
-        s = warpgroup_mma(q_ops[0], k_tiles[0].permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        for i in gl.static_range(1, len(k_tiles)):
-            s = warpgroup_mma(q_ops[i], k_tiles[i].permute((1, 0)), s, is_async=True)
-        return s
-
-    @gluon.jit
-    def _value_products(p, v_tiles, accs):
-        """Start ``O_i += P V_i`` for each column part ``i`` of V/O (async): their tokens, a tuple. P comes in
-        the register-operand layout of the first part's product and is laid out for each other's (the same
-        registers: a wgmma's register operand does not depend on the product's width)."""
-        tokens = ()
-        for i in gl.static_range(len(accs)):
-            p_op = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=accs[i].type.layout, k_width=2))
-            tokens = tokens + (warpgroup_mma(p_op, v_tiles[i], accs[i], is_async=True),)
-        return tokens
-
-    @gluon.jit
-    def _wait_products(tokens):
-        """Wait for every product in flight and return the accumulators of ``tokens`` (``_value_products``'),
-        a tuple."""
-        done = warpgroup_mma_wait(0, deps=tokens)
-        if len(tokens) == 1:  # (one dependency comes back as itself, not in a tuple)
-            done = (done,)
-        return done
 
     @gluon.jit
     def _rescale(accs, alpha):
@@ -268,24 +200,24 @@ if gluon is not None:
         if n_kv_tiles > 0:
             # Turn 0: S_0 alone (there is no P V to overlap yet).
             k_tiles = wait_kv(k_ring, 0)
-            s = warpgroup_mma_wait(0, deps=(_score_products(q_ops, k_tiles, s_zero),))
+            s = warpgroup_mma_wait(0, deps=(sum_of_products(q_ops, k_tiles, s_zero),))
             _release_kv_slot(k_ring, 0, source, NUM_WARPS, LOAD_WARP)
             m, d, p, alpha = _fold_scores(s, m, d, 0, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
                                           p_layout, dtype)
             for j in range(1, n_kv_tiles):
                 k_tiles = wait_kv(k_ring, j)
                 v_tiles = wait_kv(v_ring, j - 1)
-                s_token = _score_products(q_ops, k_tiles, s_zero)
-                acc_tokens = _value_products(p, v_tiles, accs)
+                s_token = sum_of_products(q_ops, k_tiles, s_zero)
+                acc_tokens = accumulate_products(register_operands(p, accs), v_tiles, accs)
                 s = warpgroup_mma_wait(len(acc_tokens), deps=(s_token,))  # S_j is ready; P V may still run
                 _release_kv_slot(k_ring, j, source, NUM_WARPS, LOAD_WARP)
                 m, d, p, alpha = _fold_scores(s, m, d, j, key_start, full, rows, qk_scale, mods, IS_CAUSAL, MODS,
                                               p_layout, dtype)
-                accs = _wait_products(acc_tokens)
+                accs = wait_products(acc_tokens)
                 _release_kv_slot(v_ring, j - 1, source, NUM_WARPS, LOAD_WARP)
                 accs = _rescale(accs, alpha)
             v_tiles = wait_kv(v_ring, n_kv_tiles - 1)
-            accs = _wait_products(_value_products(p, v_tiles, accs))
+            accs = wait_products(accumulate_products(register_operands(p, accs), v_tiles, accs))
             if LOAD_WARP:  # (without one, nothing is left to load into the slot)
                 _release_kv_slot(v_ring, n_kv_tiles - 1, source, NUM_WARPS, LOAD_WARP)
         return m, d, accs
@@ -336,11 +268,11 @@ if gluon is not None:
         # The column parts of Q/K's head dim and of V/O's (``plan.head_dim_parts``): the ``*_desc`` descriptors
         # load the first part's boxes, the ``*_desc_b`` ones the second's, or are None (one part). HEAD_DIM and
         # HEAD_DIM_V are the widths on chip: the parts' sums.
-        q_descs = _column_parts(q_desc, q_desc_b)
-        k_descs = _column_parts(k_desc, k_desc_b)
-        v_descs = _column_parts(v_desc, v_desc_b)
-        o_descs = _column_parts(o_desc, o_desc_b)
-        # The register layout of the wgmma accumulator S [BLOCK_M, BLOCK_N] (O's: _zero_accumulators).
+        q_descs = descriptor_parts(q_desc, q_desc_b)
+        k_descs = descriptor_parts(k_desc, k_desc_b)
+        v_descs = descriptor_parts(v_desc, v_desc_b)
+        o_descs = descriptor_parts(o_desc, o_desc_b)
+        # The register layout of the wgmma accumulator S [BLOCK_M, BLOCK_N] (O's: zero_accumulators).
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
 
@@ -360,9 +292,9 @@ if gluon is not None:
             HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
         n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
 
-        q_smem = _tile_boxes(q_descs)
-        k_smem = _ring_slots(k_descs, KV_STAGES)
-        v_smem = _ring_slots(v_descs, KV_STAGES)
+        q_smem = tile_boxes(q_descs)
+        k_smem = ring_slots(k_descs, KV_STAGES)
+        v_smem = ring_slots(v_descs, KV_STAGES)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
@@ -391,7 +323,7 @@ if gluon is not None:
             q_ops = q_tiles
 
         q_idx = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        accs = _zero_accumulators(v_descs, BLOCK_M, num_warps)
+        accs = zero_accumulators(v_descs, BLOCK_M, num_warps)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
         rows = (q_idx, seqlen_q, seqlen_k)
@@ -407,7 +339,7 @@ if gluon is not None:
         if HEAD_DIM_V == HEAD_DIM:
             o_smem = q_smem
         else:
-            o_smem = _tile_boxes(o_descs)
+            o_smem = tile_boxes(o_descs)
         lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q
         _write_output(accs, m, d, rows, (o_descs, o_smem, lse_row), (b, h, m_start), sink, WRITE_LSE, HAS_SINKS)
 
@@ -465,7 +397,7 @@ if gluon is not None:
         mbarrier.wait(q_bars.index(WARPGROUP), 0)
         q_ops = _q_operands(q_tiles, s_layout)
         q_idx = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        accs = _zero_accumulators(v_ring[0], BLOCK_M, 4)
+        accs = zero_accumulators(v_ring[0], BLOCK_M, 4)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         # Both warpgroups walk the K/V tiles of the whole program (masking covers the tiles only the other sees).
         full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
@@ -488,10 +420,10 @@ if gluon is not None:
         # The column parts of Q/K's head dim and of V/O's, as _attention_fwd_wgmma_kernel takes them: the
         # ``*_desc_b`` descriptors load the second part's boxes, or are None (one part); HEAD_DIM and HEAD_DIM_V
         # are the parts' sums.
-        q_descs = _column_parts(q_desc, q_desc_b)
-        k_descs = _column_parts(k_desc, k_desc_b)
-        v_descs = _column_parts(v_desc, v_desc_b)
-        o_descs = _column_parts(o_desc, o_desc_b)
+        q_descs = descriptor_parts(q_desc, q_desc_b)
+        k_descs = descriptor_parts(k_desc, k_desc_b)
+        v_descs = descriptor_parts(v_desc, v_desc_b)
+        o_descs = descriptor_parts(o_desc, o_desc_b)
         # A program holds 2 * BLOCK_M query rows, BLOCK_M per softmax warpgroup, numbered as the other kernels do.
         bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, 2 * BLOCK_M), 2 * BLOCK_M, IS_CAUSAL)
         b = bh // n_heads
@@ -505,9 +437,9 @@ if gluon is not None:
             HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
         n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
 
-        q_smem = _ring_slots(q_descs, 2)  # a Q box of each part for each softmax warpgroup
-        k_smem = _ring_slots(k_descs, KV_STAGES)
-        v_smem = _ring_slots(v_descs, KV_STAGES)
+        q_smem = ring_slots(q_descs, 2)  # a Q box of each part for each softmax warpgroup
+        k_smem = ring_slots(k_descs, KV_STAGES)
+        v_smem = ring_slots(v_descs, KV_STAGES)
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [KV_STAGES, 1], mbarrier.MBarrierLayout())
@@ -518,7 +450,7 @@ if gluon is not None:
         if HEAD_DIM_V == HEAD_DIM:
             o_smem = q_smem
         else:
-            o_smem = _ring_slots(o_descs, 2)
+            o_smem = ring_slots(o_descs, 2)
         for wg in gl.static_range(2):
             mbarrier.init(q_bars.index(wg), count=1)
         for i in gl.static_range(KV_STAGES):

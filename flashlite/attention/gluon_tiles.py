@@ -24,7 +24,7 @@ try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
     from triton import constexpr_function
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
     # TMA copies: 3.6 names them async_copy_*, 3.9 only async_load / async_store.
@@ -62,8 +62,14 @@ if gluon is not None:
         ``boxes`` (one shared-memory box a part), all completing on ``bar``, which expects their bytes; part
         ``i``'s columns start where part ``i - 1``'s end (its column offset is the copy's coordinate). ``pred``:
         whether to copy at all."""
-        b, h, row = start
         mbarrier.expect(bar, boxes_nbytes(descs), pred=pred)
+        copy_boxes(descs, start, bar, boxes, pred)
+
+    @gluon.jit
+    def copy_boxes(descs, start, bar, boxes, pred=True):
+        """``load_boxes``' copies without the ``expect``: for a barrier that also counts other tensors' boxes
+        (its one ``mbarrier.expect`` then sums their ``boxes_nbytes``)."""
+        b, h, row = start
         for i in gl.static_range(len(descs)):
             tma_load(descs[i], [b, h, row, part_start(descs, i)], bar, boxes[i], pred=pred)
 
@@ -107,6 +113,97 @@ if gluon is not None:
         slot = tile % KV_STAGES
         mbarrier.wait(ready.index(slot), (tile // KV_STAGES) & 1)
         return box_views(slot_boxes(slots, slot))
+
+
+    # ------------------------------------------------ column parts: a head dim as a sum of power-of-two widths
+    #
+    # The Hopper kernels load Q/K's head dim, and V/O's on its own, in one or more column parts
+    # (``plan.head_dim_parts``: usually one, the padded head dim; 192 = 128 + 64 and 160 = 128 + 32 under
+    # FLASHLITE_HEAD_SPLIT=1). A tile is then a tuple of one box a part, a product contracting over the head dim
+    # a sum of one wgmma a part chained on one accumulator (``sum_of_products``), and an accumulator whose columns
+    # are the head dim one accumulator a part (``zero_accumulators``, ``accumulate_products``). With one part
+    # each helper compiles to the code of a single tile.
+
+    @gluon.jit
+    def descriptor_parts(first, second):
+        """A tensor's column parts as a tuple: ``(first,)``, or ``(first, second)`` when its head dim is split
+        (``second`` is None otherwise). The kernels' descriptor arguments come so, one a part."""
+        parts = (first,)
+        if second is not None:
+            parts = (first, second)
+        return parts
+
+    @gluon.jit
+    def tile_boxes(descs):
+        """One shared-memory box for a tile of each column part of ``descs``, a tuple."""
+        boxes = ()
+        for i in gl.static_range(len(descs)):
+            boxes = boxes + (gl.allocate_shared_memory(descs[i].dtype, descs[i].block_type.shape, descs[i].layout),)
+        return boxes
+
+    @gluon.jit
+    def ring_slots(descs, STAGES: gl.constexpr):
+        """The slots of a ring: ``STAGES`` boxes of each column part of ``descs``, a tuple of one
+        ``[STAGES, 1, 1, rows, width]`` buffer a part."""
+        slots = ()
+        for i in gl.static_range(len(descs)):
+            slots = slots + (gl.allocate_shared_memory(descs[i].dtype, [STAGES] + descs[i].block_type.shape,
+                                                       descs[i].layout),)
+        return slots
+
+    @gluon.jit
+    def zero_accumulators(descs, ROWS: gl.constexpr, ROW_WARPS: gl.constexpr, COL_WARPS: gl.constexpr = 1):
+        """fp32 accumulators at zero, one [ROWS, width] a column part of ``descs`` (the width of its boxes), each in
+        the register layout of its own wgmma: ``ROW_WARPS`` warps along the rows (16 rows a warp) times
+        ``COL_WARPS`` warpgroups splitting the columns (instruction width: the part's over ``COL_WARPS``)."""
+        accs = ()
+        for i in gl.static_range(len(descs)):
+            # (gl.full, a builtin, takes the part's width as a plain int; gl.zeros would want a constexpr)
+            accs = accs + (gl.full([ROWS, descs[i].block_type.shape[3]], 0.0, gl.float32,
+                                   layout=gl.NVMMADistributedLayout(
+                                       version=[3, 0], warps_per_cta=[ROW_WARPS, COL_WARPS],
+                                       instr_shape=[16, descs[i].block_type.shape[3] // COL_WARPS, 16])),)
+        return accs
+
+    @gluon.jit
+    def sum_of_products(a_ops, b_tiles, zero):
+        """Start ``Σ_i A_i B_iᵀ`` over the column parts of a head dim (async): ``A_i`` a register or shared-memory
+        operand, ``B_i`` a [rows, width] shared-memory view; the first product from ``zero`` (its layout: the
+        result's), each next one added to it by the tensor cores (no wait between them). Returns the last
+        product's token: the products are one wgmma group a part, the sum complete when the last is."""
+        acc = warpgroup_mma(a_ops[0], b_tiles[0].permute((1, 0)), zero, use_acc=False, is_async=True)
+        for i in gl.static_range(1, len(b_tiles)):
+            acc = warpgroup_mma(a_ops[i], b_tiles[i].permute((1, 0)), acc, is_async=True)
+        return acc
+
+    @gluon.jit
+    def register_operands(a, accs):
+        """``a`` (registers, the operand dtype) laid out as the first operand of each accumulator of ``accs``'
+        wgmma, a tuple (the same registers: a wgmma's register operand does not depend on the product's width)."""
+        ops = ()
+        for i in gl.static_range(len(accs)):
+            ops = ops + (gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=accs[i].type.layout,
+                                                                  k_width=2)),)
+        return ops
+
+    @gluon.jit
+    def accumulate_products(a_ops, b_tiles, accs):
+        """Start ``C_i += A_i B_i`` for each column part ``i`` of the accumulators ``accs`` (async), ``B_i`` a
+        [k, width] shared-memory view, ``A_i`` the first operand (``register_operands``', or one shared-memory
+        view repeated): their tokens, a tuple, one wgmma group a part."""
+        tokens = ()
+        for i in gl.static_range(len(accs)):
+            tokens = tokens + (warpgroup_mma(a_ops[i], b_tiles[i], accs[i], is_async=True),)
+        return tokens
+
+    @gluon.jit
+    def wait_products(tokens):
+        """Wait for every product in flight and return the accumulators of ``tokens`` (``accumulate_products``'),
+        a tuple."""
+        done = warpgroup_mma_wait(0, deps=tokens)
+        if len(tokens) == 1:  # (one dependency comes back as itself, not in a tuple)
+            done = (done,)
+        return done
 
 
 def wgmma_available() -> bool:

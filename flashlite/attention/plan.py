@@ -192,10 +192,11 @@ def head_dim_parts(head_dim: int) -> tuple[int, ...]:
 
 def head_split_enabled() -> bool:
     """True when ``FLASHLITE_HEAD_SPLIT=1``: the Hopper forward kernels (the warp-specialized one too) load head
-    dims of 65 to 96 and 129 to 192 in two column parts (``head_dim_parts``) rather than padded to 128 and 256.
+    dims of 65 to 96 and 129 to 192 in two column parts (``head_dim_parts``) rather than padded to 128 and 256,
+    and the Hopper backward's two passes those of 129 to 192 (``backward_hopper.column_parts``).
 
-    Off by default: the split kernels are built for sm_90 on CPU (tests/test_attention_wgmma.py) but have not yet
-    run on a GPU; tests/test_gpu_attention.py checks them there against float64 before it may become the default.
+    Off by default: the split kernels are built for sm_90 on CPU (tests/test_attention_wgmma.py,
+    tests/test_attention_backward_wgmma.py) but have not yet run on a GPU; tests/test_gpu_attention.py checks them there against float64 before it may become the default.
     Read when a call is planned (``api.clear_routes`` after changing it)."""
     return os.environ.get("FLASHLITE_HEAD_SPLIT", "0") == "1"
 
