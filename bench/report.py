@@ -52,17 +52,20 @@ def softmax_table(data: dict) -> str:
 
 
 def attention_table(data: dict) -> str:
-    rows = [[r["D"], "yes" if r["causal"] else "no", r["L"], r["flashlite"], f"{r['frac_matmul']:.0%}", r["flash"],
-             r["cudnn"], f"{r['x_flash']:.2f}", f"{r['x_cudnn']:.2f}"] for r in data["rows"]]
-    return _table(["D", "causal", "L", "flashlite TFLOP/s", "% of matmul", "SDPA flash", "SDPA cuDNN", "× flash",
-                   "× cuDNN"], rows)
+    # FlashAttention-4: a peer from 2026-11-28 on (— in older files, or where it did not import)
+    rows = [[r["D"], "yes" if r["causal"] else "no", r["L"], r["flashlite"], f"{r['frac_matmul']:.0%}", r.get("fa4"),
+             r["flash"], r["cudnn"], _ratio(r.get("x_fa4")), f"{r['x_flash']:.2f}", f"{r['x_cudnn']:.2f}"]
+            for r in data["rows"]]
+    return _table(["D", "causal", "L", "flashlite TFLOP/s", "% of matmul", "FA4", "SDPA flash", "SDPA cuDNN",
+                   "× FA4", "× flash", "× cuDNN"], rows)
 
 
 def backward_table(data: dict) -> str:
     rows = [[r["D"], "yes" if r["causal"] else "no", r["L"], r["flashlite_bwd"], f"{r['frac_matmul_bwd']:.0%}",
-             r["flash_bwd"], r["cudnn_bwd"], f"{r['x_flash_bwd']:.2f}", f"{r['x_cudnn_bwd']:.2f}"] for r in data["rows"]]
-    return _table(["D", "causal", "L", "flashlite TFLOP/s", "% of matmul", "SDPA flash", "SDPA cuDNN", "× flash",
-                   "× cuDNN"], rows)
+             r.get("fa4_bwd"), r["flash_bwd"], r["cudnn_bwd"], _ratio(r.get("x_fa4_bwd")), f"{r['x_flash_bwd']:.2f}",
+             f"{r['x_cudnn_bwd']:.2f}"] for r in data["rows"]]
+    return _table(["D", "causal", "L", "flashlite TFLOP/s", "% of matmul", "FA4", "SDPA flash", "SDPA cuDNN",
+                   "× FA4", "× flash", "× cuDNN"], rows)
 
 
 def variants_table(data: dict) -> str:
@@ -157,6 +160,8 @@ SECTIONS = [
     ("attention", "Attention forward (`bench/attention.py`): TFLOP/s, bf16, H = 16, B·L = 16K", attention_table),
     ("attention_backward", "Attention backward (`bench/attention.py --backward`): TFLOP/s (2.5× the forward's FLOPs)",
      backward_table),
+    ("attention_backward_fa4", "Attention backward beside FlashAttention-4 (`bench/attention.py --backward "
+     "--lengths 2048 8192 --name attention_backward_fa4`): TFLOP/s", backward_table),
     ("attention_head_dims", "Attention forward at other head dims (`bench/attention.py --head-dims 96 192 256 "
      "--lengths 4096`): TFLOP/s", attention_table),
     ("attention_backward_head_dims", "Attention backward at other head dims (`bench/attention.py --backward "

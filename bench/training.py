@@ -1,6 +1,7 @@
 """Training steps end to end: flashlite against SDPA in the same process, on the same model and data.
 
     python bench/training.py [--steps 6] [--out DIR]
+    python bench/training.py --packed [--steps 6] [--out DIR]   # padding-free fine-tuning -> training_packed.*
 
 Two models, each trained for ``--steps`` timed steps (after two untimed ones) with attention by flashlite and by
 SDPA (PyTorch's default backend choice), from the same initial weights and batches:
@@ -13,6 +14,13 @@ SDPA (PyTorch's default backend choice), from the same initial weights and batch
   ``attn_implementation`` "fl_attention" against "sdpa"; loss = next-token cross-entropy, AdamW.
 
 Tokens/s = batch x length x steps / wall time (synchronized). Writes ``training.{json,md}``.
+
+``--packed``: a fine-tuning step of the D = 128 Llama on documents of mixed lengths (``bench/varlen.py``'s
+long-tailed mix, 16K tokens), laid out three ways and trained from the same weights: packed in one row whose
+``position_ids`` restart at each document (transformers' padding-free format; flashlite runs
+``flash_attention_varlen``, SDPA gets transformers' block-diagonal mask), and padded to the longest document
+(one row a document, a 2-D padding mask) for flashlite. Tokens/s counts the documents' tokens only. Writes
+``training_packed.{json,md}``.
 """
 
 from __future__ import annotations
@@ -40,14 +48,19 @@ def sdpa_like_flashlite(q, k, v, *, causal=False, attn_mask=None, **_):
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available():  # (a CPU run only checks the script: packed_llama(..., device="cpu"))
+        torch.cuda.synchronize()
+
+
 def tokens_per_s(step, batch: int, length: int, steps: int) -> float:
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
+    _synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    _synchronize()
     return batch * length * steps / (time.perf_counter() - start)
 
 
@@ -103,11 +116,94 @@ def llama(attention: str, head_dim: int, steps: int) -> float:
     return tokens_per_s(step, batch, length, steps)
 
 
+def packed_documents_batch(lengths: list[int], vocab: int, device) -> dict:
+    """The documents of ``lengths`` as the inputs of both layouts: ``packed`` (one row, position_ids restarting at
+    each document, labels -100 at document starts: no target across a boundary) and ``padded`` (a row a
+    document, right-padded to the longest, a 2-D attention mask, labels -100 on padding)."""
+    gen = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+    ids = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.clone()
+    labels[positions == 0] = -100
+    longest = max(lengths)
+    padded_ids = torch.zeros(len(docs), longest, dtype=torch.long)
+    mask = torch.zeros(len(docs), longest, dtype=torch.long)
+    for row, doc in enumerate(docs):
+        padded_ids[row, :len(doc)] = doc
+        mask[row, :len(doc)] = 1
+    padded_labels = padded_ids.masked_fill(mask == 0, -100)
+    return {
+        "packed": dict(input_ids=ids.to(device), position_ids=positions.to(device), labels=labels.to(device),
+                       use_cache=False),
+        "padded": dict(input_ids=padded_ids.to(device), attention_mask=mask.to(device),
+                       labels=padded_labels.to(device), use_cache=False),
+    }
+
+
+def packed_llama(attention: str, layout: str, lengths: list[int], steps: int, config_kw: dict | None = None,
+                 device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> float:
+    """Tokens/s (documents' tokens) of fine-tuning steps of a Llama (the D = 128 one of ``llama``, or
+    ``config_kw``) with ``attention`` ("flashlite" or "sdpa") on the documents ``lengths`` laid out as ``layout``
+    (``packed_documents_batch``)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import flashlite.integrations.transformers as fl_hf
+
+    fl_hf.register()
+    config_kw = config_kw or dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                                  num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                                  max_position_embeddings=16384)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(**config_kw), attn_implementation=fl_hf.NAME if attention == "flashlite" else "sdpa",
+    ).to(device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    inputs = packed_documents_batch(lengths, config_kw["vocab_size"], device)[layout]
+
+    def step():
+        loss = model(**inputs).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return tokens_per_s(step, 1, sum(lengths), steps)
+
+
+PACKED_TOKENS = 16384
+
+
+def run_packed(args) -> None:
+    """``--packed``: the three layouts of one document mix (module docstring)."""
+    from varlen import document_lengths
+
+    lengths = document_lengths("longtail", PACKED_TOKENS)
+    rows = []
+    for attention, layout in (("flashlite", "packed"), ("sdpa", "packed"), ("flashlite", "padded")):
+        rate = packed_llama(attention, layout, lengths, args.steps)
+        rows.append({"attention": attention, "layout": layout, "tokens_per_s": rate})
+        torch.cuda.empty_cache()
+        print(f"{attention} {layout}: {rate:,.0f} tokens/s", flush=True)
+    mine = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["x_flashlite_packed"] = mine / row["tokens_per_s"]
+    meta = environment() | {"steps": args.steps, "documents": len(lengths), "tokens": sum(lengths),
+                            "longest": max(lengths), "mix": "bench/varlen.py longtail", "model": "Llama D = 128, 4 layers"}
+    cols = ["attention", "layout", "tokens_per_s", "x_flashlite_packed"]
+    write_results("training_packed", results_dir(args.out), meta, rows, cols,
+                  "Padding-free fine-tuning steps, tokens/s of the documents (bf16)")
+    print(markdown_table(rows, cols))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--packed", action="store_true", help="padding-free fine-tuning instead (training_packed.*)")
     args = parser.parse_args()
+    if args.packed:
+        run_packed(args)
+        return
     runs = {"tiny_gpt": lambda a: tiny_gpt(a, args.steps),
             "llama_d128": lambda a: llama(a, 128, args.steps),
             "llama_d256": lambda a: llama(a, 256, args.steps)}

@@ -312,47 +312,110 @@ def test_deepseek_v3_mla_head_dims_match_eager():
     assert torch.equal(out, out_eager)
 
 
+def _documents_one_by_one(model, ids: torch.Tensor, lengths: list[list[int]]) -> torch.Tensor:
+    """The logits of every document of every row run alone through ``model``, laid out as the packed rows."""
+    rows = []
+    for row, row_lengths in zip(ids, lengths):
+        parts, start = [], 0
+        for n in row_lengths:
+            parts.append(model(row[None, start:start + n]).logits[0])
+            start += n
+        rows.append(torch.cat(parts))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("model_kind", ["llama", "mistral"])
 @pytest.mark.parametrize("flash_kwargs", [False, True])
-def test_packed_batch_trains_as_separate_documents(flash_kwargs, monkeypatch):
-    # Padding-free training: three documents packed in one row, given by position_ids that restart at 0
-    # (transformers' block-diagonal mask), or with FlashAttention's cu_seq_lens kwargs (flash_attention_varlen,
-    # the mask unread). One training step's loss and gradients equal those of the documents run one by one
-    # (eager attention, fp32).
-    flash, eager = tiny_llamas(fl_hf.NAME, "eager")
+def test_packed_batch_trains_as_separate_documents(flash_kwargs, model_kind, monkeypatch):
+    # Padding-free training: documents packed in rows, given by position_ids that restart at 0 (flashlite's mask
+    # builder returns the document ids, never an L x L mask), or with FlashAttention's cu_seq_lens kwargs (one
+    # row). Both run flash_attention_varlen. One training step's loss and gradients equal those of the documents
+    # run one by one (eager attention, fp32); Mistral's sliding window (3 keys) holds inside each document.
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if model_kind == "llama":
+        flash, eager = tiny_llamas(fl_hf.NAME, "eager")
+    else:
+        fl_hf.register()
+        config = transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=3, max_position_embeddings=64,
+        )
+        flash, eager = (transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+                        for impl in (fl_hf.NAME, "eager"))
+        eager.load_state_dict(flash.state_dict())
     flash.train()
     eager.train()
-    varlen_calls = []
+    varlen_calls, masks_built = [], []
 
     def spy(*args, **kwargs):
         varlen_calls.append(args[3])  # cu_seqlens_q
         return flashlite.flash_attention_varlen(*args, **kwargs)
 
+    sdpa_builder = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+    def builder_spy(*args, **kwargs):
+        mask = sdpa_builder(*args, **kwargs)
+        masks_built.append(mask)
+        return mask
+
     monkeypatch.setattr(fl_hf, "flash_attention_varlen", spy)
-    lengths = [5, 9, 4]
-    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
-    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", builder_spy)
+    lengths = [[5, 9, 4]] if flash_kwargs else [[5, 9, 4], [1, 12, 2, 3]]  # the cu_seq_lens kwargs: one row
+    ids = torch.randint(0, VOCAB, (len(lengths), 18))
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
     kw = dict(position_ids=positions, use_cache=False)  # transformers packs by positions only without a cache
     if flash_kwargs:
         cu = torch.tensor([0, 5, 14, 18], dtype=torch.int32)
         kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
     labels = ids.clone()
-    labels[0, torch.tensor([0, 5, 14])] = -100  # no target across a document start
+    labels[positions == 0] = -100  # no target across a document start
     logits = flash(ids, **kw).logits
-    assert len(varlen_calls) == (2 if flash_kwargs else 0)  # one call a layer
-    loss = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
+    assert len(varlen_calls) == 2  # one call a layer
+    assert all(mask is None or mask.shape[-2] < ids.shape[1] for mask in masks_built)  # no L x L mask built
+    if not flash_kwargs:
+        assert varlen_calls[0].tolist() == [0, 5, 14, 18, 19, 31, 33, 36]  # the rows' documents, one after another
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                             ignore_index=-100, reduction="sum")
     grads = torch.autograd.grad(loss, list(flash.parameters()))
-    parts, start = [], 0
-    for n in lengths:  # each document alone
-        parts.append(eager(ids[:, start:start + n]).logits[0])
-        start += n
-    logits_eager = torch.cat(parts)
-    loss_eager = torch.nn.functional.cross_entropy(logits_eager[:-1], labels[0, 1:], ignore_index=-100,
-                                                   reduction="sum")
+    logits_eager = _documents_one_by_one(eager, ids, lengths)
+    loss_eager = torch.nn.functional.cross_entropy(logits_eager[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                   ignore_index=-100, reduction="sum")
     grads_eager = torch.autograd.grad(loss_eager, list(eager.parameters()))
-    torch.testing.assert_close(logits, logits_eager.unsqueeze(0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, logits_eager, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(loss, loss_eager, atol=1e-4, rtol=1e-4)
     for g, g_eager in zip(grads, grads_eager):
         torch.testing.assert_close(g, g_eager, atol=1e-4, rtol=1e-3)
+
+
+def test_packed_documents_only_from_transformers_packed_causal_mask():
+    # The builder hands over document ids only for exactly "causal (or its sliding window) on positions, and
+    # the documents' block diagonal"; an overlay, a chunked mask or another window keeps transformers' mask.
+    from transformers import masking_utils as mu
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    documents = mu.find_packed_sequence_indices(positions)
+
+    def packed(mask_function):
+        return mu.and_masks(mu.remap_positions_for_packed_sequence(mask_function, positions),
+                            mu.packed_sequence_mask_function(documents))
+
+    assert torch.equal(fl_hf.packed_documents(packed(mu.causal_mask_function)), documents)
+    window = mu.sliding_window_causal_mask_function(3)
+    assert torch.equal(fl_hf.packed_documents(packed(window), local_size=3), documents)
+    assert fl_hf.packed_documents(packed(window)) is None  # a window the layer would not be told of
+    assert fl_hf.packed_documents(packed(window), local_size=4) is None
+    assert fl_hf.packed_documents(packed(mu.causal_mask_function), local_size=3) is None
+    overlay = mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv != 1)
+    assert fl_hf.packed_documents(packed(overlay)) is None
+    chunked = mu.and_masks(mu.chunked_overlay(2, torch.zeros(1, dtype=torch.long)), mu.causal_mask_function)
+    assert fl_hf.packed_documents(packed(chunked), local_size=2) is None
+    assert fl_hf.packed_documents(mu.causal_mask_function) is None  # not packed
+    cu, longest = fl_hf.document_sequences(torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 2]]))
+    assert cu.tolist() == [0, 2, 5, 6, 9, 10] and cu.dtype == torch.int32 and longest == 3
+    with pytest.raises(ValueError, match="document ids"):  # an integer mask of another shape
+        fl_hf.attention_forward(torch.nn.Module(), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
+                                torch.randn(1, 2, 4, 16), torch.ones(1, 1, 4, 4, dtype=torch.int64))
 
 
 def test_packed_row_detection():

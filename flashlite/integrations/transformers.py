@@ -40,13 +40,18 @@ gives ``flash_attention`` ``window_size=(sliding_window - 1, 0)``: no L×L mask 
 built or read, and the kernels skip the key tiles outside the window. With
 padding the window is in the built mask as before.
 
-Packed batches (padding-free training: several documents in one row, ``DataCollatorWithFlattening(
-return_flash_attn_kwargs=True)``). The layer's kwargs carry FlashAttention's ``cu_seq_lens_q``/``cu_seq_lens_k``
-and ``max_length_q``/``max_length_k``; the hook then calls ``flash_attention_varlen`` on the row, each document
-attending to itself alone, and does not read the mask. transformers' mask builder still makes its
-block-diagonal mask of the row's ``position_ids`` (it does not see those kwargs). A packed row given by
-``position_ids`` alone goes through that mask, as transformers' SDPA path treats it (transformers packs only
-without a cache; the hook cannot tell, so it leaves that to the mask).
+Packed batches (padding-free training: several documents in one row). Two ways in, neither builds an L×L
+mask:
+
+* ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``: the layer's kwargs carry FlashAttention's
+  ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/``max_length_k``; the hook calls
+  ``flash_attention_varlen`` on the row, each document attending to itself alone, and does not read the mask.
+* ``position_ids`` that restart (transformers packs by them without a cache and without a 2-D mask): its mask
+  function is then the causal one (or the sliding window) on the positions, and-ed with the documents' block
+  diagonal. flashlite's builder (``packed_documents``) recognises exactly that composition and returns the
+  document ids, an int64 (B, 1, 1, L) tensor, instead of the (B, 1, L, L) mask; the hook turns them into
+  ``cu_seqlens`` over the B·L tokens (``document_sequences``: two host reads, as FlashAttention's own path)
+  and calls ``flash_attention_varlen``. Any other composition (overlays, chunks) gets SDPA's mask as before.
 
 A float mask (additive, 0 or the dtype's minimum: what transformers < 4.53
 builds for a custom name, or a user's 4-D mask) is passed through as an additive
@@ -64,7 +69,8 @@ from ..attention import flash_attention, flash_attention_varlen
 NAME = "fl_attention"
 _RESERVED_SUBSTRINGS = ("flash", "sdpa", "flex", "paged")
 
-__all__ = ["NAME", "attention_forward", "is_sliding_window", "packed_sequences", "register", "window_mask"]
+__all__ = ["NAME", "attention_forward", "document_sequences", "is_sliding_window", "packed_documents",
+           "packed_sequences", "register", "window_mask"]
 
 
 def packed_sequences(query: torch.Tensor, kwargs: dict) -> tuple | None:
@@ -80,6 +86,18 @@ def packed_sequences(query: torch.Tensor, kwargs: dict) -> tuple | None:
     return cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous(), int(max_q), int(max_k)
 
 
+def document_sequences(documents: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens, max_seqlen)`` of the B·L tokens of (B, L) document ids (transformers' packed-sequence ids:
+    equal within a document, changing where one starts), rows flattened one after the other: a sequence starts
+    at every row's first token and wherever the id changes. Reads two values on the host (how many sequences,
+    the longest), as FlashAttention's path through transformers does."""
+    starts = torch.ones(documents.shape, dtype=torch.bool, device=documents.device)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = starts.flatten().nonzero().flatten()
+    cu_seqlens = torch.cat([first, first.new_tensor([documents.numel()])]).to(torch.int32)
+    return cu_seqlens, int(cu_seqlens.diff().max())
+
+
 def attention_forward(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs,
@@ -91,7 +109,8 @@ def attention_forward(
             used when no mask is given (``kwargs["is_causal"]`` wins if present).
         query: (B, H, Lq, D). key, value: (B, H_kv, Lk, D) with ``H % H_kv == 0``.
         attention_mask: None, or 4-D broadcastable to (B, H, Lq, Lk'), Lk' >= Lk
-            (cut to Lk): bool True = keep, or float additive.
+            (cut to Lk): bool True = keep, or float additive; or the int64 (B, 1, 1, L)
+            document ids of packed rows that ``window_mask`` returns (``packed_documents``).
         scaling: the score scale; default ``1 / sqrt(D)``.
         dropout: must be 0.0 (flashlite has no attention dropout).
         **kwargs: ``s_aux`` (gpt-oss's attention sinks, (H,)) and ``softcap``
@@ -113,6 +132,12 @@ def attention_forward(
     packed = packed_sequences(query, kwargs)
     if packed is not None:
         return _attend_packed(module, query, key, value, scaling, packed, kwargs), None
+    if attention_mask is not None and not attention_mask.is_floating_point() and attention_mask.dtype != torch.bool:
+        if attention_mask.dim() != 4 or attention_mask.shape[1:3] != (1, 1) or query.shape[2] != key.shape[2]:
+            raise ValueError(f"an integer attention_mask holds packed rows' document ids, (B, 1, 1, L) with "
+                             f"Lq = Lk = L; got shape {tuple(attention_mask.shape)}, Lq {query.shape[2]}, "
+                             f"Lk {key.shape[2]}")
+        return _attend_documents(module, query, key, value, scaling, attention_mask[:, 0, 0], kwargs), None
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     causal = False
     window_size = None
@@ -139,16 +164,25 @@ def attention_forward(
 
 
 def _attend_packed(module, query, key, value, scaling, packed, kwargs) -> torch.Tensor:
-    """``flash_attention_varlen`` on a packed row: (1, H, L, D) in, (1, L, H, D) contiguous out."""
+    """``flash_attention_varlen`` on packed rows, ``packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k)`` over their B·L tokens: (B, H, L, D) in, (B, L, H, D) contiguous out."""
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = None
     if kwargs.get("sliding_window") is not None:
         window = (int(kwargs["sliding_window"]) - 1, 0)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, H, D) views
+    batch, seqlen = query.shape[0], query.shape[2]
+    q, k, v = (t.transpose(1, 2).reshape(batch * seqlen, t.shape[1], t.shape[3]) for t in (query, key, value))
     out = flash_attention_varlen(q, k, v, *packed, causal=causal, scale=scaling, window_size=window,
                                  softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
-    return out.unsqueeze(0).contiguous()
+    return out.view(batch, seqlen, *out.shape[1:]).contiguous()
+
+
+def _attend_documents(module, query, key, value, scaling, documents, kwargs) -> torch.Tensor:
+    """Packed rows given by their (B, L) document ids (``packed_documents``): ``_attend_packed`` on their
+    sequences (``document_sequences``)."""
+    cu_seqlens, longest = document_sequences(documents)
+    return _attend_packed(module, query, key, value, scaling, (cu_seqlens, cu_seqlens, longest, longest), kwargs)
 
 
 def is_sliding_window(mask_function, window: int) -> bool:
@@ -166,12 +200,61 @@ def is_sliding_window(mask_function, window: int) -> bool:
         return False
 
 
+def _closure(fn, like) -> dict | None:
+    """The closure of ``fn`` by variable name if ``fn`` is an instance of the inner function ``like`` is one of
+    (the same code: made by the same transformers factory), else None."""
+    if getattr(fn, "__code__", None) is not like.__code__ or fn.__closure__ is None:
+        return None
+    return dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in fn.__closure__)))
+
+
+def packed_documents(mask_function, local_size: int | None = None) -> torch.Tensor | None:
+    """The (B, L) document ids of packed rows when ``mask_function`` is transformers' mask of them and nothing
+    else: the causal mask (with ``local_size``, its sliding window of that many keys) on the rows' positions,
+    and-ed with the documents' block diagonal (``masking_utils``: ``and_masks(remap_positions_for_packed_sequence
+    (causal, position_ids), packed_sequence_mask_function(documents))``); None for any other mask, or where this
+    transformers builds it otherwise. Within a document the positions count up by one, so the causal mask (and
+    the window) on positions is the one on token indices that ``flash_attention_varlen`` applies."""
+    try:
+        from transformers.masking_utils import (
+            and_masks, causal_mask_function, packed_sequence_mask_function, remap_positions_for_packed_sequence,
+        )
+    except ImportError:  # pragma: no cover - transformers < 4.53: no packed-sequence masks
+        return None
+    probe = torch.zeros(1, 1, dtype=torch.long)
+    outer = _closure(mask_function, and_masks(causal_mask_function))
+    if outer is None or len(outer.get("mask_functions", ())) != 2:
+        return None
+    remapped = _closure(outer["mask_functions"][0], remap_positions_for_packed_sequence(causal_mask_function, probe))
+    packed = _closure(outer["mask_functions"][1], packed_sequence_mask_function(probe))
+    if remapped is None or packed is None:
+        return None
+    inner = remapped.get("mask_function")
+    if local_size is None:
+        causal = inner is causal_mask_function
+    else:
+        causal = is_sliding_window(inner, local_size)
+    return packed.get("packed_sequence_mask") if causal else None
+
+
+def _whole_rows(seqlen: int, builder_kwargs: dict) -> bool:
+    """True when a mask builder's call (its keywords, as ``create_causal_mask`` passes them) is for ``seqlen``
+    queries over as many keys, from position 0, without a padding mask: what packed rows are built for."""
+    kw = builder_kwargs
+    return (kw.get("q_length") == kw.get("kv_length") == seqlen and kw.get("attention_mask") is None
+            and not kw.get("q_offset", 0) and not kw.get("kv_offset", 0))
+
+
 def window_mask(*args, local_size: int | None = None, mask_function=None, **kwargs):
     """SDPA's mask builder, but for a sliding window (``local_size``) it may return None where it would for a
-    plain causal mask (no padding, Lq == Lk or Lq == 1): the hook then passes the window to the kernels."""
+    plain causal mask (no padding, Lq == Lk or Lq == 1): the hook then passes the window to the kernels. Packed
+    rows (``packed_documents``) get their document ids as an int64 (B, 1, 1, L) tensor instead of a mask."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     sdpa = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    documents = packed_documents(mask_function, local_size) if mask_function is not None else None
+    if documents is not None and _whole_rows(documents.shape[-1], kwargs):
+        return documents.to(torch.int64)[:, None, None, :]
     if mask_function is not None:
         kwargs["mask_function"] = mask_function
     if local_size is not None and mask_function is not None and is_sliding_window(mask_function, local_size):
