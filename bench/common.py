@@ -59,6 +59,23 @@ def quack_softmax(backward: bool = False) -> tuple[Callable | None, str]:
     return (softmax_bwd if backward else softmax_fwd), getattr(quack, "__version__", "?")
 
 
+def quack_provider(backward: bool = False) -> Callable:
+    """``quack_softmax(backward)``'s function guarded for a sweep: ``fn(x)`` (forward) or ``fn(dy, y)`` (backward),
+    returning None where quack does not import or does not take the shape (rows of a multiple of 16 bytes; its
+    clusters hold at most 2^17 fp32 / 2^20 bf16 columns or so), so that the shape is reported as not measured."""
+    quack, _ = quack_softmax(backward)
+
+    def call(*tensors):
+        rows = tensors[-1]  # x, or y
+        if quack is None or rows.shape[1] * rows.element_size() % 16:
+            return None
+        try:
+            return quack(*tensors)
+        except Exception:  # noqa: BLE001 (a shape quack refuses: not measured)
+            return None
+    return call
+
+
 def fa4_attention() -> tuple[Callable | None, str]:
     """``(flash_attn_func, version)``: FlashAttention-4's attention (``flash-attn-4``, CuTe DSL, inputs (B, L, H, D))
     where it imports (``../shared/tools/peer_wheels.sh`` installs it on the GPU machine), else ``(None, why not)``."""

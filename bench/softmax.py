@@ -38,8 +38,8 @@ from flashlite.softmax.shared_rows import shared_rows_launch  # noqa: E402
 
 from baselines import naive_softmax, textbook_fused_softmax, textbook_online_softmax  # noqa: E402
 from common import (  # noqa: E402
-    copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, poison_allocator, quack_softmax,
-    results_dir, tensor_softmax_bytes, time_ms, try_time_ms, write_results,
+    copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, poison_allocator, quack_provider,
+    quack_softmax, results_dir, tensor_softmax_bytes, time_ms, try_time_ms, write_results,
 )
 
 WIDE_N = [256, 1024, 4096, 8192, 16384, 32768, 65536]  # with M = 4096 rows
@@ -78,21 +78,6 @@ def backward_plan(y: torch.Tensor, algorithm: str = "auto"):
     return plan, "shared" if plan.shares_rows else plan.algorithm
 
 
-def _quack_provider():
-    """quack's softmax forward, None where it does not import or does not take the shape (rows of a
-    multiple of 16 bytes; its clusters hold at most 2^18 columns or so)."""
-    quack, _ = quack_softmax()
-
-    def call(x):
-        if quack is None or x.shape[1] * x.element_size() % 16:
-            return None
-        try:
-            return quack(x)
-        except Exception:  # noqa: BLE001 (a shape quack refuses: not measured)
-            return None
-    return call
-
-
 def providers(compiled) -> dict:
     return {
         "flashlite": lambda x: flashlite.softmax(x),
@@ -100,7 +85,7 @@ def providers(compiled) -> dict:
         "online": lambda x: flashlite.softmax(x, algorithm="online"),
         "torch": lambda x: torch.softmax(x, dim=-1),
         "compile": compiled,
-        "quack": _quack_provider(),
+        "quack": quack_provider(),
         "naive": naive_softmax,
         "textbook_fused": lambda x: textbook_fused_softmax(x) if x.shape[1] <= 65536 else None,
         "textbook_online": textbook_online_softmax,
@@ -309,7 +294,7 @@ def tune_long(rounds: int = 2, dtypes=(torch.bfloat16, torch.float32), shapes=LO
     LONG_TUNE_PARTS columns each (no heads; the next part into L2 or not), and against quack, torch.compile and a
     copy; do_bench GB/s, each plan checked against float64, ``rounds`` rounds in alternating order."""
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    compiled, quack = _compiled_softmax(), _quack_provider()
+    compiled, quack = _compiled_softmax(), quack_provider()
     print(f"long rows: plan -> GB/s do_bench (cols/warps/next part into L2 or not (programs a multiprocessor)); "
           f"quack {quack_softmax()[1]}")
     for dtype in dtypes:
@@ -390,7 +375,7 @@ def run_tune(args) -> None:
                   + f"   worst: {line[-1][1]}:{line[-1][0]:.0f}", flush=True)
             del x
     print("short rows: tile elems/warps, persistent (P) or one program a tile (G) -> GB/s, CUDA graph (peers too)")
-    quack = _quack_provider()
+    quack = quack_provider()
     saved = tuning.FUSED_TILE_ELEMS, tuning.FUSED_SHORT_TILE_ELEMS, tuning.FUSED_ELEMS_PER_THREAD, tuning.FUSED_PERSISTENT_MAX_COLS
     for dtype in (torch.float32, torch.bfloat16) if args.tune in ("all", "short") else ():
         for n in (256, 512, 1024, 2048):

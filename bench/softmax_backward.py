@@ -30,7 +30,7 @@ from flashlite.softmax.backward import softmax_backward  # noqa: E402
 from flashlite.softmax.plan import plan_rows  # noqa: E402
 
 from common import (  # noqa: E402
-    copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, quack_softmax, results_dir,
+    copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, quack_provider, quack_softmax, results_dir,
     try_time_ms, write_results,
 )
 from softmax import DTYPES, LONG_ROWS, ODD_ROWS, WIDE_N, backward_plan, raise_recompile_limits  # noqa: E402
@@ -64,21 +64,6 @@ def flashlite_backward(y: torch.Tensor, dy: torch.Tensor, algorithm: str = "auto
     return softmax_backward(y, dy, y.dtype, plan_rows(y, y.dtype, algorithm))
 
 
-def _quack_backward():
-    """quack's softmax backward as ``fn(y, dy)``, None where it does not import or refuses the shape (rows of a
-    multiple of 16 bytes, at most what its clusters hold)."""
-    quack, _ = quack_softmax(backward=True)
-
-    def call(y, dy):
-        if quack is None or y.shape[1] * y.element_size() % 16:
-            return None
-        try:
-            return quack(dy, y)
-        except Exception:  # noqa: BLE001 (a shape quack refuses: not measured)
-            return None
-    return call
-
-
 def providers(compiled) -> dict:
     """Backward providers, each called as ``fn(y, dy)``."""
     return {
@@ -86,7 +71,7 @@ def providers(compiled) -> dict:
         "online": functools.partial(flashlite_backward, algorithm="online"),
         "torch": torch_backward,
         "compile": compiled,
-        "quack": _quack_backward(),
+        "quack": (lambda y, dy, quack=quack_provider(backward=True): quack(dy, y)),
         "naive": naive_backward,
     }
 

@@ -449,8 +449,9 @@ def _launch_forward(
     fused = plan.algorithm == "fused"
     block_m = plan.block_m if fused else 1
     n_tiles = triton.cdiv(n_rows, block_m)
-    # A flag a tile read whole (the kernels' SINGLE_BLOCK): it held a row of NaN or +inf (the hidden-zero kernel).
-    bad = torch.empty(n_tiles, dtype=torch.int8, device=x.device) if seqlen_k <= plan.block_n else None
+    single_block = seqlen_k <= plan.block_n  # the kernels' SINGLE_BLOCK: a row read in one tile
+    # A flag a tile read whole: it held a row of NaN or +inf (the hidden-zero kernel).
+    bad = torch.empty(n_tiles, dtype=torch.int8, device=x.device) if single_block else None
     args = (x, mask, y, part_m, part_d, bad, n_rows, sizes[1], seqlen_q, seqlen_k, plan.n_splits, cols_per_split,
             scale, sx[0], sx[1], x.stride(-2), x.stride(-1), sm[0], sm[1], *mask_qk)
     key = ("masked_softmax_fwd", plan, x.dtype, None if mask is None else mask.dtype, causal, x.device)
@@ -461,11 +462,11 @@ def _launch_forward(
         launch_persistent(
             _masked_softmax_fwd_kernel, n_tiles, x.device, key, args, plan.num_warps,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
-            SINGLE_BLOCK=seqlen_k <= plan.block_n, **mask_kind,
+            SINGLE_BLOCK=single_block, **mask_kind,
         )
     else:
         launch_online(_masked_softmax_fwd_kernel, plan, n_rows, x.device, args, BLOCK_M=1, IS_CAUSAL=causal,
-                      SINGLE_BLOCK=seqlen_k <= plan.block_n, **mask_kind)
+                      SINGLE_BLOCK=single_block, **mask_kind)
     if bad is not None:
         launch_persistent(
             _zero_hidden_kernel, triton.cdiv(n_tiles, ZERO_HIDDEN_FLAGS), x.device,
@@ -513,6 +514,7 @@ def masked_softmax_backward(
     split = plan.algorithm == "online" and plan.n_splits > 1
     partials = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=y2d.device) if split else None
     cols_per_split = plan.cols_per_split or seqlen_k
+    single_block = seqlen_k <= plan.block_n  # the kernel's SINGLE_BLOCK: a row read in one tile
     args = (y2d, dy2d, dx, partials, n_rows, seqlen_q, seqlen_k, plan.n_splits, cols_per_split, float(scale),
             dy2d.stride(0), dy2d.stride(1))
     if plan.algorithm == "fused":
@@ -520,11 +522,11 @@ def masked_softmax_backward(
         launch_persistent(
             _masked_softmax_bwd_kernel, triton.cdiv(n_rows, plan.block_m), y2d.device, key, args, plan.num_warps,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
-            SINGLE_BLOCK=seqlen_k <= plan.block_n,
+            SINGLE_BLOCK=single_block,
         )
     else:
         launch_online(_masked_softmax_bwd_kernel, plan, n_rows, y2d.device, args, BLOCK_M=1, IS_CAUSAL=causal,
-                      SINGLE_BLOCK=seqlen_k <= plan.block_n)
+                      SINGLE_BLOCK=single_block)
     return dx
 
 
