@@ -16,6 +16,7 @@ calls exceed when the host's launch cost shows. Modes:
     python bench/attention.py --tune-wgmma   # time the Hopper (Gluon) kernel's tile configs
     python bench/attention.py --backward # bwd and fwd+bwd TFLOP/s vs SDPA flash/cuDNN -> attention_backward.*
     python bench/attention.py --backward --head-dims 96 192 256 --lengths 4096 --name attention_backward_head_dims
+    python bench/attention.py --head-split --head-dims 80 96 160 192 --lengths 4096   # split on/off -> attention_head_split
 
 GPU correctness (float64 references, poisoned memory, every head dim and kernel) is pytest's
 (pytest -m gpu): tests/test_gpu_attention.py, tests/test_gpu_decode.py and tests/test_gpu_backward.py.
@@ -39,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flashlite  # noqa: E402
-from flashlite.attention.api import attention_forward  # noqa: E402
+from flashlite.attention.api import attention_forward, clear_routes  # noqa: E402
 from flashlite.attention.forward_hopper import attention_forward_hopper  # noqa: E402
 from flashlite.attention.plan import default_config, wgmma_config  # noqa: E402
 from flashlite.attention.tuning import AttentionConfig, WgmmaConfig  # noqa: E402
@@ -331,6 +332,71 @@ def run_backward(args) -> None:
     plot_lines(os.path.join(out, f"{name}.png"), panels)
 
 
+# ----------------------------------------------------------------------------- --head-split
+
+
+def set_head_split(on: bool) -> None:
+    """FLASHLITE_HEAD_SPLIT on or off for the calls that follow (routes planned under the other setting forgotten)."""
+    os.environ["FLASHLITE_HEAD_SPLIT"] = "1" if on else "0"
+    clear_routes()
+
+
+def measure_head_split(length: int, head_dim: int, causal: bool) -> dict:
+    """Forward and backward TFLOP/s of flashlite with head dims padded (``padded``) and in column parts (``split``),
+    beside FA4 and cuDNN on the same inputs; ``split_max_diff`` is the largest |split - padded| of the outputs and
+    gradients (a sanity line: float64 checks are tests/test_gpu_attention.py's)."""
+    batch = batch_for(length)
+    q, k, v = (t.requires_grad_() for t in make_qkv(batch, length, head_dim))
+    do = torch.randn_like(q)
+    fwd = attention_flops(batch, HEADS, length, length, head_dim, causal)
+    bwd = backward_flops(batch, HEADS, length, length, head_dim, causal)
+    row = {"D": head_dim, "causal": causal, "L": length, "B": batch}
+    provs = providers(causal)
+    results = {}
+    for name in ("padded", "split", "fa4", "cudnn"):
+        if name in ("padded", "split"):
+            set_head_split(name == "split")
+        fn = provs["flashlite" if name in ("padded", "split") else name]
+        row[f"{name}_fwd"] = tflops(fwd, measure_ms(functools.partial(fn, q, k, v)))
+        try:
+            out = fn(q, k, v)
+        except RuntimeError:
+            row[f"{name}_bwd"] = None
+            continue
+        row[f"{name}_bwd"] = tflops(bwd, measure_ms(functools.partial(torch.autograd.grad, out, (q, k, v), do, retain_graph=True)))
+        if name in ("padded", "split"):
+            results[name] = (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+        del out
+    set_head_split(False)
+    row["split_max_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(results["padded"], results["split"]))
+    for kind in ("fwd", "bwd"):
+        mine = row[f"split_{kind}"]
+        for ref in ("padded", "fa4", "cudnn"):
+            row[f"x_{ref}_{kind}"] = mine / row[f"{ref}_{kind}"] if mine and row[f"{ref}_{kind}"] else None
+    del q, k, v, do, results
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_head_split(args) -> None:
+    rows = []
+    for head_dim in args.head_dims:
+        for causal in (False, True):
+            for length in args.lengths or [4096]:
+                row = measure_head_split(length, head_dim, causal)
+                rows.append(row)
+                print(f"D={head_dim} causal={causal!s:5} L={length:6} fwd/bwd: " + "  ".join(
+                    f"{n} {row[f'{n}_fwd'] or 0:.0f}/{row[f'{n}_bwd'] or 0:.0f}" for n in ("padded", "split", "fa4", "cudnn"))
+                    + f"  diff {row['split_max_diff']:.2e}", flush=True)
+    meta = environment() | {"heads": HEADS, "tokens_per_batch": TOKENS, "dtype": "bfloat16", "flash_attn_4": FA4_VERSION,
+                            "flops": "fwd 4·B·H·L²·D, halved for causal; bwd 2.5x fwd",
+                            "padded": "FLASHLITE_HEAD_SPLIT=0", "split": "FLASHLITE_HEAD_SPLIT=1"}
+    cols = ["D", "causal", "L", "B", *(f"{n}_{k}" for k in ("fwd", "bwd") for n in ("padded", "split", "fa4", "cudnn")),
+            *(f"x_{r}_{k}" for k in ("fwd", "bwd") for r in ("padded", "fa4", "cudnn")), "split_max_diff"]
+    write_results(args.name or "attention_head_split", results_dir(args.out), meta, rows, cols,
+                  "Head dims in column parts (split) against padded, FA4 and cuDNN, TFLOP/s (bf16, H = 16)")
+
+
 # ----------------------------------------------------------------------------- --tune
 
 
@@ -452,9 +518,12 @@ def main(argv=None) -> None:
     parser.add_argument("--tune-length", type=int, default=4096, help="sequence length of --tune (default 4096)")
     parser.add_argument("--tune-wgmma", action="store_true", help="time the Hopper kernel's tile configs")
     parser.add_argument("--backward", action="store_true", help="time bwd and fwd+bwd instead of the forward")
+    parser.add_argument("--head-split", action="store_true", help="time head dims padded and in column parts (FLASHLITE_HEAD_SPLIT)")
     parser.add_argument("--name", help="results' file stem (default attention, or attention_backward)")
     args = parser.parse_args(argv)
-    if args.backward:
+    if args.head_split:
+        run_head_split(args)
+    elif args.backward:
         run_backward(args)
     elif args.tune:
         run_tune(args)

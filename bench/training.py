@@ -2,6 +2,7 @@
 
     python bench/training.py [--steps 6] [--out DIR]
     python bench/training.py --packed [--steps 6] [--out DIR]   # padding-free fine-tuning -> training_packed.*
+    python bench/training.py --packed --profile   # and each layout's step under torch.profiler -> training_packed_profile.txt
 
 Two models, each trained for ``--steps`` timed steps (after two untimed ones) with attention by flashlite and by
 SDPA (PyTorch's default backend choice), from the same initial weights and batches:
@@ -142,10 +143,11 @@ def packed_documents_batch(lengths: list[int], vocab: int, device) -> dict:
 
 
 def packed_llama(attention: str, layout: str, lengths: list[int], steps: int, config_kw: dict | None = None,
-                 device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> float:
+                 device: str = "cuda", dtype: torch.dtype = torch.bfloat16, profile: list | None = None) -> float:
     """Tokens/s (documents' tokens) of fine-tuning steps of a Llama (the D = 128 one of ``llama``, or
     ``config_kw``) with ``attention`` ("flashlite" or "sdpa") on the documents ``lengths`` laid out as ``layout``
-    (``packed_documents_batch``)."""
+    (``packed_documents_batch``). ``profile``: a list that gets one step's torch.profiler table (the kernels
+    and operators of most device time) after the timed steps."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import flashlite.integrations.transformers as fl_hf
@@ -167,7 +169,15 @@ def packed_llama(attention: str, layout: str, lengths: list[int], steps: int, co
         loss.backward()
         optimizer.step()
 
-    return tokens_per_s(step, 1, sum(lengths), steps)
+    rate = tokens_per_s(step, 1, sum(lengths), steps)
+    if profile is not None:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            _synchronize()
+        profile.append(f"## {attention} {layout}: {rate:,.0f} tokens/s\n"
+                       + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    return rate
 
 
 PACKED_TOKENS = 16384
@@ -179,8 +189,9 @@ def run_packed(args) -> None:
 
     lengths = document_lengths("longtail", PACKED_TOKENS)
     rows = []
+    profiles = [] if args.profile else None
     for attention, layout in (("flashlite", "packed"), ("sdpa", "packed"), ("flashlite", "padded")):
-        rate = packed_llama(attention, layout, lengths, args.steps)
+        rate = packed_llama(attention, layout, lengths, args.steps, profile=profiles)
         rows.append({"attention": attention, "layout": layout, "tokens_per_s": rate})
         torch.cuda.empty_cache()
         print(f"{attention} {layout}: {rate:,.0f} tokens/s", flush=True)
@@ -193,6 +204,11 @@ def run_packed(args) -> None:
     write_results("training_packed", results_dir(args.out), meta, rows, cols,
                   "Padding-free fine-tuning steps, tokens/s of the documents (bf16)")
     print(markdown_table(rows, cols))
+    if profiles:
+        path = os.path.join(results_dir(args.out), "training_packed_profile.txt")
+        with open(path, "w") as f:
+            f.write(f"# {environment()['command']}\n\n" + "\n\n".join(profiles) + "\n")
+        print(f"wrote {path}")
 
 
 def main() -> None:
@@ -200,6 +216,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=None)
     parser.add_argument("--packed", action="store_true", help="padding-free fine-tuning instead (training_packed.*)")
+    parser.add_argument("--profile", action="store_true", help="with --packed: one step of each under torch.profiler")
     args = parser.parse_args()
     if args.packed:
         run_packed(args)

@@ -138,12 +138,12 @@ def test_kernels_build_with_products_in_flight():
 
 
 def test_backward_head_split_switch(monkeypatch):
-    # Off unless FLASHLITE_HEAD_SPLIT=1 (not yet run on a GPU): both kernels then load 129..192 in two parts.
+    # On unless FLASHLITE_HEAD_SPLIT=0: both kernels load 129..192 in two parts; off, padded to 256.
     monkeypatch.delenv("FLASHLITE_HEAD_SPLIT", raising=False)
-    assert [backward_hopper.column_parts(d) for d in (64, 160, 192, 256)] == [(64,), (256,), (256,), (256,)]
-    monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1")
     assert [backward_hopper.column_parts(d) for d in (64, 144, 160, 176, 192, 256)] == [
         (64,), (128, 32), (128, 32), (128, 64), (128, 64), (256,)]
+    monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "0")
+    assert [backward_hopper.column_parts(d) for d in (64, 160, 192, 256)] == [(64,), (256,), (256,), (256,)]
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", [(192, 192), (160, 160), (192, 128), (128, 192), (176, 144),

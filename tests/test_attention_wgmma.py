@@ -229,14 +229,14 @@ def test_head_dim_parts():
 
 
 def test_head_split_switch(monkeypatch):
-    # Off unless FLASHLITE_HEAD_SPLIT=1 (the split kernels have not run on a GPU yet); on, both kernels split
-    # (D = 96 takes the warp-specialized kernel, or the other one for short causal calls).
-    monkeypatch.delenv("FLASHLITE_HEAD_SPLIT", raising=False)
-    assert not plan.head_split_enabled()
-    assert fw.column_parts(192) == (256,) and fw.column_parts(96) == (128,)
+    # On unless FLASHLITE_HEAD_SPLIT=0 (then padded); on, both kernels split (D = 96 takes the warp-specialized
+    # kernel, or the other one for short causal calls).
     monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "0")
     assert not plan.head_split_enabled()
+    assert fw.column_parts(192) == (256,) and fw.column_parts(96) == (128,)
     monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1")
+    assert plan.head_split_enabled()
+    monkeypatch.delenv("FLASHLITE_HEAD_SPLIT", raising=False)
     assert plan.head_split_enabled()
     assert fw.column_parts(192) == (128, 64) and fw.column_parts(160) == (128, 32)
     assert fw.column_parts(96) == (64, 32) and fw.column_parts(80) == (64, 16)

@@ -7,8 +7,8 @@ element the kernels forget to write fails. The matrix is FlashAttention's
 (its ten seqlen pairs, head dims 32..256, powers of two and not, fp16 and bf16),
 MHA/GQA/MQA, causal and not, forward and both backward paths (the Hopper kernels
 take the head dims and calls they serve, the tl kernels the rest). Head dims of 65 to 96 and 129 to 192 in two
-column parts on the Hopper forward (``FLASHLITE_HEAD_SPLIT=1``, issue 44: off by default until these tests pass)
-have tests of their own at the end.
+column parts on the Hopper kernels (the default; ``FLASHLITE_HEAD_SPLIT=0`` pads them) have tests of their own
+at the end, which also check which kernel and widths ran.
 """
 
 import math

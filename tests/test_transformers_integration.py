@@ -56,7 +56,7 @@ def test_register():
 @pytest.mark.parametrize("padded", [False, True])
 def test_logits_match_eager_and_sdpa(padded):
     # Unpadded: transformers passes no mask and the layer's is_causal (flash_attention(causal=True));
-    # padded: a boolean (B, 1, L, L) mask, True = keep, causal included.
+    # padded: the (B, 1, 1, L) ids of ``padded_documents`` (the hook's mask builder), run as variable-length rows.
     flash, eager, sdpa = tiny_llamas(fl_hf.NAME, "eager", "sdpa")
     ids, mask = batch()
     kw = dict(attention_mask=mask) if padded else {}
@@ -411,8 +411,19 @@ def test_packed_documents_only_from_transformers_packed_causal_mask():
     chunked = mu.and_masks(mu.chunked_overlay(2, torch.zeros(1, dtype=torch.long)), mu.causal_mask_function)
     assert fl_hf.packed_documents(packed(chunked), local_size=2) is None
     assert fl_hf.packed_documents(mu.causal_mask_function) is None  # not packed
-    cu, longest = fl_hf.document_sequences(torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 2]]))
-    assert cu.tolist() == [0, 2, 5, 6, 9, 10] and cu.dtype == torch.int32 and longest == 3
+    # Up to transformers 5.17 the causal mask (or its window) is on token indices, not remapped to positions.
+    assert torch.equal(fl_hf.packed_documents(mu.and_masks(mu.causal_mask_function,
+                                                           mu.packed_sequence_mask_function(documents))), documents)
+    assert torch.equal(fl_hf.packed_documents(mu.and_masks(window, mu.packed_sequence_mask_function(documents)),
+                                              local_size=3), documents)
+    assert fl_hf.packed_documents(mu.and_masks(overlay, mu.packed_sequence_mask_function(documents))) is None
+    assert fl_hf.packed_documents(mu.and_masks(mu.packed_sequence_mask_function(documents),
+                                               mu.causal_mask_function)) is None  # not transformers' order
+    cu, longest, tokens = fl_hf.document_sequences(torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 2]]))
+    assert cu.tolist() == [0, 2, 5, 6, 9, 10] and cu.dtype == torch.int32 and longest == 3 and tokens is None
+    # Padding (-1, ``padded_documents``) is in no sequence: the tokens' flat indices come back.
+    cu, longest, tokens = fl_hf.document_sequences(torch.tensor([[-1, -1, 0, 0, 0], [0, 0, 0, 0, -1]]))
+    assert cu.tolist() == [0, 3, 7] and longest == 4 and tokens.tolist() == [2, 3, 4, 5, 6, 7, 8]
     with pytest.raises(ValueError, match="document ids"):  # an integer mask of another shape
         fl_hf.attention_forward(torch.nn.Module(), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
                                 torch.randn(1, 2, 4, 16), torch.ones(1, 1, 4, 4, dtype=torch.int64))
@@ -426,3 +437,46 @@ def test_packed_row_detection():
     assert cu_q.tolist() == [0, 3, 5, 6] and max_q == max_k == 3  # the longest read from the lengths
     assert fl_hf.packed_sequences(q, dict(cu_seq_lens_q=cu, max_length_q=7, max_length_k=7))[2:] == (7, 7)
     assert fl_hf.packed_sequences(torch.randn(2, 4, 6, 16), dict(cu_seq_lens_q=cu)) is None  # not one row
+
+
+def test_padded_rows_run_as_variable_length_sequences(monkeypatch):
+    # A 2-D padding mask under the causal mask: the builder hands over (B, 1, 1, L) ids (``padded_documents``) and
+    # the hook runs the rows' tokens as variable-length sequences (no L x L mask), left- or right-padded; padding
+    # between a row's tokens keeps transformers' boolean mask, and no padding at all the plain causal call. Logits
+    # at the tokens, the loss and every gradient against eager's.
+    flash, eager = tiny_llamas(fl_hf.NAME, "eager")
+    seen = []
+    forward = fl_hf.attention_forward
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        seen.append(None if attention_mask is None else attention_mask.dtype)
+        return forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(fl_hf, "attention_forward", spy)
+    fl_hf.register()
+    ids, left = batch()
+    right = left.flip(-1)
+    holes = torch.ones_like(left)
+    holes[0, 3:5] = 0  # padding between tokens
+    for mask, kind in ((left, torch.int64), (right, torch.int64), (holes, torch.bool), (torch.ones_like(left), None)):
+        seen.clear()
+        # Targets only where a token predicts a token: the output rows of padding are zeros here (FlashAttention's
+        # convention), and eager's are its uniform average over keys, so a pad must predict nothing.
+        predicted_by_pad = torch.zeros_like(mask, dtype=torch.bool)
+        predicted_by_pad[:, 1:] = mask[:, :-1] == 0
+        labels = ids.masked_fill((mask == 0) | predicted_by_pad, -100)
+        out = flash(ids, attention_mask=mask, labels=labels)
+        out_eager = eager(ids, attention_mask=mask, labels=labels)
+        assert seen and all(dtype == kind for dtype in seen), (kind, seen)
+        real = mask.bool()
+        torch.testing.assert_close(out.logits[real], out_eager.logits[real], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.loss, out_eager.loss, atol=1e-5, rtol=1e-5)
+        grads = torch.autograd.grad(out.loss, list(flash.parameters()))
+        grads_eager = torch.autograd.grad(out_eager.loss, list(eager.parameters()))
+        for g, g_eager in zip(grads, grads_eager):
+            torch.testing.assert_close(g, g_eager, atol=1e-5, rtol=1e-4)
+    padded = fl_hf.padded_documents(left)
+    assert padded.dtype == torch.int64 and torch.equal(padded, torch.where(left.bool(), 0, -1))
+    assert fl_hf.padded_documents(holes) is None and fl_hf.padded_documents(torch.ones_like(left)) is None
+    monkeypatch.setattr(fl_hf, "attention_forward", forward)
+    fl_hf.register()

@@ -37,8 +37,8 @@ differ), tensors TMA accepts. Gluon has no interpreter: ``pytest -m gpu`` checks
 against float64 (tests/test_gpu_attention.py, every path); on CPU tests/test_attention_backward_wgmma.py
 builds them for sm_90 and checks that their products stay in flight.
 
-Head dims as sums of power-of-two parts (``FLASHLITE_HEAD_SPLIT=1``, off by default: built for sm_90 on CPU,
-not yet run on a GPU). Padded, D = 192 runs D = 256's products, a quarter of them on zeros. Split, both kernels
+Head dims as sums of power-of-two parts (``plan.head_split_enabled``; ``FLASHLITE_HEAD_SPLIT=0`` pads them
+instead). Padded, D = 192 runs D = 256's products, a quarter of them on zeros. Split, both kernels
 load Q/K's head dim, and V/dO's on its own, in column parts (``plan.head_dim_parts``: 192 = 128 + 64, 160 =
 128 + 32; ``gluon_tiles``' column-part helpers, as the forward): one TMA box and one shared-memory buffer a
 part, one mbarrier a tile counting the bytes of all; every product contracting over a head dim (Sᵀ, dPᵀ; S,
@@ -502,8 +502,8 @@ SPLIT_PADDED_HEAD_DIM = 256
 
 
 def column_parts(head_dim: int) -> tuple[int, ...]:
-    """The column parts both kernels load a head dim in: ``plan.head_dim_parts``' under ``FLASHLITE_HEAD_SPLIT=1``
-    (``plan.head_split_enabled``, off by default: not yet run on a GPU) for head dims padded to
+    """The column parts both kernels load a head dim in: ``plan.head_dim_parts``' while
+    ``plan.head_split_enabled`` (unless ``FLASHLITE_HEAD_SPLIT=0``) for head dims padded to
     ``SPLIT_PADDED_HEAD_DIM``, else one part, the padded head dim."""
     if head_split_enabled() and head_dim_padded(head_dim) == SPLIT_PADDED_HEAD_DIM:
         return head_dim_parts(head_dim)
@@ -530,8 +530,8 @@ class HopperBackwardLaunch:
     ``variant_scalars``/``variant_meta``: ``plan.variant_args``' (the softcap in base-2 units); ``has_alibi``:
     calls bring the (B, H) slopes.
 
-    Head dims are loaded in boxes as wide as the padded head dim (TMA zero-fills past D). Under
-    ``FLASHLITE_HEAD_SPLIT=1`` (off by default: not yet run on a GPU) D and Dv of 129 to 192 are loaded in two
+    Head dims are loaded in boxes as wide as the padded head dim (TMA zero-fills past D). Unless
+    ``FLASHLITE_HEAD_SPLIT=0``, D and Dv of 129 to 192 are loaded in two
     column parts (``column_parts``: 192 = 128 + 64, 160 = 128 + 32), on the tiles of the padded head dim (256:
     two warpgroups splitting the columns of every part), and run the products of 192 (160) columns, not 256.
     ``parts = (q_parts, v_parts)``: the widths chosen (the tests read them).

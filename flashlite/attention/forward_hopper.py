@@ -46,8 +46,8 @@ merged into every row's final state (``merge_sink``); V and O may be narrower or
 windows (K/V tiles outside a program's window never loaded), GQA/MQA, any lengths, Q/K/V whose strides TMA
 accepts (16-byte aligned), on Hopper.
 
-Head dims as sums of power-of-two parts (``FLASHLITE_HEAD_SPLIT=1``, off by default: built for sm_90 on CPU,
-not yet run on a GPU). Padded, D = 192 runs D = 256's products, a third of them on zeros, and D = 96 D = 128's,
+Head dims as sums of power-of-two parts (``plan.head_split_enabled``; ``FLASHLITE_HEAD_SPLIT=0`` pads them
+instead). Padded, D = 192 runs D = 256's products, a third of them on zeros, and D = 96 D = 128's,
 a quarter. Split, both kernels load Q/K's head dim, and V/O's on its own, in column parts
 (``plan.head_dim_parts``: 192 = 128 + 64, 160 = 128 + 32 in the kernel that is not warp-specialized; 96 = 64 +
 32, 80 = 64 + 16 mostly in the warp-specialized one), one TMA box and one shared-memory buffer a part (the
@@ -150,7 +150,7 @@ if gluon is not None:
     # ------------------------------------------------ column parts: a head dim as a sum of power-of-two widths
     #
     # Q/K's head dim and V/O's are each loaded in one or more column parts (``plan.head_dim_parts``: usually
-    # one, the padded head dim; 192 = 128 + 64, 96 = 64 + 32 and so on under FLASHLITE_HEAD_SPLIT=1). Every tile of
+    # one, the padded head dim; 192 = 128 + 64, 96 = 64 + 32 and so on unless FLASHLITE_HEAD_SPLIT=0). Every tile of
     # Q, K, V or O is then a tuple of one box (and one product operand) a part: S sums one product a part of
     # Q/K, and O is one accumulator a part of V/O. With one part each helper compiles to the code of a single
     # tile. The helpers the backward shares live in ``gluon_tiles``.
@@ -497,9 +497,8 @@ def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: 
 
 
 def column_parts(head_dim: int) -> tuple[int, ...]:
-    """The column parts the Hopper kernels (either) load a head dim in: ``plan.head_dim_parts``' under
-    ``FLASHLITE_HEAD_SPLIT=1`` (``plan.head_split_enabled``, off by default: not yet run on a GPU), else one part,
-    the padded head dim."""
+    """The column parts the Hopper kernels (either) load a head dim in: ``plan.head_dim_parts``' while
+    ``plan.head_split_enabled`` (unless ``FLASHLITE_HEAD_SPLIT=0``), else one part, the padded head dim."""
     if head_split_enabled():
         return head_dim_parts(head_dim)
     return (head_dim_padded(head_dim),)
@@ -541,7 +540,7 @@ class HopperForwardLaunch:
 
     Head dims are loaded in boxes as wide as the padded head dim: TMA fills the columns past D with zeros on
     loads and drops them on the output's store, so a head dim that is not a power of two costs the padded tile's
-    products. Under ``FLASHLITE_HEAD_SPLIT=1`` (off by default: the split kernels have not yet run on a GPU) both
+    products. Unless ``FLASHLITE_HEAD_SPLIT=0`` both
     kernels load D (and Dv) of 65 to 96 and 129 to 192 in two column parts instead (``column_parts``: 96 = 64 + 32,
     80 = 64 + 16, 192 = 128 + 64, 160 = 128 + 32), and run the products of 96 (80, 192, 160) columns, not 128
     (256).

@@ -118,8 +118,8 @@ if gluon is not None:
     # ------------------------------------------------ column parts: a head dim as a sum of power-of-two widths
     #
     # The Hopper kernels load Q/K's head dim, and V/O's on its own, in one or more column parts
-    # (``plan.head_dim_parts``: usually one, the padded head dim; 192 = 128 + 64 and 160 = 128 + 32 under
-    # FLASHLITE_HEAD_SPLIT=1). A tile is then a tuple of one box a part, a product contracting over the head dim
+    # (``plan.head_dim_parts``: usually one, the padded head dim; 192 = 128 + 64 and 160 = 128 + 32 unless
+    # FLASHLITE_HEAD_SPLIT=0). A tile is then a tuple of one box a part, a product contracting over the head dim
     # a sum of one wgmma a part chained on one accumulator (``sum_of_products``), and an accumulator whose columns
     # are the head dim one accumulator a part (``zero_accumulators``, ``accumulate_products``). With one part
     # each helper compiles to the code of a single tile.

@@ -170,7 +170,7 @@ def head_dim_padded(head_dim: int) -> int:
     return max(tuning.MIN_HEAD_DIM, triton.next_power_of_2(head_dim))
 
 
-# The head dims split into two column parts under FLASHLITE_HEAD_SPLIT=1 (``head_dim_parts``): (largest head dim,
+# The head dims split into two column parts (``head_dim_parts``; FLASHLITE_HEAD_SPLIT=0 pads them instead): (largest head dim,
 # its parts), the smallest range first. A part is a power of two of at least 16 columns: a TMA box's inner
 # dimension takes at least 16 bytes, and 16 is the K step of an fp16/bf16 wgmma. 97 to 127 stay padded to 128 (no
 # two parts fit them closer), and 193 to 255 to 256.
@@ -178,8 +178,8 @@ HEAD_DIM_SPLITS = ((80, (64, 16)), (96, (64, 32)), (160, (128, 32)), (192, (128,
 
 
 def head_dim_parts(head_dim: int) -> tuple[int, ...]:
-    """The column parts, powers of two, first to last, that the Hopper forward kernels load a head dim in under
-    ``FLASHLITE_HEAD_SPLIT=1`` (``head_split_enabled``): ``HEAD_DIM_SPLITS``' -- 65 to 80 -> (64, 16), 81 to 96 ->
+    """The column parts, powers of two, first to last, that the Hopper forward kernels load a head dim in while
+    ``head_split_enabled``: ``HEAD_DIM_SPLITS``' -- 65 to 80 -> (64, 16), 81 to 96 ->
     (64, 32), 129 to 160 -> (128, 32), 161 to 192 -> (128, 64); any other head dim is one part,
     ``head_dim_padded``. The parts' sum is the tile's width on chip: 96 (80) columns of products instead of the
     padded 128, a quarter (three eighths) fewer; 192 (160) instead of 256, a third (three eighths) fewer."""
@@ -191,14 +191,15 @@ def head_dim_parts(head_dim: int) -> tuple[int, ...]:
 
 
 def head_split_enabled() -> bool:
-    """True when ``FLASHLITE_HEAD_SPLIT=1``: the Hopper forward kernels (the warp-specialized one too) load head
+    """True unless ``FLASHLITE_HEAD_SPLIT=0``: the Hopper forward kernels (the warp-specialized one too) load head
     dims of 65 to 96 and 129 to 192 in two column parts (``head_dim_parts``) rather than padded to 128 and 256,
     and the Hopper backward's two passes those of 129 to 192 (``backward_hopper.column_parts``).
 
-    Off by default: the split kernels are built for sm_90 on CPU (tests/test_attention_wgmma.py,
-    tests/test_attention_backward_wgmma.py) but have not yet run on a GPU; tests/test_gpu_attention.py checks them there against float64 before it may become the default.
+    On by default since they ran on the H200: tests/test_gpu_attention.py checks them against float64, and
+    bench/results/h200/attention_head_split.json times them beside the padded kernels (1.0-1.8x forward,
+    1.1-1.25x backward at D 160/192; even at D 96). ``FLASHLITE_HEAD_SPLIT=0`` pads every head dim instead.
     Read when a call is planned (``api.clear_routes`` after changing it)."""
-    return os.environ.get("FLASHLITE_HEAD_SPLIT", "0") == "1"
+    return os.environ.get("FLASHLITE_HEAD_SPLIT", "1") != "0"
 
 
 def default_config(

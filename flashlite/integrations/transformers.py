@@ -26,9 +26,16 @@ That builder gives
 
 * None when the mask is plain causal (no padding, Lq == Lk or Lq == 1): then
   the layer's ``is_causal`` decides, as in SDPA;
+* for rows padded by a 2-D ``attention_mask`` under the causal mask (or its sliding
+  window), Lq == Lk from position 0 (training, a prefill), each row's tokens one
+  run (left or right padding): their ids, an int64 (B, 1, 1, L) tensor, 0 on tokens
+  and -1 on padding (``padded_documents``; one host read); the hook runs the tokens
+  as variable-length sequences (``flash_attention_varlen``) and writes zeros at the
+  padding, as FlashAttention's path through transformers does (eager's rows there
+  average the values: only a target predicted from a padding position sees it);
 * else a boolean (B, 1, Lq, Lk) mask, **True = keep**: flashlite's convention,
-  passed through as is. With left padding, the queries at padding positions
-  see no key; flash_attention gives them zeros (SDPA would give NaN).
+  passed through as is. The queries that see no key get zeros (SDPA would give
+  NaN).
 
 Sliding windows (Mistral, Gemma-2, gpt-oss). transformers' window keeps keys
 ``kv > q - sliding_window`` (the query and ``sliding_window - 1`` before it), and
@@ -37,8 +44,9 @@ builder (``window_mask``) checks that the layer's mask function is that window
 (not a chunked one), and then lets SDPA's builder skip the mask wherever it
 would skip a plain causal one; the layer passes ``sliding_window``, and the hook
 gives ``flash_attention`` ``window_size=(sliding_window - 1, 0)``: no L×L mask is
-built or read, and the kernels skip the key tiles outside the window. With
-padding the window is in the built mask as before.
+built or read, and the kernels skip the key tiles outside the window. Padded rows
+take the window to the variable-length call; padding between a row's tokens, or a
+cache's offsets, put it in the built mask as before.
 
 Packed batches (padding-free training: several documents in one row). Two ways in, neither builds an L×L
 mask:
@@ -69,7 +77,7 @@ from ..attention import flash_attention, flash_attention_varlen
 NAME = "fl_attention"
 _RESERVED_SUBSTRINGS = ("flash", "sdpa", "flex", "paged")
 
-__all__ = ["NAME", "attention_forward", "document_sequences", "is_sliding_window", "packed_documents",
+__all__ = ["NAME", "attention_forward", "document_sequences", "is_sliding_window", "packed_documents", "padded_documents",
            "packed_sequences", "register", "window_mask"]
 
 
@@ -86,16 +94,36 @@ def packed_sequences(query: torch.Tensor, kwargs: dict) -> tuple | None:
     return cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous(), int(max_q), int(max_k)
 
 
-def document_sequences(documents: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(cu_seqlens, max_seqlen)`` of the B·L tokens of (B, L) document ids (transformers' packed-sequence ids:
-    equal within a document, changing where one starts), rows flattened one after the other: a sequence starts
-    at every row's first token and wherever the id changes. Reads two values on the host (how many sequences,
-    the longest), as FlashAttention's path through transformers does."""
-    starts = torch.ones(documents.shape, dtype=torch.bool, device=documents.device)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    first = starts.flatten().nonzero().flatten()
-    cu_seqlens = torch.cat([first, first.new_tensor([documents.numel()])]).to(torch.int32)
-    return cu_seqlens, int(cu_seqlens.diff().max())
+def document_sequences(documents: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """``(cu_seqlens, max_seqlen, tokens)`` of the B·L tokens of (B, L) document ids (transformers' packed-sequence
+    ids: equal within a document, changing where one starts; -1 on padding, ``padded_documents``), rows flattened
+    one after the other: a sequence starts at every row's first token and wherever the id changes; padding is in
+    none. ``tokens``: the flat indices of the tokens the sequences hold, in order, or None when they hold all.
+    Reads two values on the host (how many tokens and sequences, the longest), as FlashAttention's path through
+    transformers does."""
+    flat = documents.flatten()
+    tokens = (flat >= 0).nonzero().flatten()
+    ids, rows = flat[tokens], tokens // documents.shape[-1]
+    starts = torch.ones_like(tokens, dtype=torch.bool)
+    starts[1:] = (ids[1:] != ids[:-1]) | (rows[1:] != rows[:-1])
+    first = starts.nonzero().flatten()
+    cu_seqlens = torch.cat([first, first.new_tensor([tokens.numel()])]).to(torch.int32)
+    longest = int(cu_seqlens.diff().max()) if first.numel() else 0
+    return cu_seqlens, longest, (None if tokens.numel() == flat.numel() else tokens)
+
+
+def padded_documents(padding_mask: torch.Tensor) -> torch.Tensor | None:
+    """The (B, L) ids ``document_sequences`` takes for rows padded as transformers' 2-D ``attention_mask``
+    ((B, L), 1 or True on tokens, 0 or False on padding) says: 0 on tokens, -1 on padding; None when nothing is
+    padded (the plain causal call is faster), or when padding lies between a row's tokens (its causal window on
+    indices would then not be the one on the tokens that ``flash_attention_varlen`` applies). Reads two values
+    on the host."""
+    real = padding_mask.bool()
+    runs = real[:, 0].long() + (real[:, 1:] & ~real[:, :-1]).sum(1)  # runs of tokens a row
+    pads, most_runs = torch.stack([(~real).sum(), runs.max()]).tolist()
+    if pads == 0 or most_runs > 1:
+        return None
+    return torch.where(real, 0, -1).to(torch.int64)
 
 
 def attention_forward(
@@ -163,9 +191,11 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D)
 
 
-def _attend_packed(module, query, key, value, scaling, packed, kwargs) -> torch.Tensor:
+def _attend_packed(module, query, key, value, scaling, packed, kwargs, tokens=None) -> torch.Tensor:
     """``flash_attention_varlen`` on packed rows, ``packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k)`` over their B·L tokens: (B, H, L, D) in, (B, L, H, D) contiguous out."""
+    max_seqlen_k)`` over their B·L tokens (``tokens``: only those flat indices, the rest padding, whose output
+    rows are zeros as in FlashAttention's path through transformers): (B, H, L, D) in, (B, L, H, D) contiguous
+    out."""
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = None
@@ -173,16 +203,21 @@ def _attend_packed(module, query, key, value, scaling, packed, kwargs) -> torch.
         window = (int(kwargs["sliding_window"]) - 1, 0)
     batch, seqlen = query.shape[0], query.shape[2]
     q, k, v = (t.transpose(1, 2).reshape(batch * seqlen, t.shape[1], t.shape[3]) for t in (query, key, value))
+    if tokens is not None:
+        q, k, v = (t.index_select(0, tokens) for t in (q, k, v))
     out = flash_attention_varlen(q, k, v, *packed, causal=causal, scale=scaling, window_size=window,
                                  softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+    if tokens is not None:
+        out = out.new_zeros(batch * seqlen, *out.shape[1:]).index_copy(0, tokens, out)
     return out.view(batch, seqlen, *out.shape[1:]).contiguous()
 
 
 def _attend_documents(module, query, key, value, scaling, documents, kwargs) -> torch.Tensor:
-    """Packed rows given by their (B, L) document ids (``packed_documents``): ``_attend_packed`` on their
-    sequences (``document_sequences``)."""
-    cu_seqlens, longest = document_sequences(documents)
-    return _attend_packed(module, query, key, value, scaling, (cu_seqlens, cu_seqlens, longest, longest), kwargs)
+    """Packed or padded rows given by their (B, L) document ids (``packed_documents``, ``padded_documents``):
+    ``_attend_packed`` on their sequences (``document_sequences``)."""
+    cu_seqlens, longest, tokens = document_sequences(documents)
+    return _attend_packed(module, query, key, value, scaling, (cu_seqlens, cu_seqlens, longest, longest), kwargs,
+                          tokens)
 
 
 def is_sliding_window(mask_function, window: int) -> bool:
@@ -210,26 +245,31 @@ def _closure(fn, like) -> dict | None:
 
 def packed_documents(mask_function, local_size: int | None = None) -> torch.Tensor | None:
     """The (B, L) document ids of packed rows when ``mask_function`` is transformers' mask of them and nothing
-    else: the causal mask (with ``local_size``, its sliding window of that many keys) on the rows' positions,
-    and-ed with the documents' block diagonal (``masking_utils``: ``and_masks(remap_positions_for_packed_sequence
-    (causal, position_ids), packed_sequence_mask_function(documents))``); None for any other mask, or where this
-    transformers builds it otherwise. Within a document the positions count up by one, so the causal mask (and
-    the window) on positions is the one on token indices that ``flash_attention_varlen`` applies."""
+    else: the causal mask (with ``local_size``, its sliding window of that many keys) and-ed with the documents'
+    block diagonal (``masking_utils``: ``and_masks(causal, packed_sequence_mask_function(documents))``, the causal
+    mask on token indices up to transformers 5.17, on the rows' positions, ``remap_positions_for_packed_sequence
+    (causal, position_ids)``, after); None for any other mask, or where this transformers builds it otherwise.
+    Within a document the positions count up by one, so the causal mask (and the window) on positions, or on
+    token indices, is the one on token indices that ``flash_attention_varlen`` applies."""
     try:
-        from transformers.masking_utils import (
-            and_masks, causal_mask_function, packed_sequence_mask_function, remap_positions_for_packed_sequence,
-        )
+        from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function
     except ImportError:  # pragma: no cover - transformers < 4.53: no packed-sequence masks
         return None
     probe = torch.zeros(1, 1, dtype=torch.long)
     outer = _closure(mask_function, and_masks(causal_mask_function))
     if outer is None or len(outer.get("mask_functions", ())) != 2:
         return None
-    remapped = _closure(outer["mask_functions"][0], remap_positions_for_packed_sequence(causal_mask_function, probe))
-    packed = _closure(outer["mask_functions"][1], packed_sequence_mask_function(probe))
-    if remapped is None or packed is None:
+    inner, documents = outer["mask_functions"]
+    packed = _closure(documents, packed_sequence_mask_function(probe))
+    if packed is None:
         return None
-    inner = remapped.get("mask_function")
+    try:  # transformers > 5.17: the causal mask on positions
+        from transformers.masking_utils import remap_positions_for_packed_sequence
+        remapped = _closure(inner, remap_positions_for_packed_sequence(causal_mask_function, probe))
+        if remapped is not None:
+            inner = remapped.get("mask_function")
+    except ImportError:
+        pass
     if local_size is None:
         causal = inner is causal_mask_function
     else:
@@ -237,24 +277,43 @@ def packed_documents(mask_function, local_size: int | None = None) -> torch.Tens
     return packed.get("packed_sequence_mask") if causal else None
 
 
-def _whole_rows(seqlen: int, builder_kwargs: dict) -> bool:
+def _whole_rows(seqlen: int, builder_kwargs: dict, padded: bool = False) -> bool:
     """True when a mask builder's call (its keywords, as ``create_causal_mask`` passes them) is for ``seqlen``
-    queries over as many keys, from position 0, without a padding mask: what packed rows are built for."""
+    queries over as many keys, from position 0, without a padding mask (``padded``: with one of (B, seqlen)): what
+    packed (padded) rows are built for."""
     kw = builder_kwargs
-    return (kw.get("q_length") == kw.get("kv_length") == seqlen and kw.get("attention_mask") is None
+    padding = kw.get("attention_mask")
+    rows_padded = padding is not None and padding.dim() == 2 and padding.shape[-1] == seqlen
+    return (kw.get("q_length") == kw.get("kv_length") == seqlen and (rows_padded if padded else padding is None)
             and not kw.get("q_offset", 0) and not kw.get("kv_offset", 0))
+
+
+def _causal(mask_function, local_size: int | None) -> bool:
+    """True when transformers' ``mask_function`` is its causal mask, or with ``local_size`` its sliding window."""
+    from transformers.masking_utils import causal_mask_function
+
+    if local_size is None:
+        return mask_function is causal_mask_function
+    return is_sliding_window(mask_function, local_size)
 
 
 def window_mask(*args, local_size: int | None = None, mask_function=None, **kwargs):
     """SDPA's mask builder, but for a sliding window (``local_size``) it may return None where it would for a
     plain causal mask (no padding, Lq == Lk or Lq == 1): the hook then passes the window to the kernels. Packed
-    rows (``packed_documents``) get their document ids as an int64 (B, 1, 1, L) tensor instead of a mask."""
+    rows (``packed_documents``), and rows padded by a 2-D ``attention_mask`` under the causal mask (or its window;
+    ``padded_documents``), get their document ids as an int64 (B, 1, 1, L) tensor instead of a mask: the hook runs
+    them as variable-length sequences, never forming an L x L mask."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     sdpa = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
     documents = packed_documents(mask_function, local_size) if mask_function is not None else None
     if documents is not None and _whole_rows(documents.shape[-1], kwargs):
         return documents.to(torch.int64)[:, None, None, :]
+    if mask_function is not None and kwargs.get("q_length") is not None and _causal(mask_function, local_size):
+        if _whole_rows(kwargs["q_length"], kwargs, padded=True):
+            documents = padded_documents(kwargs["attention_mask"])
+            if documents is not None:
+                return documents[:, None, None, :]
     if mask_function is not None:
         kwargs["mask_function"] = mask_function
     if local_size is not None and mask_function is not None and is_sliding_window(mask_function, local_size):
