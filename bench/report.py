@@ -101,6 +101,19 @@ def training_table(data: dict) -> str:
     return _table(["model", "flashlite tokens/s", "SDPA tokens/s", "× SDPA"], rows)
 
 
+def training_packed_table(data: dict) -> str:
+    rows = [[r["attention"], r["layout"], r["tokens_per_s"], f"{1 / r['x_flashlite_packed']:.2f}"] for r in data["rows"]]
+    return _table(["attention", "layout", "tokens/s (documents' tokens)", "× flashlite packed"], rows)
+
+
+def head_split_table(data: dict) -> str:
+    rows = [[r["D"], "yes" if r["causal"] else "no", r["L"], r["padded_fwd"], r["split_fwd"], r["fa4_fwd"],
+             r["cudnn_fwd"], _ratio(r["x_fa4_fwd"]), r["padded_bwd"], r["split_bwd"], r["fa4_bwd"], r["cudnn_bwd"],
+             _ratio(r["x_fa4_bwd"])] for r in data["rows"]]
+    return _table(["D", "causal", "L", "fwd padded", "fwd split", "fwd FA4", "fwd cuDNN", "split × FA4",
+                   "bwd padded", "bwd split", "bwd FA4", "bwd cuDNN", "split × FA4"], rows)
+
+
 def masked_table(data: dict) -> str:
     rows = [[r["mask"], _short(r["dtype"]), f"{r['B']}×{r['H']}×{r['L']}²", r["flashlite"], f"{r['frac_copy']:.0%}",
              r["torch"], r["compile"], f"{r['x_compile']:.2f}"] for r in data["rows"]]
@@ -163,9 +176,14 @@ SECTIONS = [
     ("attention_backward_fa4", "Attention backward beside FlashAttention-4 (`bench/attention.py --backward "
      "--lengths 2048 8192 --name attention_backward_fa4`): TFLOP/s", backward_table),
     ("attention_head_dims", "Attention forward at other head dims (`bench/attention.py --head-dims 96 192 256 "
-     "--lengths 4096`): TFLOP/s", attention_table),
+     "--lengths 4096`): TFLOP/s; D 96/192 measured padded, before column parts became the default (next table)",
+     attention_table),
     ("attention_backward_head_dims", "Attention backward at other head dims (`bench/attention.py --backward "
-     "--head-dims 96 192 256 --lengths 4096`): TFLOP/s", backward_table),
+     "--head-dims 96 192 256 --lengths 4096`): TFLOP/s; D 192 measured padded, before column parts became the "
+     "default (next table)", backward_table),
+    ("attention_head_split", "Head dims in column parts (`bench/attention.py --head-split --head-dims 96 192 160 "
+     "--lengths 4096`): TFLOP/s padded (`FLASHLITE_HEAD_SPLIT=0`) and split (the default), bf16, H = 16",
+     head_split_table),
     ("variants", "Attention variants (`bench/variants.py`): TFLOP/s against the plain call and FlexAttention, bf16, "
      "causal, H = 32, H_kv = 8", variants_table),
     ("variants_window", "Sliding window (`bench/variants.py --window`): causal, 4096 keys, D = 128, TFLOP/s on the "
@@ -173,6 +191,8 @@ SECTIONS = [
     ("variants_head_dim_v", "V head dim of its own (`bench/variants.py --head-dim-v`): D = 192, Dv = 128 against "
      "D = Dv = 192 and SDPA, TFLOP/s (2·B·H·L²·(D + Dv), halved causal), bf16, H = 32, H_kv = 8", head_dim_v_table),
     ("training", "Training steps (`bench/training.py`): tokens/s, bf16, same model, data and weights", training_table),
+    ("training_packed", "Padding-free fine-tuning (`bench/training.py --packed`): a 4-layer D = 128 Llama on 34 "
+     "documents, 16K tokens, packed by position_ids or padded", training_packed_table),
     ("masked_softmax", "Masked softmax (`bench/masked_softmax.py`): effective GB/s", masked_table),
     ("decode", "Decoding (`bench/decode.py --quick`): Lq = 1, bf16, H = 32, D = 128, K/V GB/s, eager", decode_table),
     ("call_path", "Decoding calls (`bench/call_path.py`): eager µs per call against the fastest SDPA backend, "
