@@ -459,6 +459,8 @@ def run_tune(args) -> None:
 WGMMA_TUNE_SHAPES = {
     64: [(1024, False), (1024, True), (2048, True), (4096, False), (4096, True)],
     128: [(length, causal) for length in (512, 1024, 2048, 4096, 16384, 65536) for causal in (False, True)],
+    96: [(4096, False), (4096, True)],
+    192: [(4096, False), (4096, True)],
 }
 WGMMA_TUNE_CONFIGS = {
     64: [WgmmaConfig(64, 128, 4, 2), WgmmaConfig(64, 64, 4, 2),
@@ -466,7 +468,26 @@ WGMMA_TUNE_CONFIGS = {
     128: [WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True),
           WgmmaConfig(64, 64, 4, 4, True, warp_specialized=True),
           WgmmaConfig(64, 64, 4, 2, True), WgmmaConfig(64, 64, 4, 2)],
+    # In column parts (96 = 64 + 32, 192 = 128 + 64): the smaller tiles leave room for more K/V buffers (sm_90
+    # builds: D = 192 with two 128-key buffers takes 221 KB, 224 registers, no spills).
+    96: [WgmmaConfig(64, 128, 4, 2, True, warp_specialized=True), WgmmaConfig(64, 128, 4, 3, True, warp_specialized=True),
+         WgmmaConfig(64, 128, 4, 2), WgmmaConfig(64, 128, 4, 3)],
+    192: [WgmmaConfig(64, 128, 4, 1), WgmmaConfig(64, 128, 4, 2), WgmmaConfig(64, 64, 4, 2), WgmmaConfig(64, 64, 4, 3)],
 }
+
+
+def config_error(config: WgmmaConfig, head_dim: int, causal: bool) -> float:
+    """Largest |error| of the Hopper kernel under ``config`` against float64 on a GQA call of partial edge tiles
+    (Lq 1008, Lk 1776: multiples of 16, as the timed calls, so no new build): a tuning table's check that a config
+    it could pick computes the right thing (the tests' matrix is pytest's)."""
+    q = torch.randn(1, 4, 1008, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 1776, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = attention_forward_hopper(q, k, v, causal, 1 / math.sqrt(head_dim), False, config)[0]
+    kr, vr = (t.double().repeat_interleave(2, dim=1) for t in (k, v))
+    s = (q.double() @ kr.transpose(-1, -2)) / math.sqrt(head_dim)
+    if causal:
+        s = s.masked_fill(~torch.ones(1008, 1776, dtype=torch.bool, device="cuda").tril(1776 - 1008), float("-inf"))
+    return (out.double() - torch.softmax(s, dim=-1) @ vr).abs().max().item()
 
 
 def _wgmma_config_str(c) -> str:
@@ -494,13 +515,14 @@ def run_tune_wgmma(args) -> None:
                 run = functools.partial(attention_forward_hopper, q, k, v, causal, 1 / math.sqrt(head_dim), False, config)
                 value = tflops(flops, measure_ms(run))
                 mark = "*" if config == chosen else ""
-                cells.append(f"{_wgmma_config_str(config)}{mark} {value:.0f}" if value else "failed")
+                error = config_error(config, head_dim, causal) if value else None
+                cells.append(f"{_wgmma_config_str(config)}{mark} {value:.0f} (err {error:.1e})" if value else "failed")
             print(f"D={head_dim} L={length} B={batch} causal={causal!s:5}: cudnn {cudnn:.0f} tl-kernel {tl_value:.0f} | "
                   + "  ".join(cells), flush=True)
             del q, k, v
             torch.cuda.empty_cache()
     print("(TFLOP/s; * = the config wgmma_config picks; ws = a load warp and two softmax warpgroups sharing K/V tiles;"
-          " w4 = one warpgroup loading its own tiles; qreg = Q in registers)")
+          " w4 = one warpgroup loading its own tiles; qreg = Q in registers; err: against float64, Lq 1008, Lk 1776, GQA)")
 
 
 def _config_str(c) -> str:
