@@ -16,7 +16,7 @@ calls exceed when the host's launch cost shows. Modes:
     python bench/attention.py --tune-wgmma   # time the Hopper (Gluon) kernel's tile configs
     python bench/attention.py --backward # bwd and fwd+bwd TFLOP/s vs SDPA flash/cuDNN -> attention_backward.*
     python bench/attention.py --backward --head-dims 96 192 256 --lengths 4096 --name attention_backward_head_dims
-    python bench/attention.py --head-split --head-dims 80 96 160 192 --lengths 4096   # split on/off -> attention_head_split
+    python bench/attention.py --head-split --head-dims 96 192 160 --lengths 4096   # padded and split: attention_head_split
 
 GPU correctness (float64 references, poisoned memory, every head dim and kernel) is pytest's
 (pytest -m gpu): tests/test_gpu_attention.py, tests/test_gpu_decode.py and tests/test_gpu_backward.py.
@@ -272,14 +272,20 @@ def print_summary(rows: list[dict]) -> None:
 BACKWARD_PEERS = ("fa4", "flash", "cudnn")
 
 
-def measure_backward(length: int, head_dim: int, causal: bool, ceiling: float) -> dict:
-    """bwd and fwd+bwd TFLOP/s of flashlite and each peer; bwd alone re-runs autograd on one retained graph."""
+def backward_inputs(length: int, head_dim: int, causal: bool) -> tuple:
+    """``(q, k, v, do, fwd_flops, bwd_flops, row)`` of a backward measurement: q/k/v requiring gradients, the
+    output's gradient, both FLOP counts, and the result row's shape columns."""
     batch = batch_for(length)
     q, k, v = (t.requires_grad_() for t in make_qkv(batch, length, head_dim))
     do = torch.randn_like(q)
     fwd = attention_flops(batch, HEADS, length, length, head_dim, causal)
     bwd = backward_flops(batch, HEADS, length, length, head_dim, causal)
-    row = {"D": head_dim, "causal": causal, "L": length, "B": batch}
+    return q, k, v, do, fwd, bwd, {"D": head_dim, "causal": causal, "L": length, "B": batch}
+
+
+def measure_backward(length: int, head_dim: int, causal: bool, ceiling: float) -> dict:
+    """bwd and fwd+bwd TFLOP/s of flashlite and each peer; bwd alone re-runs autograd on one retained graph."""
+    q, k, v, do, fwd, bwd, row = backward_inputs(length, head_dim, causal)
     provs = providers(causal)
     for name in ("flashlite",) + BACKWARD_PEERS:
         def fwd_bwd(fn=provs[name], inputs=(q, k, v), do=do):
@@ -345,12 +351,7 @@ def measure_head_split(length: int, head_dim: int, causal: bool) -> dict:
     """Forward and backward TFLOP/s of flashlite with head dims padded (``padded``) and in column parts (``split``),
     beside FA4 and cuDNN on the same inputs; ``split_max_diff`` is the largest |split - padded| of the outputs and
     gradients (a sanity line: float64 checks are tests/test_gpu_attention.py's)."""
-    batch = batch_for(length)
-    q, k, v = (t.requires_grad_() for t in make_qkv(batch, length, head_dim))
-    do = torch.randn_like(q)
-    fwd = attention_flops(batch, HEADS, length, length, head_dim, causal)
-    bwd = backward_flops(batch, HEADS, length, length, head_dim, causal)
-    row = {"D": head_dim, "causal": causal, "L": length, "B": batch}
+    q, k, v, do, fwd, bwd, row = backward_inputs(length, head_dim, causal)
     provs = providers(causal)
     results = {}
     for name in ("padded", "split", "fa4", "cudnn"):

@@ -4,16 +4,12 @@ Gluon has no interpreter, so its gradients are checked on the GPU only (``pytest
 tests/test_gpu_attention.py runs FlashAttention's matrix on every backward path, tests/test_gpu_backward.py the
 bitwise repeatability of the two-pass path). Here, on CPU: the dispatch rules, and both kernels compiled for
 sm_90 (no GPU needed) keep a product in flight while the softmax-like work runs (``wgmma.wait_group 1``), move
-tiles by TMA, and add nothing by atomics (dQ is summed in a fixed order). Head dims in column parts
-(``FLASHLITE_HEAD_SPLIT=1``, issue 44): the switch, the descriptors a split backward launches with, and both split
-kernels built for sm_90 (one product a part, one accumulator a part of dK/dV/dQ, one TMA store a part).
+tiles by TMA, and add nothing by atomics (dQ is summed in a fixed order). Head dims in column parts (the
+default; ``FLASHLITE_HEAD_SPLIT=0`` pads them): the switch, the descriptors a split backward launches with, and
+both split kernels built for sm_90 (one product a part, one accumulator a part of dK/dV/dQ, one TMA store a part).
 """
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,8 +17,7 @@ import torch
 from flashlite.attention import backward, backward_hopper, plan, tuning
 from flashlite.attention import gluon_tiles
 
-from .test_attention_wgmma import ROOT
-from .utils import hopper_qkv, on_hopper
+from .utils import fresh_process_report, hopper_qkv, on_hopper
 
 pytestmark = pytest.mark.skipif(not gluon_tiles.wgmma_available(), reason="this Triton has no Gluon Hopper API")
 
@@ -121,12 +116,7 @@ def test_kernels_build_with_products_in_flight():
     cases = [("dkdv", 64, False, False), ("dkdv", 128, True, False), ("dkdv", 256, True, False),  # 256: split
              ("dkdv", 256, False, False), ("dkdv", 64, True, True),
              ("dq", 64, True, False), ("dq", 128, False, False), ("dq", 256, True, False), ("dq", 128, True, True)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"import json; from tests.test_attention_backward_wgmma import _build_report; "
-            f"print(json.dumps(_build_report({cases})))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = fresh_process_report("tests.test_attention_backward_wgmma", "_build_report", cases)
     for case, built in report.items():
         assert built["wgmma"] and built["tma_load"], case
         assert 1 in built["waits"], f"{case}: no product left in flight (waits {built['waits']})"
@@ -220,12 +210,7 @@ def test_split_kernels_build_with_products_in_flight():
               (192, 128, False, False, "float16"), (160, 160, True, False, "bfloat16"),
               (128, 192, True, False, "bfloat16"), (192, 192, True, True, "bfloat16")]  # (the last: every variant)
     cases = [(kernel, *shape) for kernel in ("dkdv", "dq") for shape in shapes]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"import json; from tests.test_attention_backward_wgmma import _split_build_report; "
-            f"print(json.dumps(_split_build_report({cases})))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = fresh_process_report("tests.test_attention_backward_wgmma", "_split_build_report", cases)
     config = tuning.WGMMA_BACKWARD_CONFIGS[256]
     for (kernel, head_dim, head_dim_v, causal, variants, dtype), built in zip(cases, report.values()):
         q_parts, v_parts = plan.head_dim_parts(head_dim), plan.head_dim_parts(head_dim_v)

@@ -9,18 +9,14 @@ default-variant case with D = 64/128, fp16/bf16 and no mask on it). Here, on CPU
   wgmma in flight while the softmax runs (``wgmma.wait_group 1`` in the PTX),
   which is the point of the module;
 * the descriptors built without the dataclass's checks equal checked ones;
-* head dims in column parts (``FLASHLITE_HEAD_SPLIT=1``, issue 44): which parts a head dim takes, the
+* head dims in column parts (the default; ``FLASHLITE_HEAD_SPLIT=0`` pads them): which parts a head dim takes, the
   descriptors a split call launches with, and both split kernels (the warp-specialized one at 65 to 96) built
   for sm_90 (one product a part, the P V products of every part of O in flight across the softmax:
   ``wgmma.wait_group 2``).
 """
 
 import dataclasses
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,10 +27,10 @@ from flashlite.attention import forward_hopper as fw
 from flashlite.attention import gluon_tiles
 from flashlite.core import tiles
 
-from .utils import HOPPER, hopper_qkv, on_hopper
+from .utils import HOPPER, fresh_process_report, hopper_qkv, on_hopper
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not gluon_tiles.wgmma_available(), reason="this Triton has no Gluon Hopper API")
+
 
 def test_eligible_calls(hopper):
     # Every head dim padded to a table entry: 40 and 64 (64), 80, 96 and 128 (128), 160, 192 and 256 (256).
@@ -190,11 +186,7 @@ def test_kernel_builds_with_products_in_flight():
              (256, False, False, 256), (256, True, False, 256),
              (128, False, True, 128), (64, False, True, 64),  # every variant switched on
              (256, True, False, 128), (128, False, True, 64)]  # v narrower than q/k: O through its own buffer
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"import json; from tests.test_attention_wgmma import _build_report; print(json.dumps(_build_report({cases})))"
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = fresh_process_report("tests.test_attention_wgmma", "_build_report", cases)
     for case, built in report.items():
         assert built["wgmma"] and built["tma"], case
         assert built["tanh"] == ("variants" in case), case  # the softcap's one-instruction tanh, when on
@@ -326,12 +318,7 @@ def test_split_kernel_builds_with_products_in_flight():
              (128, 80, False, False, "bfloat16", 4096), (96, 96, True, True, "bfloat16", 4096),
              (80, 96, False, True, "float16", 4096), (96, 96, True, False, "bfloat16", 1024),
              (96, 192, False, False, "bfloat16", 4096)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"import json; from tests.test_attention_wgmma import _split_build_report; "
-            f"print(json.dumps(_split_build_report({cases})))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = fresh_process_report("tests.test_attention_wgmma", "_split_build_report", cases)
     for (head_dim, head_dim_v, causal, variants, dtype, seqlen_k), built in zip(cases, report.values()):
         q_parts, v_parts = plan.head_dim_parts(head_dim), plan.head_dim_parts(head_dim_v)
         block_m, block_n = built["block"]

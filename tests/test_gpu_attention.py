@@ -377,6 +377,24 @@ def head_split(monkeypatch):
     api.clear_routes()
 
 
+def split_failures(head_dim: int, head_dim_v: int, dtype: torch.dtype, lengths: list) -> list[str]:
+    """``check_attention`` (output, LSE and gradients against float64, outputs poisoned first) over ``lengths``'
+    (Lq, Lk) pairs, MHA and GQA, causal and not: one line per failing case."""
+    failures = []
+    for lq, lk in lengths:
+        for h, h_kv in [(6, 6), (6, 2)]:
+            for causal in (False, True):
+                b = 2 if lq * lk <= 512 * 512 else 1
+                q = make(b, h, lq, head_dim, dtype, True)
+                k, v = make(b, h_kv, lk, head_dim, dtype, True), make(b, h_kv, lk, head_dim_v, dtype, True)
+                poison()
+                try:
+                    check_attention(q, k, v, causal=causal)
+                except AssertionError as err:
+                    failures.append(f"Lq={lq} Lk={lk} H={h}/{h_kv} causal={causal}: {err}")
+    return failures
+
+
 def split_widths(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     """The widths on chip of a split call: the sums of its head dims' column parts."""
     return sum(plan.head_dim_parts(head_dim)), sum(plan.head_dim_parts(head_dim_v))
@@ -396,18 +414,8 @@ def test_head_dim_split_on_the_gpu(head_dim, head_dim_v, dtype, head_split):
     # The Hopper forward with its head dims in column parts: output (poisoned first), LSE and dq/dk/dv against
     # float64 under FlashAttention's rule, over odd lengths, Lq != Lk both ways (rows that see no key under causal),
     # MHA and GQA, causal and not; every call must have run the split kernel.
-    failures = []
-    for lq, lk in [(113, 203), (1000, 1777), (1023, 1024), (2048, 2048), (1024, 300)]:
-        for h, h_kv in [(6, 6), (6, 2)]:
-            for causal in (False, True):
-                b = 2 if lq * lk <= 512 * 512 else 1
-                q = make(b, h, lq, head_dim, dtype, True)
-                k, v = make(b, h_kv, lk, head_dim, dtype, True), make(b, h_kv, lk, head_dim_v, dtype, True)
-                poison()
-                try:
-                    check_attention(q, k, v, causal=causal)
-                except AssertionError as err:
-                    failures.append(f"Lq={lq} Lk={lk} H={h}/{h_kv} causal={causal}: {err}")
+    failures = split_failures(head_dim, head_dim_v, dtype,
+                              [(113, 203), (1000, 1777), (1023, 1024), (2048, 2048), (1024, 300)])
     assert_split_ran(head_split, head_dim, head_dim_v)
     assert not failures, "\n".join(failures)
 
@@ -464,18 +472,7 @@ def test_head_dim_split_backward_on_the_gpu(head_dim, head_dim_v, dtype, backwar
     # The Hopper backward with its head dims in column parts: dq/dk/dv (and output, LSE) against float64 under
     # FlashAttention's rule, gradients poisoned first, over odd lengths and Lq != Lk both ways, MHA and GQA, causal
     # and not; every backward must have run the split kernels (the parts of plan.head_dim_parts).
-    failures = []
-    for lq, lk in [(113, 203), (1000, 1777), (2048, 2048), (1024, 300)]:
-        for h, h_kv in [(6, 6), (6, 2)]:
-            for causal in (False, True):
-                b = 2 if lq * lk <= 512 * 512 else 1
-                q = make(b, h, lq, head_dim, dtype, True)
-                k, v = make(b, h_kv, lk, head_dim, dtype, True), make(b, h_kv, lk, head_dim_v, dtype, True)
-                poison()
-                try:
-                    check_attention(q, k, v, causal=causal)
-                except AssertionError as err:
-                    failures.append(f"Lq={lq} Lk={lk} H={h}/{h_kv} causal={causal}: {err}")
+    failures = split_failures(head_dim, head_dim_v, dtype, [(113, 203), (1000, 1777), (2048, 2048), (1024, 300)])
     parts = (plan.head_dim_parts(head_dim), plan.head_dim_parts(head_dim_v))
     assert backward_split and set(backward_split) == {parts}, backward_split
     assert not failures, "\n".join(failures)

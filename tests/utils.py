@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import pathlib
@@ -327,6 +328,15 @@ def run_python(*args: str, cwd: str | os.PathLike = ROOT, timeout: float = 300) 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def fresh_process_report(module: str, function: str, cases: list, timeout: float = 600) -> dict:
+    """The JSON report of ``module.function(cases)`` computed in a fresh process (``run_python``: without the
+    interpreter, so that kernels are built for the GPU there; sm_90 builds need no GPU)."""
+    done = run_python("-c", f"import json; from {module} import {function}; print(json.dumps({function}({cases!r})))",
+                      timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def free_port() -> int:

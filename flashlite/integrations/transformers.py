@@ -77,8 +77,8 @@ from ..attention import flash_attention, flash_attention_varlen
 NAME = "fl_attention"
 _RESERVED_SUBSTRINGS = ("flash", "sdpa", "flex", "paged")
 
-__all__ = ["NAME", "attention_forward", "document_sequences", "is_sliding_window", "packed_documents", "padded_documents",
-           "packed_sequences", "register", "window_mask"]
+__all__ = ["NAME", "attention_forward", "document_sequences", "is_sliding_window", "packed_documents",
+           "packed_sequences", "padded_documents", "register", "window_mask"]
 
 
 def packed_sequences(query: torch.Tensor, kwargs: dict) -> tuple | None:
