@@ -411,14 +411,29 @@ def test_packed_documents_only_from_transformers_packed_causal_mask():
     chunked = mu.and_masks(mu.chunked_overlay(2, torch.zeros(1, dtype=torch.long)), mu.causal_mask_function)
     assert fl_hf.packed_documents(packed(chunked), local_size=2) is None
     assert fl_hf.packed_documents(mu.causal_mask_function) is None  # not packed
-    # Up to transformers 5.17 the causal mask (or its window) is on token indices, not remapped to positions.
-    assert torch.equal(fl_hf.packed_documents(mu.and_masks(mu.causal_mask_function,
-                                                           mu.packed_sequence_mask_function(documents))), documents)
-    assert torch.equal(fl_hf.packed_documents(mu.and_masks(window, mu.packed_sequence_mask_function(documents)),
-                                              local_size=3), documents)
-    assert fl_hf.packed_documents(mu.and_masks(overlay, mu.packed_sequence_mask_function(documents))) is None
-    assert fl_hf.packed_documents(mu.and_masks(mu.packed_sequence_mask_function(documents),
-                                               mu.causal_mask_function)) is None  # not transformers' order
+    # An overlay or-ed onto the window that keeps every position a probe would look at (an image's bidirectional
+    # block far from them): not the window, by structure.
+    block = mu.or_masks(window, lambda b, h, q, kv: (q >= 6) & (kv >= 6) & (q < 9) & (kv < 9))
+    assert fl_hf.is_sliding_window(block, 3) and fl_hf.packed_documents(packed(block), local_size=3) is None
+    # Where this transformers remaps positions, a packed mask without the remap is not its own: kept as a mask.
+    bare = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(documents))
+    assert fl_hf.packed_documents(bare) is None
+
+
+def test_packed_documents_of_transformers_5_17(monkeypatch):
+    # transformers 5.17 has no remap to positions: its packed mask is the causal mask (or window) on token
+    # indices, and-ed with the documents' block diagonal.
+    from transformers import masking_utils as mu
+
+    documents = mu.find_packed_sequence_indices(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]))
+    monkeypatch.delattr(mu, "remap_positions_for_packed_sequence")
+    window = mu.sliding_window_causal_mask_function(3)
+    packed = mu.packed_sequence_mask_function(documents)
+    assert torch.equal(fl_hf.packed_documents(mu.and_masks(mu.causal_mask_function, packed)), documents)
+    assert torch.equal(fl_hf.packed_documents(mu.and_masks(window, packed), local_size=3), documents)
+    overlay = mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv != 1)
+    assert fl_hf.packed_documents(mu.and_masks(overlay, packed)) is None
+    assert fl_hf.packed_documents(mu.and_masks(packed, mu.causal_mask_function)) is None  # not transformers' order
     cu, longest, tokens = fl_hf.document_sequences(torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 2]]))
     assert cu.tolist() == [0, 2, 5, 6, 9, 10] and cu.dtype == torch.int32 and longest == 3 and tokens is None
     # Padding (-1, ``padded_documents``) is in no sequence: the tokens' flat indices come back.
@@ -475,6 +490,18 @@ def test_padded_rows_run_as_variable_length_sequences(monkeypatch):
         grads_eager = torch.autograd.grad(out_eager.loss, list(eager.parameters()))
         for g, g_eager in zip(grads, grads_eager):
             torch.testing.assert_close(g, g_eager, atol=1e-5, rtol=1e-4)
+    # The builder keeps transformers' mask where the layer asks for it (allow_is_causal_skip=False: an overlay, or
+    # a layer adding to the mask itself), or for a window with an overlay or-ed on.
+    from transformers import masking_utils as mu
+
+    builder = dict(batch_size=2, q_length=SEQLEN, kv_length=SEQLEN, attention_mask=left.bool())
+    assert fl_hf.window_mask(mask_function=mu.causal_mask_function, **builder).dtype == torch.int64
+    assert fl_hf.window_mask(mask_function=mu.causal_mask_function, allow_is_causal_skip=False,
+                             **builder).dtype == torch.bool
+    window = mu.sliding_window_causal_mask_function(3)
+    assert fl_hf.window_mask(mask_function=window, local_size=3, **builder).dtype == torch.int64
+    block = mu.or_masks(window, lambda b, h, q, kv: (q >= 6) & (kv >= 6))
+    assert fl_hf.window_mask(mask_function=block, local_size=3, **builder).dtype == torch.bool
     padded = fl_hf.padded_documents(left)
     assert padded.dtype == torch.int64 and torch.equal(padded, torch.where(left.bool(), 0, -1))
     assert fl_hf.padded_documents(holes) is None and fl_hf.padded_documents(torch.ones_like(left)) is None

@@ -263,18 +263,16 @@ def packed_documents(mask_function, local_size: int | None = None) -> torch.Tens
     packed = _closure(documents, packed_sequence_mask_function(probe))
     if packed is None:
         return None
-    try:  # transformers > 5.17: the causal mask on positions
+    try:  # transformers > 5.17 always wraps the causal mask in the remap to positions: required then
         from transformers.masking_utils import remap_positions_for_packed_sequence
-        remapped = _closure(inner, remap_positions_for_packed_sequence(causal_mask_function, probe))
-        if remapped is not None:
-            inner = remapped.get("mask_function")
     except ImportError:
         pass
-    if local_size is None:
-        causal = inner is causal_mask_function
     else:
-        causal = is_sliding_window(inner, local_size)
-    return packed.get("packed_sequence_mask") if causal else None
+        remapped = _closure(inner, remap_positions_for_packed_sequence(causal_mask_function, probe))
+        if remapped is None:
+            return None
+        inner = remapped.get("mask_function")
+    return packed.get("packed_sequence_mask") if _causal(inner, local_size) else None
 
 
 def _whole_rows(seqlen: int, builder_kwargs: dict, padded: bool = False) -> bool:
@@ -289,12 +287,20 @@ def _whole_rows(seqlen: int, builder_kwargs: dict, padded: bool = False) -> bool
 
 
 def _causal(mask_function, local_size: int | None) -> bool:
-    """True when transformers' ``mask_function`` is its causal mask, or with ``local_size`` its sliding window."""
-    from transformers.masking_utils import causal_mask_function
+    """True when ``mask_function`` is transformers' causal mask itself, or with ``local_size`` its sliding window of
+    that many keys as its factory builds it (``and_masks(sliding_window_overlay(local_size), causal_mask_function)``),
+    recognised by structure: an overlay or-ed onto the window (images' bidirectional blocks) may keep every
+    position a probe (``is_sliding_window``) would look at."""
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
     if local_size is None:
         return mask_function is causal_mask_function
-    return is_sliding_window(mask_function, local_size)
+    outer = _closure(mask_function, and_masks(causal_mask_function))
+    parts = outer.get("mask_functions", ()) if outer is not None else ()
+    if len(parts) != 2 or parts[1] is not causal_mask_function:
+        return False
+    overlay = _closure(parts[0], sliding_window_overlay(1))
+    return overlay is not None and overlay.get("sliding_window") == local_size
 
 
 def window_mask(*args, local_size: int | None = None, mask_function=None, **kwargs):
@@ -309,7 +315,10 @@ def window_mask(*args, local_size: int | None = None, mask_function=None, **kwar
     documents = packed_documents(mask_function, local_size) if mask_function is not None else None
     if documents is not None and _whole_rows(documents.shape[-1], kwargs):
         return documents.to(torch.int64)[:, None, None, :]
-    if mask_function is not None and kwargs.get("q_length") is not None and _causal(mask_function, local_size):
+    if (mask_function is not None and kwargs.get("q_length") is not None and kwargs.get("allow_is_causal_skip", True)
+            and not torch.compiler.is_compiling() and _causal(mask_function, local_size)):
+        # (allow_is_causal_skip: transformers turns it off for overlays, and a layer that adds to the mask
+        # itself asks for the mask; compiling, the host read of padded_documents would break the graph)
         if _whole_rows(kwargs["q_length"], kwargs, padded=True):
             documents = padded_documents(kwargs["attention_mask"])
             if documents is not None:
