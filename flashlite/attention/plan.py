@@ -170,8 +170,8 @@ def head_dim_padded(head_dim: int) -> int:
     return max(tuning.MIN_HEAD_DIM, triton.next_power_of_2(head_dim))
 
 
-# The head dims split into two column parts (``head_dim_parts``; FLASHLITE_HEAD_SPLIT=0 pads them instead): (largest head dim,
-# its parts), the smallest range first. A part is a power of two of at least 16 columns: a TMA box's inner
+# The head dims split into two column parts (``head_dim_parts``; FLASHLITE_HEAD_SPLIT=0 pads them instead):
+# (largest head dim, its parts), the smallest range first. A part is a power of two of at least 16 columns: a TMA box's inner
 # dimension takes at least 16 bytes, and 16 is the K step of an fp16/bf16 wgmma. 97 to 127 stay padded to 128 (no
 # two parts fit them closer), and 193 to 255 to 256.
 HEAD_DIM_SPLITS = ((80, (64, 16)), (96, (64, 32)), (160, (128, 32)), (192, (128, 64)))
