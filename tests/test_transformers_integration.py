@@ -507,3 +507,40 @@ def test_padded_rows_run_as_variable_length_sequences(monkeypatch):
     assert fl_hf.padded_documents(holes) is None and fl_hf.padded_documents(torch.ones_like(left)) is None
     monkeypatch.setattr(fl_hf, "attention_forward", forward)
     fl_hf.register()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["left", "right", "packed"])
+def test_bf16_rows_on_the_gpu(layout):
+    # On the GPU, a Llama of head dim 64 (the Hopper kernels' range) with rows padded left or right (run as
+    # variable-length sequences) or packed by position_ids: bf16 logits at the tokens within FlashAttention's rule
+    # of a float64 SDPA model, against transformers' bf16 SDPA model; the loss's gradients finite.
+    fl_hf.register()
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    flash, sdpa, sdpa64 = (
+        transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+        .to("cuda", dtype).eval()
+        for impl, dtype in ((fl_hf.NAME, torch.bfloat16), ("sdpa", torch.bfloat16), ("sdpa", torch.float64)))
+    sdpa.load_state_dict(flash.state_dict())
+    sdpa64.load_state_dict(flash.state_dict())
+    lengths = [200, 163, 80]
+    if layout == "packed":
+        ids = torch.randint(0, VOCAB, (1, sum(lengths)), device="cuda")
+        positions = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+        kw = dict(position_ids=positions)
+        real = torch.ones_like(ids, dtype=torch.bool)
+    else:
+        ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)), device="cuda")
+        real = torch.arange(max(lengths), device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]
+        if layout == "left":
+            real = real.flip(-1)
+        kw = dict(attention_mask=real.long())
+    with torch.no_grad():
+        logits = flash(ids, **kw).logits[real]
+        ref64 = sdpa64(ids, **kw).logits[real]
+        logits_sdpa = sdpa(ids, **kw).logits[real]
+    assert_attention_close(logits, ref64, logits_sdpa, torch.bfloat16)
+    loss = flash(ids, labels=ids.masked_fill(~real, -100), **kw).loss
+    grads = torch.autograd.grad(loss, [p for p in flash.parameters() if p.requires_grad])
+    assert all(torch.isfinite(g).all() for g in grads)
