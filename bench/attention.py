@@ -368,7 +368,7 @@ def measure_head_split(length: int, head_dim: int, causal: bool) -> dict:
         if name in ("padded", "split"):
             results[name] = (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
         del out
-    set_head_split(False)
+    set_head_split(True)  # (the default again)
     row["split_max_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(results["padded"], results["split"]))
     for kind in ("fwd", "bwd"):
         mine = row[f"split_{kind}"]
