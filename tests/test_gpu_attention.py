@@ -345,7 +345,7 @@ def test_head_dim_v_on_the_gpu(head_dim, head_dim_v, dtype, backward_path):
 
 # ----------------------------------------------------------------------------- head dims in column parts (issue 44)
 
-# (D, Dv) that the Hopper forward loads in two column parts under FLASHLITE_HEAD_SPLIT=1 (``plan.head_dim_parts``):
+# (D, Dv) that the Hopper forward loads in two column parts (the default, ``plan.head_dim_parts``):
 # 160 = 128 + 32 and 192 = 128 + 64 (the kernel that is not warp-specialized), 80 = 64 + 16 and 96 = 64 + 32 (the
 # warp-specialized kernel; the other one for causal calls of up to 1024 keys), q/k's head dim and v's each on its
 # own (Dv = 64 or 128: one part).
@@ -395,6 +395,19 @@ def split_failures(head_dim: int, head_dim_v: int, dtype: torch.dtype, lengths: 
     return failures
 
 
+def variant_failures(q, k, v, cases: list[dict]) -> list[str]:
+    """``check_attention`` of q, k, v under each of ``cases`` (``flash_attention``'s keywords, ``causal`` among
+    them), outputs poisoned first: one line per failing case."""
+    failures = []
+    for kw in cases:
+        poison()
+        try:
+            check_attention(q, k, v, **kw)
+        except AssertionError as err:
+            failures.append(f"{sorted(kw)} causal={kw['causal']}: {err}")
+    return failures
+
+
 def split_widths(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     """The widths on chip of a split call: the sums of its head dims' column parts."""
     return sum(plan.head_dim_parts(head_dim)), sum(plan.head_dim_parts(head_dim_v))
@@ -432,19 +445,13 @@ def test_head_dim_split_variants_on_the_gpu(head_dim, head_dim_v, dtype, head_sp
              dict(causal=True, window_size=(300, 0)), dict(causal=False, window_size=(200, 77)),
              dict(causal=False, sinks=sinks),
              dict(causal=True, window_size=(300, 0), softcap=20.0, alibi_slopes=slopes, sinks=sinks)]
-    failures = []
-    for kw in cases:
-        poison()
-        try:
-            check_attention(q, k, v, **kw)
-        except AssertionError as err:
-            failures.append(f"{sorted(kw)} causal={kw['causal']}: {err}")
+    failures = variant_failures(q, k, v, cases)
     assert head_split and {p[:2] for p in head_split} == {split_widths(head_dim, head_dim_v)}, head_split
     assert not failures, "\n".join(failures)
 
 
-# The Hopper backward (two passes: the dK/dV and dQ kernels) loads the same head dims in column parts under
-# FLASHLITE_HEAD_SPLIT=1 (issue 44): Dv = 128 is one part, 160 and 192 two.
+# The Hopper backward (two passes: the dK/dV and dQ kernels) loads the same head dims in column parts (the
+# default; issue 44): Dv = 128 is one part, 160 and 192 two.
 SPLIT_BACKWARD_HEAD_DIMS = [(d, dv) for d in (160, 192) for dv in (128, 192)]
 
 
@@ -487,12 +494,6 @@ def test_head_dim_split_backward_variants_on_the_gpu(dtype, backward_split):
     cases = [dict(causal=False, softcap=20.0), dict(causal=True, alibi_slopes=slopes),
              dict(causal=False, window_size=(200, 77)),
              dict(causal=True, window_size=(300, 0), softcap=20.0, alibi_slopes=slopes)]
-    failures = []
-    for kw in cases:
-        poison()
-        try:
-            check_attention(q, k, v, **kw)
-        except AssertionError as err:
-            failures.append(f"{sorted(kw)} causal={kw['causal']}: {err}")
+    failures = variant_failures(q, k, v, cases)
     assert backward_split and set(backward_split) == {((128, 64), (128, 64))}, backward_split
     assert not failures, "\n".join(failures)
