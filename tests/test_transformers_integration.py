@@ -19,13 +19,14 @@ SEQLEN = 12
 N_PAD = [0, 5]  # left padding of each batch row: row 1's first queries see only padding keys
 
 
-def tiny_llamas(*implementations: str, dtype: torch.dtype = torch.float32) -> list[torch.nn.Module]:
-    """One random tiny Llama (hidden 64, 2 layers, 4 heads, 2 K/V heads: GQA, head dim 16) per implementation,
-    all with the same weights."""
+def tiny_llamas(*implementations: str, dtype: torch.dtype = torch.float32, hidden_size: int = 64,
+                max_positions: int = 64) -> list[torch.nn.Module]:
+    """One random tiny Llama (hidden 64, 2 layers, 4 heads, 2 K/V heads: GQA, head dim 16; ``hidden_size`` / 4
+    the head dim otherwise) per implementation, all with the same weights, on the CPU."""
     fl_hf.register()
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
     )
     # A config per model: the attention layers read config._attn_implementation at every call.
     models = [
@@ -44,6 +45,25 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (len(N_PAD), SEQLEN))
     mask = (torch.arange(SEQLEN)[None, :] >= torch.tensor(N_PAD)[:, None]).long()
     return ids, mask
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """Every call of the registered attention function during the test, as ``(query, key, attention_mask,
+    kwargs)``, the hook itself doing the work (``fl_hf.register`` registers the recording one while the test runs,
+    the hook again afterwards)."""
+    calls = []
+    forward = fl_hf.attention_forward
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append((query, key, attention_mask, kwargs))
+        return forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(fl_hf, "attention_forward", spy)
+    fl_hf.register()
+    yield calls
+    monkeypatch.setattr(fl_hf, "attention_forward", forward)
+    fl_hf.register()
 
 
 def test_register():
@@ -98,25 +118,16 @@ def test_kv_cache_continuation():
     torch.testing.assert_close(step, full[:, 9:], atol=1e-4, rtol=1e-4)
 
 
-def test_static_cache_prefill(monkeypatch):
+def test_static_cache_prefill(attention_calls):
     # The prefill of an empty StaticCache: transformers passes no mask and K/V as long as the cache
     # (Lk = 20 > Lq = 9, the slots past 9 unused): the branch that drops the unused slots.
     flash, eager = tiny_llamas(fl_hf.NAME, "eager")
-    calls = []
-
-    def spy(module, query, key, value, attention_mask, *args, **kwargs):
-        calls.append((query.shape[2], key.shape[2], attention_mask is None))
-        return fl_hf.attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-
-    transformers.AttentionInterface.register(fl_hf.NAME, spy)
-    try:
-        ids, _ = batch()
-        with torch.no_grad():
-            cache = transformers.StaticCache(config=flash.config, max_cache_len=20)
-            logits = flash(ids[:, :9], past_key_values=cache, use_cache=True).logits
-            reference = eager(ids[:, :9]).logits
-    finally:
-        fl_hf.register()
+    ids, _ = batch()
+    with torch.no_grad():
+        cache = transformers.StaticCache(config=flash.config, max_cache_len=20)
+        logits = flash(ids[:, :9], past_key_values=cache, use_cache=True).logits
+        reference = eager(ids[:, :9]).logits
+    calls = [(query.shape[2], key.shape[2], mask is None) for query, key, mask, _ in attention_calls]
     assert calls and all(call == (9, 20, True) for call in calls), calls
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
 
@@ -229,11 +240,11 @@ def test_gemma2_softcap_matches_eager():
     assert_logits_match(flash, eager, *batch())
 
 
-def test_mistral_sliding_window_matches_eager(monkeypatch):
+def test_mistral_sliding_window_matches_eager(attention_calls):
     # Mistral: every layer a causal sliding window (4 keys: the query and 3 before it) over 12 tokens. Unpadded,
-    # no mask is built: the hook gets None and sliding_window, and passes window_size=(3, 0); padded, the window
-    # is in transformers' boolean mask. Logits against eager, and greedy decoding with a KV cache.
-    fl_hf.register()
+    # no mask is built: the hook gets None and sliding_window, and passes window_size=(3, 0); padded, the rows run
+    # as variable-length sequences with the window (``padded_documents``' ids). Logits against eager, and greedy
+    # decoding with a KV cache.
     config = transformers.MistralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=64,
@@ -243,23 +254,17 @@ def test_mistral_sliding_window_matches_eager(monkeypatch):
     eager.load_state_dict(flash.state_dict())
     full.load_state_dict(flash.state_dict())
     full.config.sliding_window = None  # the same model without its window: the window must change the logits
-    seen = []
-    forward = fl_hf.attention_forward
-
-    def spy(module, query, key, value, attention_mask, *args, **kwargs):
-        seen.append((attention_mask, kwargs.get("sliding_window")))
-        return forward(module, query, key, value, attention_mask, *args, **kwargs)
-
-    monkeypatch.setattr(fl_hf, "attention_forward", spy)
-    fl_hf.register()
     ids, mask = batch()
     for kw in ({}, dict(attention_mask=mask)):
-        seen.clear()
+        attention_calls.clear()
         with torch.no_grad():
             logits, logits_eager = flash(ids, **kw).logits, eager(ids, **kw).logits
         real = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
         torch.testing.assert_close(logits[real], logits_eager[real], atol=1e-4, rtol=1e-4)
+        seen = [(m, call_kw.get("sliding_window")) for _, _, m, call_kw in attention_calls]
         assert all(window == 4 for _, window in seen)
+        if kw:  # padded: the rows' ids, run as variable-length sequences with the window
+            assert all(m is not None and m.dtype == torch.int64 for m, _ in seen)
         if not kw:
             assert all(m is None for m, _ in seen)  # causal + window: no (L, L) mask built
             with torch.no_grad():
@@ -268,8 +273,6 @@ def test_mistral_sliding_window_matches_eager(monkeypatch):
         out = flash.generate(ids[:1], max_new_tokens=6, do_sample=False)
         out_eager = eager.generate(ids[:1], max_new_tokens=6, do_sample=False)
     assert torch.equal(out, out_eager)
-    monkeypatch.setattr(fl_hf, "attention_forward", forward)
-    fl_hf.register()
 
 
 def test_window_probe_tells_sliding_from_chunked():
@@ -454,27 +457,18 @@ def test_packed_row_detection():
     assert fl_hf.packed_sequences(torch.randn(2, 4, 6, 16), dict(cu_seq_lens_q=cu)) is None  # not one row
 
 
-def test_padded_rows_run_as_variable_length_sequences(monkeypatch):
+def test_padded_rows_run_as_variable_length_sequences(attention_calls):
     # A 2-D padding mask under the causal mask: the builder hands over (B, 1, 1, L) ids (``padded_documents``) and
     # the hook runs the rows' tokens as variable-length sequences (no L x L mask), left- or right-padded; padding
     # between a row's tokens keeps transformers' boolean mask, and no padding at all the plain causal call. Logits
     # at the tokens, the loss and every gradient against eager's.
     flash, eager = tiny_llamas(fl_hf.NAME, "eager")
-    seen = []
-    forward = fl_hf.attention_forward
-
-    def spy(module, query, key, value, attention_mask, *args, **kwargs):
-        seen.append(None if attention_mask is None else attention_mask.dtype)
-        return forward(module, query, key, value, attention_mask, *args, **kwargs)
-
-    monkeypatch.setattr(fl_hf, "attention_forward", spy)
-    fl_hf.register()
     ids, left = batch()
     right = left.flip(-1)
     holes = torch.ones_like(left)
     holes[0, 3:5] = 0  # padding between tokens
     for mask, kind in ((left, torch.int64), (right, torch.int64), (holes, torch.bool), (torch.ones_like(left), None)):
-        seen.clear()
+        attention_calls.clear()
         # Targets only where a token predicts a token: the output rows of padding are zeros here (FlashAttention's
         # convention), and eager's are its uniform average over keys, so a pad must predict nothing.
         predicted_by_pad = torch.zeros_like(mask, dtype=torch.bool)
@@ -482,6 +476,7 @@ def test_padded_rows_run_as_variable_length_sequences(monkeypatch):
         labels = ids.masked_fill((mask == 0) | predicted_by_pad, -100)
         out = flash(ids, attention_mask=mask, labels=labels)
         out_eager = eager(ids, attention_mask=mask, labels=labels)
+        seen = [None if m is None else m.dtype for _, _, m, _ in attention_calls]
         assert seen and all(dtype == kind for dtype in seen), (kind, seen)
         real = mask.bool()
         torch.testing.assert_close(out.logits[real], out_eager.logits[real], atol=1e-4, rtol=1e-4)
@@ -505,8 +500,6 @@ def test_padded_rows_run_as_variable_length_sequences(monkeypatch):
     padded = fl_hf.padded_documents(left)
     assert padded.dtype == torch.int64 and torch.equal(padded, torch.where(left.bool(), 0, -1))
     assert fl_hf.padded_documents(holes) is None and fl_hf.padded_documents(torch.ones_like(left)) is None
-    monkeypatch.setattr(fl_hf, "attention_forward", forward)
-    fl_hf.register()
 
 
 @pytest.mark.gpu
@@ -515,15 +508,11 @@ def test_bf16_rows_on_the_gpu(layout):
     # On the GPU, a Llama of head dim 64 (the Hopper kernels' range) with rows padded left or right (run as
     # variable-length sequences) or packed by position_ids: bf16 logits at the tokens within FlashAttention's rule
     # of a float64 SDPA model, against transformers' bf16 SDPA model; the loss's gradients finite.
-    fl_hf.register()
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    flash, sdpa, sdpa64 = (
-        transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
-        .to("cuda", dtype).eval()
-        for impl, dtype in ((fl_hf.NAME, torch.bfloat16), ("sdpa", torch.bfloat16), ("sdpa", torch.float64)))
-    sdpa.load_state_dict(flash.state_dict())
+    sizes = dict(hidden_size=256, max_positions=512)  # head dim 64
+    flash, sdpa = (m.cuda() for m in tiny_llamas(fl_hf.NAME, "sdpa", dtype=torch.bfloat16, **sizes))
+    (sdpa64,) = tiny_llamas("sdpa", dtype=torch.float64, **sizes)
     sdpa64.load_state_dict(flash.state_dict())
+    sdpa64.cuda()
     lengths = [200, 163, 80]
     if layout == "packed":
         ids = torch.randint(0, VOCAB, (1, sum(lengths)), device="cuda")
