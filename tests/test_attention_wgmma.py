@@ -258,7 +258,7 @@ def test_head_split_dispatch(hopper, monkeypatch, head_dim, head_dim_v, causal):
         parts = plan.head_dim_parts if split else (lambda d: (plan.head_dim_padded(d),))
         q_parts, v_parts = parts(head_dim), parts(head_dim_v)
         assert (launch.options["HEAD_DIM"], launch.options["HEAD_DIM_V"]) == (sum(q_parts), sum(v_parts))
-        n_descs = 4 * fw.MAX_COLUMN_PARTS
+        n_descs = 4 * gluon_tiles.MAX_COLUMN_PARTS
         assert launch.kernel is (fw._attention_fwd_ws_kernel if config.warp_specialized
                                  else fw._attention_fwd_wgmma_kernel)
         assert launch.kernel.arg_names[n_descs] == "lse_ptr"

@@ -59,15 +59,16 @@ from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.runtime import KernelLaunch, device_info
 from ..core.tiles import tma_usable
-from ..core.triton_compat import descriptor_template, gluon_source, mangle_type, rebind_descriptor
+from ..core.triton_compat import gluon_source, mangle_type
 from . import tuning
 from .forward import alibi_slope
+from . import plan
 from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, box_views, boxes_nbytes, copy_boxes, descriptor_parts, gluon,
-    gluon_descriptor, issue_kv_load, part_start, register_operands, ring_slots, slot_boxes,
-    sum_of_products, thread_barrier, tile_boxes, tma_store, wait_kv, zero_accumulators,
+    issue_kv_load, part_descriptors, part_start, part_templates, rebind_parts, register_operands, ring_slots,
+    slot_boxes, sum_of_products, thread_barrier, tile_boxes, tma_store, wait_kv, zero_accumulators,
 )
-from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, head_split_enabled, query_tile
+from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, query_tile
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -502,21 +503,11 @@ SPLIT_PADDED_HEAD_DIM = 256
 
 
 def column_parts(head_dim: int) -> tuple[int, ...]:
-    """The column parts both kernels load a head dim in: ``plan.head_dim_parts``' while
-    ``plan.head_split_enabled`` (unless ``FLASHLITE_HEAD_SPLIT=0``) for head dims padded to
-    ``SPLIT_PADDED_HEAD_DIM``, else one part, the padded head dim."""
-    if head_split_enabled() and head_dim_padded(head_dim) == SPLIT_PADDED_HEAD_DIM:
-        return head_dim_parts(head_dim)
+    """The column parts both kernels load a head dim in: the forward's (``plan.column_parts``) for head dims padded
+    to ``SPLIT_PADDED_HEAD_DIM``, else one part, the padded head dim."""
+    if head_dim_padded(head_dim) == SPLIT_PADDED_HEAD_DIM:
+        return plan.column_parts(head_dim)
     return (head_dim_padded(head_dim),)
-
-
-def part_descriptors(specs: tuple) -> tuple:
-    """A kernel's TMA descriptor arguments (``gluon_descriptor``) for ``specs``, ``(tensor, rows, parts)`` each
-    (``parts``: ``column_parts``' widths): the boxes of every tensor's first column part, then of every one's
-    second part, or None where its head dim is one part. Where a part's columns start is a coordinate of each
-    copy, not part of the descriptor."""
-    return tuple(gluon_descriptor(t, rows, parts[i]) if i < len(parts) else None
-                 for i in range(2) for t, rows, parts in specs)
 
 
 class HopperBackwardLaunch:
@@ -549,12 +540,12 @@ class HopperBackwardLaunch:
         self.parts = (q_parts, v_parts)
         self.grads = [OutputLayout(t, t.shape[3]) for t in (q, k, v)]  # dq, dk, dv: laid out as empty_like
         dq_like, dk_like, dv_like = (layout.meta(q.dtype) for layout in self.grads)
-        self.dkdv_descriptors = tuple(None if d is None else descriptor_template(d) for d in part_descriptors((
+        self.dkdv_descriptors = part_templates((
             (q, config.block_m, q_parts), (k, config.block_n, q_parts), (v, config.block_n, v_parts),
-            (do, config.block_m, v_parts), (dk_like, config.block_n, q_parts), (dv_like, config.block_n, v_parts))))
-        self.dq_descriptors = tuple(None if d is None else descriptor_template(d) for d in part_descriptors((
+            (do, config.block_m, v_parts), (dk_like, config.block_n, q_parts), (dv_like, config.block_n, v_parts)))
+        self.dq_descriptors = part_templates((
             (q, config.dq_block_m, q_parts), (k, config.dq_block_n, q_parts), (v, config.dq_block_n, v_parts),
-            (do, config.dq_block_m, v_parts), (dq_like, config.dq_block_m, q_parts))))
+            (do, config.dq_block_m, v_parts), (dq_like, config.dq_block_m, q_parts)))
         softcap, window_left, window_right = variant_scalars
         self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)
         self.scalars = (scale * LOG2E.value, scale, softcap, window_left, window_right)
@@ -570,14 +561,9 @@ class HopperBackwardLaunch:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = (layout.empty(t) for layout, t in zip(self.grads, (q, k, v)))
         stride_alibi = alibi.stride(0) if alibi is not None else 0
-        # (the descriptors come as part_descriptors orders them: the tensors' first parts, then their second)
-        tensors = (q, k, v, do, dk, dv)
-        descs = [None if d is None else rebind_descriptor(d, tensors[i % len(tensors)])
-                 for i, d in enumerate(self.dkdv_descriptors)]
+        descs = rebind_parts(self.dkdv_descriptors, (q, k, v, do, dk, dv))
         self.dkdv(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
-        tensors = (q, k, v, do, dq)
-        descs = [None if d is None else rebind_descriptor(d, tensors[i % len(tensors)])
-                 for i, d in enumerate(self.dq_descriptors)]
+        descs = rebind_parts(self.dq_descriptors, (q, k, v, do, dq))
         self.dq(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
         return dq, dk, dv
 

@@ -78,23 +78,15 @@ from ..core.masking import apply_masks, key_ranges, modified_scores_scaled
 from ..core.online_softmax import BASE2_UNITS, LOG2E, merge_sink, normalize, online_update_scaled, state_logsumexp
 from ..core.runtime import KernelLaunch, device_info
 from ..core.tiles import tma_usable
-from ..core.triton_compat import descriptor_template, rebind_descriptor
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
-    WGMMA_CAPABILITY, accumulate_products, box_views, descriptor_parts, gluon, gluon_descriptor, issue_kv_load,
-    load_boxes, part_start, register_operands, ring_slots, slot_boxes, sum_of_products, thread_barrier, tile_boxes,
-    tma_load,
-    tma_store, wait_kv, wait_products, zero_accumulators,
+    WGMMA_CAPABILITY, accumulate_products, box_views, descriptor_parts, gluon, issue_kv_load,
+    load_boxes, part_descriptors, part_start, part_templates, rebind_parts, register_operands, ring_slots,
+    slot_boxes, sum_of_products, thread_barrier, tile_boxes, tma_store, wait_kv, wait_products, zero_accumulators,
 )
-from .plan import (
-    NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, head_split_enabled, query_tile, variant_args,
-    wgmma_config,
-)
+from .plan import NO_VARIANTS, OutputLayout, column_parts, head_dim_padded, query_tile, variant_args, wgmma_config
 from .tuning import WgmmaConfig
-
-# Descriptors the kernels take of each of q, k, v and o: one a column part (``plan.head_dim_parts``: at most two).
-MAX_COLUMN_PARTS = 2
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -496,23 +488,18 @@ def wgmma_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_mask: 
     )
 
 
-def column_parts(head_dim: int) -> tuple[int, ...]:
-    """The column parts the Hopper kernels (either) load a head dim in: ``plan.head_dim_parts``' while
-    ``plan.head_split_enabled`` (unless ``FLASHLITE_HEAD_SPLIT=0``), else one part, the padded head dim."""
-    if head_split_enabled():
-        return head_dim_parts(head_dim)
-    return (head_dim_padded(head_dim),)
+def descriptor_specs(tensors: tuple, config: WgmmaConfig, q_parts: tuple, v_parts: tuple) -> tuple:
+    """``gluon_tiles.part_descriptors``' specs of the kernels' descriptors of ``tensors = (q, k, v, o)``: rows, the
+    tiles' of ``config``; parts, ``q_parts`` for q and k, ``v_parts`` for v and o (both kernels take the eight
+    descriptors, first parts then second parts)."""
+    rows = (config.block_m, config.block_n, config.block_n, config.block_m)
+    return tuple(zip(tensors, rows, (q_parts, q_parts, v_parts, v_parts)))
 
 
 def kernel_descriptors(tensors: tuple, config: WgmmaConfig, q_parts: tuple, v_parts: tuple) -> tuple:
-    """The kernel's TMA descriptor arguments for ``tensors = (q, k, v, o)`` (``gluon_descriptor``; rows: the
-    tiles' of ``config``): the boxes of each tensor's first column part (``q_parts`` for q and k, ``v_parts`` for v
-    and o), then of each one's second part, or None where its head dim is one part (both kernels take the eight).
-    A box is as wide as its part; where a part's columns start is a coordinate of each copy."""
-    rows = (config.block_m, config.block_n, config.block_n, config.block_m)
-    parts = (q_parts, q_parts, v_parts, v_parts)
-    return tuple(gluon_descriptor(t, n_rows, widths[i]) if i < len(widths) else None
-                 for i in range(MAX_COLUMN_PARTS) for t, n_rows, widths in zip(tensors, rows, parts))
+    """The kernels' TMA descriptor arguments for ``tensors = (q, k, v, o)`` (``descriptor_specs``,
+    ``gluon_tiles.part_descriptors``): a box as wide as its part; None where a head dim is one part."""
+    return part_descriptors(descriptor_specs(tensors, config, q_parts, v_parts))
 
 
 def kernel_for(config: WgmmaConfig, head_dim: int, head_dim_v: int, causal: bool, write_lse: bool,
@@ -532,18 +519,17 @@ def kernel_for(config: WgmmaConfig, head_dim: int, head_dim_v: int, causal: bool
 
 class HopperForwardLaunch:
     """The Hopper kernel for one call signature, planned once (as ``forward.TlForwardLaunch``): tiles, grid,
-    descriptor templates (``kernel_descriptors``; a call rebinds them to its tensors), constexprs, scalars.
+    descriptor templates (``descriptor_specs``; a call rebinds them to its tensors), constexprs, scalars.
 
     Built from checked (B, H, L, D) fp16/bf16 tensors that ``wgmma_eligible`` accepted (v's head dim Dv may
     differ from D). The variants as ``forward.TlForwardLaunch`` takes them: ``window`` (its key tiles outside
     it never loaded), ``softcap``, ``has_alibi`` ((B, H) slopes per call), ``has_sinks`` ((H,) per call).
 
-    Head dims are loaded in boxes as wide as the padded head dim: TMA fills the columns past D with zeros on
-    loads and drops them on the output's store, so a head dim that is not a power of two costs the padded tile's
-    products. Unless ``FLASHLITE_HEAD_SPLIT=0`` both
-    kernels load D (and Dv) of 65 to 96 and 129 to 192 in two column parts instead (``column_parts``: 96 = 64 + 32,
-    80 = 64 + 16, 192 = 128 + 64, 160 = 128 + 32), and run the products of 96 (80, 192, 160) columns, not 128
-    (256).
+    Head dims are loaded in column parts (``plan.column_parts``): D (and Dv) of 65 to 96 and 129 to 192 in two
+    (96 = 64 + 32, 80 = 64 + 16, 192 = 128 + 64, 160 = 128 + 32), running the products of 96 (80, 192, 160)
+    columns, not 128 (256); any other head dim, and every one under ``FLASHLITE_HEAD_SPLIT=0``, in one box as
+    wide as the padded head dim, TMA filling the columns past D with zeros on loads and dropping them on the
+    output's store.
     """
 
     def __init__(
@@ -557,9 +543,8 @@ class HopperForwardLaunch:
         self.output = OutputLayout(q, head_dim_v)
         self.lse_shape = (batch, n_heads, seqlen_q) if write_lse else None
         q_parts, v_parts = column_parts(head_dim), column_parts(head_dim_v)
-        self.descriptors = tuple(
-            None if d is None else descriptor_template(d)
-            for d in kernel_descriptors((q, k, v, self.output.meta(q.dtype)), config, q_parts, v_parts))
+        self.descriptors = part_templates(
+            descriptor_specs((q, k, v, self.output.meta(q.dtype)), config, q_parts, v_parts))
         variant_scalars, variant_meta = variant_args(q, False, softcap, window, has_alibi, has_sinks,
                                                      seqlen_q, seqlen_k)
         self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)
@@ -575,8 +560,7 @@ class HopperForwardLaunch:
         """``(o, lse)``: o (B, H, Lq, Dv), lse (B, H, Lq) fp32 or None."""
         o = self.output.empty(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if self.lse_shape else None
-        tensors = (q, k, v, o)  # (the descriptors come as kernel_descriptors orders them: q, k, v, o part by part)
-        descs = [None if d is None else rebind_descriptor(d, tensors[i % 4]) for i, d in enumerate(self.descriptors)]
+        descs = rebind_parts(self.descriptors, (q, k, v, o))
         self.kernel(*descs, lse if lse is not None else o, alibi, sinks, *self.sizes,
                     alibi.stride(0) if alibi is not None else 0, *self.scalars)
         return o, lse

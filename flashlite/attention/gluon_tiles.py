@@ -36,10 +36,12 @@ except ImportError:  # pragma: no cover - older Triton: the triton.language kern
     gluon = None
 
 from ..core.tiles import descriptor_strides
-from ..core.triton_compat import new_descriptor
+from ..core.triton_compat import descriptor_template, new_descriptor, rebind_descriptor
 
 # wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
 WGMMA_CAPABILITY = (9, 0)
+# Descriptors the kernels take of each tensor: one a column part (``plan.head_dim_parts``: at most two).
+MAX_COLUMN_PARTS = 2
 
 
 if gluon is not None:
@@ -230,3 +232,24 @@ def gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):
     box = (1, 1, block_rows, head_dim)
     return new_descriptor(GluonTensorDescriptor, base=t, shape=list(t.shape), strides=descriptor_strides(t),
                           block_shape=list(box), layout=box_layout(box, t.dtype), padding="zero")
+
+
+def part_descriptors(specs: tuple) -> tuple:
+    """A kernel's TMA descriptor arguments (``gluon_descriptor``) for ``specs``, ``(tensor, rows, parts)`` each
+    (``parts``: the widths of its column parts): the boxes of every tensor's first column part, then of every
+    one's second part, or None where its head dim is one part (``MAX_COLUMN_PARTS`` descriptors a tensor). Where
+    a part's columns start is a coordinate of each copy, not part of the descriptor."""
+    return tuple(gluon_descriptor(t, rows, parts[i]) if i < len(parts) else None
+                 for i in range(MAX_COLUMN_PARTS) for t, rows, parts in specs)
+
+
+def part_templates(specs: tuple) -> tuple:
+    """``part_descriptors``' as templates (``descriptor_template``; None stays None), planned once a call
+    signature and rebound to each call's tensors by ``rebind_parts``."""
+    return tuple(None if d is None else descriptor_template(d) for d in part_descriptors(specs))
+
+
+def rebind_parts(templates: tuple, tensors: tuple) -> list:
+    """``part_templates``' bound to a call's ``tensors`` (one a spec, in the specs' order: the templates come as
+    ``part_descriptors`` orders them, first parts then second parts)."""
+    return [None if d is None else rebind_descriptor(d, tensors[i % len(tensors)]) for i, d in enumerate(templates)]

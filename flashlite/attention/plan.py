@@ -193,13 +193,21 @@ def head_dim_parts(head_dim: int) -> tuple[int, ...]:
 def head_split_enabled() -> bool:
     """True unless ``FLASHLITE_HEAD_SPLIT=0``: the Hopper forward kernels (the warp-specialized one too) load head
     dims of 65 to 96 and 129 to 192 in two column parts (``head_dim_parts``) rather than padded to 128 and 256,
-    and the Hopper backward's two passes those of 129 to 192 (``backward_hopper.column_parts``).
+    and the Hopper backward's two passes those of 129 to 192 (``column_parts``; ``backward_hopper.column_parts``).
 
     On by default since they ran on the H200: tests/test_gpu_attention.py checks them against float64, and
     bench/results/h200/attention_head_split.json times them beside the padded kernels (1.0-1.8x forward,
     1.1-1.25x backward at D 160/192; even at D 96). ``FLASHLITE_HEAD_SPLIT=0`` pads every head dim instead.
     Read when a call is planned (``api.clear_routes`` after changing it)."""
     return os.environ.get("FLASHLITE_HEAD_SPLIT", "1") != "0"
+
+
+def column_parts(head_dim: int) -> tuple[int, ...]:
+    """The column parts the Hopper kernels load a head dim in: ``head_dim_parts``' while ``head_split_enabled``
+    (unless ``FLASHLITE_HEAD_SPLIT=0``), else one part, the padded head dim."""
+    if head_split_enabled():
+        return head_dim_parts(head_dim)
+    return (head_dim_padded(head_dim),)
 
 
 def default_config(
