@@ -91,30 +91,46 @@ def tiny_gpt(attention: str, steps: int) -> float:
         flashlite.nn.flash_attention = original
 
 
-def llama(attention: str, head_dim: int, steps: int) -> float:
+LLAMA_SIZES = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4)
+
+
+def llama_model(attention: str, head_dim: int, max_positions: int, device="cuda") -> torch.nn.Module:
+    """A transformers Llama of ``LLAMA_SIZES`` with heads of ``head_dim`` (a quarter as many K/V heads), random
+    weights from seed 0, bf16 parameters, attention by flashlite ("flashlite") or SDPA ("sdpa")."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import flashlite.integrations.transformers as fl_hf
 
     fl_hf.register()
-    heads = 2048 // head_dim
-    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-                         num_attention_heads=heads, num_key_value_heads=heads // 4, head_dim=head_dim,
-                         max_position_embeddings=4096)
+    heads = LLAMA_SIZES["hidden_size"] // head_dim
+    config = LlamaConfig(**LLAMA_SIZES, num_attention_heads=heads, num_key_value_heads=heads // 4, head_dim=head_dim,
+                         max_position_embeddings=max_positions)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        config, attn_implementation=fl_hf.NAME if attention == "flashlite" else "sdpa").to("cuda", torch.bfloat16)
+    return AutoModelForCausalLM.from_config(
+        config, attn_implementation=fl_hf.NAME if attention == "flashlite" else "sdpa").to(device, torch.bfloat16)
+
+
+def hf_step(model: torch.nn.Module, inputs: dict):
+    """One fine-tuning step of a transformers model on ``inputs`` (its keywords, labels among them): the loss's
+    backward and an AdamW step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    batch, length = 2, 4096
-    ids = torch.randint(0, 32000, (batch, length), device="cuda")
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**inputs).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+    return step
 
-    return tokens_per_s(step, batch, length, steps)
+
+def llama(attention: str, head_dim: int, steps: int) -> float:
+    model = llama_model(attention, head_dim, max_positions=4096)
+    batch, length = 2, 4096
+    ids = torch.randint(0, LLAMA_SIZES["vocab_size"], (batch, length), device="cuda")
+    return tokens_per_s(hf_step(model, dict(input_ids=ids, labels=ids)), batch, length, steps)
+
+
+PACKED_TOKENS = 16384
 
 
 def packed_documents_batch(lengths: list[int], vocab: int, device) -> dict:
@@ -142,33 +158,14 @@ def packed_documents_batch(lengths: list[int], vocab: int, device) -> dict:
     }
 
 
-def packed_llama(attention: str, layout: str, lengths: list[int], steps: int, config_kw: dict | None = None,
-                 device: str = "cuda", dtype: torch.dtype = torch.bfloat16, profile: list | None = None) -> float:
-    """Tokens/s (documents' tokens) of fine-tuning steps of a Llama (the D = 128 one of ``llama``, or
-    ``config_kw``) with ``attention`` ("flashlite" or "sdpa") on the documents ``lengths`` laid out as ``layout``
-    (``packed_documents_batch``). ``profile``: a list that gets one step's torch.profiler table (the kernels
-    and operators of most device time) after the timed steps."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    import flashlite.integrations.transformers as fl_hf
-
-    fl_hf.register()
-    config_kw = config_kw or dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-                                  num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-                                  max_position_embeddings=16384)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        LlamaConfig(**config_kw), attn_implementation=fl_hf.NAME if attention == "flashlite" else "sdpa",
-    ).to(device, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    inputs = packed_documents_batch(lengths, config_kw["vocab_size"], device)[layout]
-
-    def step():
-        loss = model(**inputs).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
+def packed_llama(attention: str, layout: str, lengths: list[int], steps: int, device: str = "cuda",
+                 profile: list | None = None) -> float:
+    """Tokens/s (documents' tokens) of fine-tuning steps of the D = 128 Llama of ``llama`` with ``attention``
+    ("flashlite" or "sdpa") on the documents ``lengths`` laid out as ``layout`` (``packed_documents_batch``).
+    ``profile``: a list that gets one step's torch.profiler table (the kernels and operators of most device time)
+    after the timed steps."""
+    model = llama_model(attention, 128, max_positions=PACKED_TOKENS, device=device)
+    step = hf_step(model, packed_documents_batch(lengths, LLAMA_SIZES["vocab_size"], device)[layout])
     rate = tokens_per_s(step, 1, sum(lengths), steps)
     if profile is not None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -178,9 +175,6 @@ def packed_llama(attention: str, layout: str, lengths: list[int], steps: int, co
         profile.append(f"## {attention} {layout}: {rate:,.0f} tokens/s\n"
                        + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     return rate
-
-
-PACKED_TOKENS = 16384
 
 
 def run_packed(args) -> None:
