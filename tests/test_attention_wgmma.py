@@ -124,33 +124,11 @@ def test_descriptor_matches_a_checked_one():
 
 def _compile_for_hopper(config: tuning.WgmmaConfig, head_dim: int, causal: bool, write_lse: bool,
                         variants: dict | None = None, head_dim_v: int | None = None, split: bool = False,
-                        dtype: torch.dtype = torch.bfloat16):
-    """The kernel ``config`` selects, built for sm_90 from CPU (the types a launch on Hopper would give);
-    ``variants``: ``plan.variant_args``' switches that are on; ``split``: head dims in column parts
-    (``plan.head_dim_parts``, as ``FLASHLITE_HEAD_SPLIT=1`` plans them), else padded."""
-    from triton.backends.compiler import GPUTarget
-    from flashlite.core.triton_compat import gluon_source, mangle_type
-
-    head_dim_v = head_dim_v or head_dim
-    parts = plan.head_dim_parts if split else (lambda d: (plan.head_dim_padded(d),))
-    q_parts, v_parts = parts(head_dim), parts(head_dim_v)
-    tensors = [torch.randn(1, 1, 256, d, dtype=dtype) for d in (head_dim, head_dim, head_dim_v, head_dim_v)]
-    kernel, meta = fw.kernel_for(config, sum(q_parts), sum(v_parts), causal, write_lse, variants)  # a launch's
-    descs = dict(zip(kernel.arg_names, fw.kernel_descriptors(tensors, config, q_parts, v_parts)))  # (its first args)
-    options = {name: meta[name] for name in ("num_warps", "maxnreg") if name in meta}
-    constants = {name: value for name, value in meta.items() if name != "maxnreg"}
-    constants.update({name: None for name, desc in descs.items() if desc is None})
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in descs:
-            signature[name] = mangle_type(descs[name])
-        else:
-            signature[name] = {"lse_ptr": "*fp32", "alibi_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32",
-                               "softcap": "fp32"}.get(name, "i32")
-    return triton.compile(gluon_source(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+                        dtype: torch.dtype = torch.bfloat16, packed: bool = False):
+    """The kernel ``config`` selects, built for sm_90 from CPU (``forward_hopper.build_for_sm90``: the types a launch
+    on Hopper would give); ``variants``: ``plan.variant_args``' switches that are on; ``split``: head dims in column
+    parts (``plan.head_dim_parts``), else padded; ``packed``: a packed batch's kernel."""
+    return fw.build_for_sm90(config, head_dim, causal, write_lse, variants, head_dim_v, split, dtype, packed)
 
 
 # The variant cases the build test compiles: every score modifier and the sinks together, with v of its own width.
@@ -336,3 +314,98 @@ def test_split_kernel_builds_with_products_in_flight():
         assert built["stores"] == len(v_parts) * (2 if ws else 1), built  # (each softmax warpgroup stores its rows)
         assert built["tanh"] == variants, built
     assert sum(built["warp_specialized"] for built in report.values()) >= 9
+
+
+# ----------------------------------------------------------------------------- packed (variable-length) batches
+
+
+def test_packed_schedule_numbers_every_tile():
+    # gluon_tiles.packed_tile's schedule: sequence b's tiles numbered from cu[b] // rows + b on. Every tile gets a
+    # number of its own below plan.packed_schedule's count, and no sequence leaves more than one number unused.
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        rows = (64, 128, 256)[trial % 3]
+        lengths = torch.randint(0, 3 * rows, (int(torch.randint(1, 40, (1,), generator=generator)),),
+                                generator=generator).tolist()
+        if trial % 7 == 0:
+            lengths = [rows * int(n % 3) for n in lengths]  # multiples of the tile
+        cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        numbers, seq_block = plan.packed_schedule(len(lengths), cu[-1], rows, 4)
+        starts = [cu[b] // rows + b for b in range(len(lengths))]
+        taken = [start + t for b, start in enumerate(starts) for t in range(triton.cdiv(lengths[b], rows))]
+        assert len(set(taken)) == len(taken) and max(taken, default=0) < numbers, (rows, lengths)
+        assert numbers - len(taken) <= len(lengths), (rows, lengths)
+        assert seq_block & (seq_block - 1) == 0 and 128 <= seq_block <= tuning.PACKED_SEQ_BLOCK
+
+
+def test_packed_batch_dispatch(hopper, monkeypatch):
+    """A packed batch on Hopper takes the Hopper forward under FLASHLITE_HOPPER_VARLEN=1 (off by default until its
+    GPU tests have run): one program a number of the flattened schedule and head,
+    the (1, H, total, D) tensors' descriptors, and the packed tuple (cu_seqlens, sequences, O and its strides,
+    Dv) that its last query tiles are stored through."""
+    from .utils import cu_seqlens
+
+    launched = []
+    monkeypatch.setattr(fw.KernelLaunch, "__call__", lambda launch, *args: launched.append((launch, args)))
+    lengths = [300, 0, 100, 517]
+    total = sum(lengths)
+    q = on_hopper(torch.randn(1, 4, total, 128, dtype=torch.bfloat16))
+    monkeypatch.delenv("FLASHLITE_HOPPER_VARLEN", raising=False)  # off by default: the tl kernel
+    assert not route.Route(q, q, q, None, False, True, 0.1, None, None, False, False, True, False, 1, False,
+                           varlen=(len(lengths), 517, 517)).hopper
+    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "1")
+    for head_dim, head_dim_v in ((128, 128), (64, 64), (192, 128)):
+        q = on_hopper(torch.randn(1, 4, total, head_dim, dtype=torch.bfloat16))  # packed: (1, H, total, D)
+        k = on_hopper(torch.randn(1, 2, total, head_dim, dtype=torch.bfloat16))
+        v = on_hopper(torch.randn(1, 2, total, head_dim_v, dtype=torch.bfloat16))
+        cu = cu_seqlens(lengths, "cpu")
+        way = route.Route(q, k, v, None, False, True, 0.1, None, None, False, False, True, False, 1, False,
+                          varlen=(len(lengths), 517, 517))
+        assert way.hopper
+        o, _, _ = way.forward(q, k, v, None, None, None, None, seqs=(cu, cu))
+        launch, args = launched[-1]
+        config = plan.wgmma_config(max(head_dim, head_dim_v), True, 517)
+        assert launch.grid == ((total // config.rows_per_program + len(lengths)) * 4,)
+        assert launch.options["SEQ_BLOCK"] == 128
+        n_descs = 4 * gluon_tiles.MAX_COLUMN_PARTS
+        assert args[0].base is q and args[0].shape == [1, 4, total, head_dim]
+        packed = args[n_descs + 3]
+        assert packed[:3] == (cu, cu, len(lengths)) and packed[3] is o
+        assert packed[4:] == (o.stride(1), o.stride(2), head_dim_v)
+        assert args[n_descs + 6:n_descs + 8] == (total, total)  # the totals: the rows a sequence's may lie in
+    # A dense call launches without one.
+    q, k, v = map(on_hopper, hopper_qkv(128, torch.bfloat16))
+    api.attention_forward(q, k, v, True, 0.1, None, False, True)
+    launch, args = launched[-1]
+    assert launch.options["SEQ_BLOCK"] == 0 and args[4 * gluon_tiles.MAX_COLUMN_PARTS + 3] is None
+
+
+def _packed_build_report(cases: list) -> dict:
+    """For each (head_dim, head_dim_v, causal): the packed batch's kernel built for sm_90 (head dims in column
+    parts): its wgmma wait depths, TMA stores and whether O's last tiles have pointer stores."""
+    report = {}
+    for head_dim, head_dim_v, causal in cases:
+        config = plan.wgmma_config(max(head_dim, head_dim_v), causal, 4096)
+        compiled = _compile_for_hopper(config, head_dim, causal, write_lse=True, head_dim_v=head_dim_v, split=True,
+                                       packed=True)
+        ptx = compiled.asm["ptx"]
+        report[f"{head_dim}-v{head_dim_v}-{causal}"] = dict(
+            warp_specialized=config.warp_specialized,
+            waits=_ptx_numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
+            tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared", ptx)),
+            stores=len(re.findall(r"st\.global\.v?\d*\.?b(?:16|32)", ptx)))
+    return report
+
+
+def test_packed_kernel_builds_with_products_in_flight():
+    """The packed batch's kernels built for sm_90 in a fresh process: the K/V loop as the dense kernel's (a P V
+    product of every part of O in flight across the softmax), O's full tiles by TMA, its last ones by pointer."""
+    cases = [(128, 128, True), (128, 128, False), (64, 64, True), (256, 256, False), (192, 192, True),
+             (96, 64, False), (192, 128, True)]
+    report = fresh_process_report("tests.test_attention_wgmma", "_packed_build_report", cases)
+    for (head_dim, head_dim_v, causal), built in zip(cases, report.values()):
+        v_parts = plan.head_dim_parts(head_dim_v)
+        assert len(v_parts) in built["waits"], built
+        assert built["tma_stores"] == len(v_parts) * (2 if built["warp_specialized"] else 1), built
+        assert built["stores"] > 0, built
+    assert report["128-v128-True"]["warp_specialized"]

@@ -1,6 +1,8 @@
 """``flash_attention_varlen`` on the GPU (``pytest -m gpu``): FlashAttention's varlen test matrix (the seqlen pairs
 and head dims of its ``test_flash_attn_varlen_output``), MHA/GQA/MQA, causal and not, fp16/bf16 (and fp32 on a
-few), output, LSE and gradients against float64 per sequence, on poisoned memory."""
+few), output, LSE and gradients against float64 per sequence, on poisoned memory; each case on both forward
+kernels of a packed batch (``packed_forward``: the ``triton.language`` one, and the Hopper one that
+``FLASHLITE_HOPPER_VARLEN=1`` switches on)."""
 
 import pytest
 import torch
@@ -25,12 +27,24 @@ def random_lengths(batch: int, longest: int, generator: torch.Generator) -> list
     return lengths
 
 
+@pytest.fixture(params=["tl", "hopper"])
+def packed_forward(request, monkeypatch):
+    """The forward kernel of a packed batch: the ``triton.language`` one, or the Hopper one
+    (``FLASHLITE_HOPPER_VARLEN=1``, where the call is one it takes: fp16/bf16, head dims 33-256, on Hopper)."""
+    from flashlite.attention import api
+
+    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "1" if request.param == "hopper" else "0")
+    api.clear_routes()
+    yield request.param
+    api.clear_routes()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mha_type", ["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("seqlen_q, seqlen_k", SEQLENS)
-def test_varlen_matrix(seqlen_q, seqlen_k, head_dim, mha_type, causal, dtype):
+def test_varlen_matrix(seqlen_q, seqlen_k, head_dim, mha_type, causal, dtype, packed_forward):
     generator = torch.Generator().manual_seed(seqlen_q * 7919 + seqlen_k * 31 + head_dim)
     batch, heads = 4, 6
     kv_heads = {"mha": 6, "gqa": 2, "mqa": 1}[mha_type]
@@ -46,7 +60,7 @@ def test_varlen_matrix(seqlen_q, seqlen_k, head_dim, mha_type, causal, dtype):
 @pytest.mark.parametrize("variant", [dict(window_size=(64, 16)), dict(softcap=20.0, causal=True),
                                      dict(alibi=True, causal=True), dict(sinks=True, causal=True),
                                      dict(head_dim_v=64), dict(dtype=torch.float32, causal=True)])
-def test_varlen_variants(variant):
+def test_varlen_variants(variant, packed_forward):
     variant = dict(variant)
     dtype = variant.pop("dtype", torch.bfloat16)
     head_dim_v = variant.pop("head_dim_v", 128)
@@ -62,7 +76,7 @@ def test_varlen_variants(variant):
     check_attention_varlen(q, k, v, lengths_q, lengths_k, **variant)
 
 
-def test_varlen_graph_capture_replays():
+def test_varlen_graph_capture_replays(packed_forward):
     # No host reads of the lengths: a CUDA graph replays the call with new lengths written into cu_seqlens.
     lengths = [100, 37, 250]
     q, k, v = (torch.randn(400, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -76,3 +90,56 @@ def test_varlen_graph_capture_replays():
         graph.replay()
         expected = flashlite.flash_attention_varlen(q, k, v, cu, cu, 256, 256, causal=True)
         assert torch.equal(out, expected)
+
+
+def test_varlen_runs_on_the_hopper_kernel(monkeypatch):
+    # Under FLASHLITE_HOPPER_VARLEN=1 the matrix's "hopper" cases go through the Hopper forward where it applies
+    # (fp16/bf16, head dims 33-256 but 32, on an H100/H200): a spy counts its packed launches, so that they do not
+    # pass on the tl kernel alone.
+    from flashlite.attention import api, forward_hopper
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on compute capability 9.0")
+    packed_calls = []
+    call = forward_hopper.HopperForwardLaunch.__call__
+
+    def spy(launch, *args):
+        packed_calls.append(launch.varlen is not None)
+        return call(launch, *args)
+
+    monkeypatch.setattr(forward_hopper.HopperForwardLaunch, "__call__", spy)
+    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "1")
+    api.clear_routes()
+    lengths = [129, 0, 255, 1, 640]
+    poison()
+    q, k, v = (torch.randn(sum(lengths), 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    check_attention_varlen(q, k, v, lengths, lengths, causal=True)
+    assert packed_calls and all(packed_calls)
+
+
+@pytest.mark.parametrize("n_seqs", [300, 1500])  # past one thread a sequence start, and past one load of them
+def test_varlen_many_short_sequences(n_seqs, packed_forward):
+    # The flattened schedule's search over sequence starts (gluon_tiles.packed_tile), in one load and in several.
+    generator = torch.Generator().manual_seed(n_seqs)
+    lengths = torch.randint(0, 40, (n_seqs,), generator=generator).tolist()
+    lengths[7] = 300
+    poison()
+    q = torch.randn(sum(lengths), 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lengths), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(sum(lengths), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    check_attention_varlen(q, k, v, lengths, lengths, causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192])
+def test_varlen_views_of_a_packed_projection(head_dim, packed_forward):
+    # q, k, v as views of one (total, 3, H, D) projection (strides H·D·3 between tokens), read in place.
+    lengths = [200, 3, 517, 64, 0, 130]
+    poison()
+    qkv = torch.randn(sum(lengths), 3, 6, head_dim, device="cuda", dtype=torch.float16)
+    q, k, v = (qkv[:, i].detach().requires_grad_() for i in range(3))
+    q_view, k_view, v_view = (qkv[:, i] for i in range(3))
+    out = flashlite.flash_attention_varlen(q_view, k_view, v_view, cu_seqlens(lengths, "cuda"),
+                                           cu_seqlens(lengths, "cuda"), 517, 517, causal=True)
+    expected, _ = check_attention_varlen(q, k, v, lengths, lengths, causal=True)
+    assert torch.equal(out, expected)

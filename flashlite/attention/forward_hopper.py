@@ -76,16 +76,21 @@ import triton
 
 from ..core.masking import apply_masks, key_ranges, modified_scores_scaled
 from ..core.online_softmax import BASE2_UNITS, LOG2E, merge_sink, normalize, online_update_scaled, state_logsumexp
+from ..core.packed import sequence_bounds
 from ..core.runtime import KernelLaunch, device_info
 from ..core.tiles import tma_usable
+from ..core.triton_compat import gluon_source, mangle_type
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, box_views, descriptor_parts, gluon, issue_kv_load,
-    load_boxes, part_descriptors, part_start, part_templates, rebind_parts, register_operands, ring_slots,
+    load_boxes, packed_tile, part_descriptors, part_start, part_templates, rebind_parts, register_operands, ring_slots,
     slot_boxes, sum_of_products, thread_barrier, tile_boxes, tma_store, wait_kv, wait_products, zero_accumulators,
 )
-from .plan import NO_VARIANTS, OutputLayout, column_parts, head_dim_padded, query_tile, variant_args, wgmma_config
+from .plan import (
+    NO_VARIANTS, OutputLayout, column_parts, head_dim_padded, head_dim_parts, packed_schedule, query_tile, variant_args,
+    wgmma_config,
+)
 from .tuning import WgmmaConfig
 
 if gluon is not None:
@@ -168,16 +173,17 @@ if gluon is not None:
     # ------------------------------------------------------------------------------------------ the K/V loop
 
     @gluon.jit
-    def _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, full, rows, qk_scale, mods,
+    def _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, keys, rows, qk_scale, mods,
                          IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, NUM_WARPS: gl.constexpr,
                          LOAD_WARP: gl.constexpr):
         """The K/V loop of one query tile: ``(m, d, O)`` after every K/V tile, O not yet divided by d.
 
         Q, its K tiles and its V tiles and O come as tuples of column parts (above): ``q_ops`` Q's operands,
-        ``accs`` O's accumulators. The tiles come through the rings ``k_ring`` and ``v_ring`` (``gluon_tiles``);
-        ``source = (b, h_kv, key_start, n_kv_tiles)``: its ``n_kv_tiles`` K/V tiles start at key ``key_start``,
-        and the full tiles ``full = (full_first, full_stop)`` are numbered from there; ``rows``: the queries
-        (``_fold_scores``). V tiles are as wide as O.
+        ``accs`` O's accumulators. The tiles come through the rings ``k_ring`` and ``v_ring`` (``gluon_tiles``)
+        from ``source = (b, h_kv, row, n_kv_tiles)``: its ``n_kv_tiles`` K/V tiles start at row ``row`` of K/V
+        (the rows' coordinate in the tensors); ``keys = (key_start, full_first, full_stop)``: their first key's
+        position in its sequence, and the full tiles, numbered from there; ``rows``: the queries
+        (``_fold_scores``). V tiles are as wide as O. (A packed batch's sequence starts at a row of its own.)
 
         Turn j issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` together, waits until only the
         second is in flight (one product a part of O), folds S_j into ``(m, d)`` while P V runs, then waits
@@ -185,7 +191,9 @@ if gluon is not None:
         the layout of S.
         """
         dtype: gl.constexpr = k_ring[0][0].dtype
-        b, h_kv, key_start, n_kv_tiles = source
+        n_kv_tiles = source[3]
+        key_start, full_first, full_stop = keys
+        full = (full_first, full_stop)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accs[0].type.layout, k_width=2)
         m = gl.full([s_zero.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_zero.type.layout))
         d = gl.zeros_like(m)
@@ -215,29 +223,99 @@ if gluon is not None:
         return m, d, accs
 
     @gluon.jit
-    def _write_output(accs, m, d, rows, out, o_start, sink, WRITE_LSE: gl.constexpr, HAS_SINKS: gl.constexpr):
-        """O / d through shared memory by TMA into its tile at ``o_start = (b, h, row_start)`` (rows past
-        seqlen_q dropped), and the LSE into ``lse_row`` (this batch and head's), for ``out = (o_descs, o_boxes,
-        lse_row)`` (a descriptor and a shared-memory box a column part of O, as ``accs``) and the queries ``rows
-        = (q_idx, seqlen_q, seqlen_k)``; rows that saw no key give zeros. With ``HAS_SINKS`` the head's ``sink``
-        (``_sink_logit``) is merged into every row's state first (``merge_sink``)."""
+    def _write_output(accs, m, d, rows, out, o_start, sink, packed, WRITE_LSE: gl.constexpr,
+                      HAS_SINKS: gl.constexpr):
+        """O / d through shared memory by TMA into its tile at ``o_start = (b, h, row, q_row0)`` (the tile's
+        coordinate in O, and its sequence's first row's; rows past seqlen_q dropped), and the LSE into
+        ``lse_row`` (this batch and head's), for ``out = (o_descs, o_boxes, lse_row)`` (a descriptor and a
+        shared-memory box a column part of O, as ``accs``) and the queries ``rows = (q_idx, seqlen_q,
+        seqlen_k)``; rows that saw no key give zeros. With ``HAS_SINKS`` the head's ``sink`` (``_sink_logit``) is
+        merged into every row's state first (``merge_sink``).
+
+        ``packed``: None for a dense batch (TMA drops the rows past the tensor's end). In a packed batch
+        (``_query_program``'s ``packed``) the next sequence's rows follow, so the last tile of a sequence, cut by
+        its end, is stored from registers by pointer instead."""
         q_idx, seqlen_q, seqlen_k = rows
         o_descs, o_boxes, lse_row = out
-        b, h, row_start = o_start
-        o_tiles = box_views(o_boxes)
+        b, h, row, q_row0 = o_start
         if HAS_SINKS:
             m, d, alpha = merge_sink(m, d, sink, BASE2_UNITS)
             accs = _rescale(accs, alpha)
         if WRITE_LSE:
             gl.store(lse_row + q_idx, state_logsumexp(m, d, BASE2_UNITS), mask=q_idx < seqlen_q)
+        outs = ()
         for i in gl.static_range(len(accs)):
             o = normalize(accs[i], gl.convert_layout(d, gl.SliceLayout(1, accs[i].type.layout)), ZERO_IF_EMPTY=True)
-            o_tiles[i].store(o.to(o_descs[i].dtype))
+            outs = outs + (o.to(o_descs[i].dtype),)
+        if packed is None:
+            _store_by_tma(outs, o_descs, o_boxes, (b, h, row))
+        elif gl.max(q_idx, axis=0) < seqlen_q:
+            _store_by_tma(outs, o_descs, o_boxes, (b, h, row))
+        else:  # the sequence's last tile
+            o_ptr, stride_h, stride_l, head_dim_v = packed[3], packed[4], packed[5], packed[6]
+            o_seq = o_ptr + h.to(gl.int64) * stride_h + q_row0.to(gl.int64) * stride_l  # this head's sequence
+            for i in gl.static_range(len(outs)):  # (each part's layout its own: no constexpr name for it)
+                o_idx = gl.convert_layout(q_idx, gl.SliceLayout(1, outs[i].type.layout)).to(gl.int64)
+                cols = part_start(o_descs, i) + gl.arange(0, outs[i].shape[1],
+                                                          layout=gl.SliceLayout(0, outs[i].type.layout))
+                gl.store(o_seq + o_idx[:, None] * stride_l + cols[None, :], outs[i],
+                         mask=(o_idx < seqlen_q)[:, None] & (cols < head_dim_v)[None, :])
+
+    @gluon.jit
+    def _store_by_tma(outs, o_descs, o_boxes, start):
+        """Each column part of O's tile, ``outs`` (registers), through its shared-memory box of ``o_boxes`` by TMA
+        into its tile at ``start = (b, h, row)`` of ``o_descs``."""
+        b, h, row = start
+        o_tiles = box_views(o_boxes)
+        for i in gl.static_range(len(outs)):
+            o_tiles[i].store(outs[i])
         fence_async_shared()
         thread_barrier()  # every warp's part of O is written before the copies start
-        for i in gl.static_range(len(accs)):
-            tma_store(o_descs[i], [b, h, row_start, part_start(o_descs, i)], o_boxes[i])
+        for i in gl.static_range(len(outs)):
+            tma_store(o_descs[i], [b, h, row, part_start(o_descs, i)], o_boxes[i])
         tma.store_wait(0)
+
+    @gluon.jit
+    def _batch_coordinate(b, SEQ_BLOCK: gl.constexpr):
+        """The batch coordinate of batch ``b``'s tiles in the (B, H, L, D) tensors: ``b``, or 0 in a packed batch
+        (``SEQ_BLOCK`` > 0), whose tensors are (1, H, total, D)."""
+        if SEQ_BLOCK > 0:
+            b = b * 0
+        return b
+
+    @gluon.jit
+    def _query_program(pid, packed, n_heads, seqlen_q, seqlen_k, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                       SEQ_BLOCK: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Program ``pid``'s ``ROWS`` query rows: ``(b, h, m_start, (q_row0, k_row0), (seqlen_q, seqlen_k),
+        stats_row)``: batch (or sequence) ``b``, head ``h``, its first row's position ``m_start``, where the
+        sequence's query and key rows start in the tensors (0 in a dense batch; int32, TMA's coordinates), its
+        lengths, and where its head's LSE row starts (``core.packed.sequence_bounds``).
+
+        Dense (``SEQ_BLOCK`` 0, ``packed`` None): tiles numbered by ``plan.query_tile``. A packed batch,
+        ``packed = (cu_seqlens_q, cu_seqlens_k, n_seqs, o, stride_o_h, stride_o_l, head_dim_v)`` with
+        ``seqlen_q``/``_k``
+        the totals: the flattened schedule of ``gluon_tiles.packed_tile`` (one program a number, head-major,
+        under causal the numbers backwards so that the last, heaviest tiles start first); a number with no
+        tile gets ``m_start = seqlen_q = 0`` (nothing to read, nothing to store)."""
+        VARLEN: gl.constexpr = SEQ_BLOCK > 0
+        seqs = None
+        if VARLEN:
+            cu_seqlens_q, cu_seqlens_k, n_seqs = packed[0], packed[1], packed[2]
+            seqs = (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k)
+            h, number = query_tile(pid, seqlen_q // ROWS + n_seqs, 1, IS_CAUSAL)
+            b, m_start = packed_tile(number, cu_seqlens_q, n_seqs, ROWS, SEQ_BLOCK, NUM_WARPS)
+        else:
+            bh, m_start = query_tile(pid, gl.cdiv(seqlen_q, ROWS), ROWS, IS_CAUSAL)
+            b = bh // n_heads
+            h = bh % n_heads
+        q_row0, k_row0, seqlen_q, seqlen_k, stats_row0, stats_head_stride = sequence_bounds(
+            seqs, b, n_heads, seqlen_q, seqlen_k, VARLEN)
+        if VARLEN:
+            live = ((m_start >= 0) & (m_start < seqlen_q)).to(gl.int32)
+            m_start = m_start * live
+            seqlen_q = seqlen_q * live
+        return (b, h, m_start, (q_row0.to(gl.int32), k_row0.to(gl.int32)), (seqlen_q, seqlen_k),
+                stats_row0 + h.to(gl.int64) * stats_head_stride)
 
     @gluon.jit
     def _sink_logit(sinks_ptr, h, HAS_SINKS: gl.constexpr):
@@ -251,11 +329,11 @@ if gluon is not None:
     @gluon.jit
     def _attention_fwd_wgmma_kernel(
         q_desc, k_desc, v_desc, o_desc, q_desc_b, k_desc_b, v_desc_b, o_desc_b, lse_ptr, alibi_ptr, sinks_ptr,
-        n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, softcap, window_left, window_right,
+        packed, n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         KV_STAGES: gl.constexpr, Q_IN_REGISTERS: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
         FAST_TANH: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr,
-        WRITE_LSE: gl.constexpr, num_warps: gl.constexpr,
+        WRITE_LSE: gl.constexpr, SEQ_BLOCK: gl.constexpr, num_warps: gl.constexpr,
     ):
         # The column parts of Q/K's head dim and of V/O's (``plan.head_dim_parts``): the ``*_desc`` descriptors
         # load the first part's boxes, the ``*_desc_b`` ones the second's, or are None (one part). HEAD_DIM and
@@ -268,10 +346,13 @@ if gluon is not None:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
 
-        # One query tile per program, numbered as the other kernels number them.
-        bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, IS_CAUSAL)
-        b = bh // n_heads
-        h = bh % n_heads
+        # One query tile per program, numbered as the other kernels number them (a packed batch: its sequence's
+        # rows and lengths, ``packed`` as ``_query_program`` takes it; its tensors are (1, H, total, D)).
+        b, h, m_start, row0s, lengths, stats_row = _query_program(
+            gl.program_id(0), packed, n_heads, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, SEQ_BLOCK, num_warps)
+        q_row0, k_row0 = row0s
+        seqlen_q, seqlen_k = lengths
+        b_row = _batch_coordinate(b, SEQ_BLOCK)
         h_kv = h // kv_group
         # The score modifiers (core.masking), softcap and slope in base-2 units.
         mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
@@ -282,7 +363,7 @@ if gluon is not None:
         key_start, full_start, full_end, key_end = key_ranges(
             m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL,
             HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-        n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
+        n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N) * (m_start < seqlen_q).to(gl.int32)
 
         q_smem = tile_boxes(q_descs)
         k_smem = ring_slots(k_descs, KV_STAGES)
@@ -299,8 +380,8 @@ if gluon is not None:
         # the ready ones fill in). Each barrier counts the bytes of every column part of its tile.
         k_ring = (k_descs, k_smem, k_bars, k_bars)
         v_ring = (v_descs, v_smem, v_bars, v_bars)
-        source = (b, h_kv, key_start, n_kv_tiles)
-        load_boxes(q_descs, (b, h, m_start), q_bar, q_smem)
+        source = (b_row, h_kv, k_row0 + key_start, n_kv_tiles)
+        load_boxes(q_descs, (b_row, h, q_row0 + m_start), q_bar, q_smem)
         for i in gl.static_range(KV_STAGES):
             issue_kv_load(k_ring, i, source)
             issue_kv_load(v_ring, i, source)
@@ -317,9 +398,9 @@ if gluon is not None:
         q_idx = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         accs = zero_accumulators(v_descs, BLOCK_M, num_warps)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
+        keys = (key_start, (full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
         rows = (q_idx, seqlen_q, seqlen_k)
-        m, d, accs = _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, full, rows, qk_scale, mods,
+        m, d, accs = _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, keys, rows, qk_scale, mods,
                                       IS_CAUSAL, MODS, NUM_WARPS=num_warps, LOAD_WARP=False)
 
         mbarrier.invalidate(q_bar)
@@ -332,26 +413,27 @@ if gluon is not None:
             o_smem = q_smem
         else:
             o_smem = tile_boxes(o_descs)
-        lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q
-        _write_output(accs, m, d, rows, (o_descs, o_smem, lse_row), (b, h, m_start), sink, WRITE_LSE, HAS_SINKS)
+        _write_output(accs, m, d, rows, (o_descs, o_smem, lse_ptr + stats_row), (b_row, h, q_row0 + m_start, q_row0),
+                      sink, packed, WRITE_LSE, HAS_SINKS)
 
     # ---------------------------------------------- warp-specialized: a load warp, two softmax warpgroups
 
     @gluon.jit
     def _ws_load_partition(q_tiles, k_ring, v_ring, q_start, source):
         """The load warp: both Q tiles (``q_tiles = (q_descs, q_smem, q_bars)``, rows from ``q_start = (b, h,
-        m_start)``; each warpgroup's tile, every column part of it, onto its own mbarrier), then every K and V tile
+        row, ...)``, ``row`` their coordinate in Q; each warpgroup's tile, every column part of it, onto its own
+        mbarrier), then every K and V tile
         (from ``source``, ``issue_kv_load``) into its ring of slots, each once both softmax warpgroups have
         released the slot (a fresh mbarrier counts as released: phase 1 is done)."""
         q_descs, q_smem, q_bars = q_tiles
         k_descs, k_slots, k_ready, k_free = k_ring
         v_descs, v_slots, v_ready, v_free = v_ring
-        b, h, m_start = q_start
-        n_kv_tiles = source[3]  # (b, h_kv, key_start, n_kv_tiles)
+        b, h, row = q_start[0], q_start[1], q_start[2]
+        n_kv_tiles = source[3]  # (b, h_kv, row, n_kv_tiles)
         BLOCK_M: gl.constexpr = q_descs[0].block_type.shape[2]
         KV_STAGES: gl.constexpr = k_slots[0].type.shape[0]
         for wg in gl.static_range(2):
-            load_boxes(q_descs, (b, h, m_start + wg * BLOCK_M), q_bars.index(wg), slot_boxes(q_smem, wg))
+            load_boxes(q_descs, (b, h, row + wg * BLOCK_M), q_bars.index(wg), slot_boxes(q_smem, wg))
         for tile in range(n_kv_tiles):
             slot = tile % KV_STAGES
             released = ((tile // KV_STAGES) & 1) ^ 1
@@ -361,18 +443,19 @@ if gluon is not None:
             issue_kv_load(v_ring, tile, source)
 
     @gluon.jit
-    def _ws_softmax_partition(q_tiles, k_ring, v_ring, out, q_start, source, lengths, sinks_ptr, qk_scale, mods,
-                              IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, HAS_SINKS: gl.constexpr,
+    def _ws_softmax_partition(q_tiles, k_ring, v_ring, out, q_start, source, lengths, sinks_ptr, packed, qk_scale,
+                              mods, IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, HAS_SINKS: gl.constexpr,
                               WRITE_LSE: gl.constexpr, WARPGROUP: gl.constexpr):
         """One softmax warpgroup: query rows ``m_start + WARPGROUP * BLOCK_M`` on, over the shared K/V tiles
         (the arguments as ``_ws_load_partition`` and ``_write_output`` take them, a tuple of column parts where
         the other kernel has them too; ``out = (o_descs, o_smem, lse_row)``, ``o_smem`` holding both warpgroups'
-        boxes of each part of O; ``lengths = (seqlen_q, seqlen_k)``)."""
+        boxes of each part of O; ``q_start = (b, h, row, m_start, q_row0)``: the program's first row's coordinate
+        in Q and position in its sequence, and the sequence's first row's coordinate; ``lengths = (seqlen_q,
+        seqlen_k, key_start)``, ``key_start`` the position of the first key of ``source``'s tiles)."""
         q_descs, q_smem, q_bars = q_tiles
         o_descs, o_smem, lse_row = out
-        b, h, m_start = q_start
-        seqlen_q, seqlen_k = lengths
-        key_start = source[2]  # (b, h_kv, key_start, n_kv_tiles)
+        b, h, row, m_start, q_row0 = q_start
+        seqlen_q, seqlen_k, key_start = lengths
         BLOCK_M: gl.constexpr = q_descs[0].block_type.shape[2]
         BLOCK_N: gl.constexpr = k_ring[0][0].block_type.shape[2]  # (the rings as gluon_tiles describes them)
         HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW = MODS
@@ -392,22 +475,23 @@ if gluon is not None:
         accs = zero_accumulators(v_ring[0], BLOCK_M, 4)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         # Both warpgroups walk the K/V tiles of the whole program (masking covers the tiles only the other sees).
-        full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
+        keys = (key_start, (full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
         rows = (q_idx, seqlen_q, seqlen_k)
-        m, d, accs = _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, full, rows, qk_scale, mods,
+        m, d, accs = _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, keys, rows, qk_scale, mods,
                                       IS_CAUSAL, MODS, NUM_WARPS=4, LOAD_WARP=True)
         # Q is in registers: O goes out through this warpgroup's Q boxes (o_smem is q_smem when O is as wide).
-        _write_output(accs, m, d, rows, (o_descs, slot_boxes(o_smem, WARPGROUP), lse_row), (b, h, row_start), sink,
-                      WRITE_LSE, HAS_SINKS)
+        _write_output(accs, m, d, rows, (o_descs, slot_boxes(o_smem, WARPGROUP), lse_row),
+                      (b, h, row + WARPGROUP * BLOCK_M, q_row0), sink, packed, WRITE_LSE, HAS_SINKS)
 
     @gluon.jit
     def _attention_fwd_ws_kernel(
         q_desc, k_desc, v_desc, o_desc, q_desc_b, k_desc_b, v_desc_b, o_desc_b, lse_ptr, alibi_ptr, sinks_ptr,
-        n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, softcap, window_left, window_right,
+        packed, n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         KV_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
         HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
-        SOFTMAX_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
+        SEQ_BLOCK: gl.constexpr, SOFTMAX_REGISTERS: gl.constexpr, LOAD_REGISTERS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         # The column parts of Q/K's head dim and of V/O's, as _attention_fwd_wgmma_kernel takes them: the
         # ``*_desc_b`` descriptors load the second part's boxes, or are None (one part); HEAD_DIM and HEAD_DIM_V
@@ -416,10 +500,13 @@ if gluon is not None:
         k_descs = descriptor_parts(k_desc, k_desc_b)
         v_descs = descriptor_parts(v_desc, v_desc_b)
         o_descs = descriptor_parts(o_desc, o_desc_b)
-        # A program holds 2 * BLOCK_M query rows, BLOCK_M per softmax warpgroup, numbered as the other kernels do.
-        bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, 2 * BLOCK_M), 2 * BLOCK_M, IS_CAUSAL)
-        b = bh // n_heads
-        h = bh % n_heads
+        # A program holds 2 * BLOCK_M query rows, BLOCK_M per softmax warpgroup, numbered as the other kernels do
+        # (a packed batch: as in _attention_fwd_wgmma_kernel).
+        b, h, m_start, row0s, lengths, stats_row = _query_program(
+            gl.program_id(0), packed, n_heads, seqlen_q, seqlen_k, 2 * BLOCK_M, IS_CAUSAL, SEQ_BLOCK, num_warps)
+        q_row0, k_row0 = row0s
+        seqlen_q, seqlen_k = lengths
+        b_row = _batch_coordinate(b, SEQ_BLOCK)
         h_kv = h // kv_group
         mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
                 window_left, window_right)
@@ -427,7 +514,7 @@ if gluon is not None:
         key_start, _, _, key_end = key_ranges(
             m_start, gl.minimum(m_start + 2 * BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL,
             HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-        n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
+        n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N) * (m_start < seqlen_q).to(gl.int32)
 
         q_smem = ring_slots(q_descs, 2)  # a Q box of each part for each softmax warpgroup
         k_smem = ring_slots(k_descs, KV_STAGES)
@@ -451,23 +538,22 @@ if gluon is not None:
             mbarrier.init(k_free.index(i), count=2)  # released by both softmax warpgroups
             mbarrier.init(v_free.index(i), count=2)
 
-        lse_row = lse_ptr + bh.to(gl.int64) * seqlen_q  # this batch and head's LSE
         q_tiles = (q_descs, q_smem, q_bars)
         k_ring = (k_descs, k_smem, k_ready, k_free)  # (gluon_tiles)
         v_ring = (v_descs, v_smem, v_ready, v_free)
-        out = (o_descs, o_smem, lse_row)
-        q_start = (b, h, m_start)
-        source = (b, h_kv, key_start, n_kv_tiles)
-        lengths = (seqlen_q, seqlen_k)
+        out = (o_descs, o_smem, lse_ptr + stats_row)  # this batch and head's LSE row
+        q_start = (b_row, h, q_row0 + m_start, m_start, q_row0)
+        source = (b_row, h_kv, k_row0 + key_start, n_kv_tiles)
+        lengths = (seqlen_q, seqlen_k, key_start)
         # (Each partition's argument tuple is written out in the call, its constexpr flags as literals or
         # constexpr names: a tuple held in a variable would turn them into run-time values. Tuples of run-time
         # values, as the groups above, may be held.)
         gl.warp_specialize(
             [(_ws_softmax_partition,  # warpgroup 0: the default partition
-              (q_tiles, k_ring, v_ring, out, q_start, source, lengths, sinks_ptr, qk_scale, mods,
+              (q_tiles, k_ring, v_ring, out, q_start, source, lengths, sinks_ptr, packed, qk_scale, mods,
                IS_CAUSAL, MODS, HAS_SINKS, WRITE_LSE, 0)),
              (_ws_softmax_partition,  # warpgroup 1
-              (q_tiles, k_ring, v_ring, out, q_start, source, lengths, sinks_ptr, qk_scale, mods,
+              (q_tiles, k_ring, v_ring, out, q_start, source, lengths, sinks_ptr, packed, qk_scale, mods,
                IS_CAUSAL, MODS, HAS_SINKS, WRITE_LSE, 1)),
              (_ws_load_partition, (q_tiles, k_ring, v_ring, q_start, source))],
             [4, 1], [SOFTMAX_REGISTERS, LOAD_REGISTERS])
@@ -503,14 +589,15 @@ def kernel_descriptors(tensors: tuple, config: WgmmaConfig, q_parts: tuple, v_pa
 
 
 def kernel_for(config: WgmmaConfig, head_dim: int, head_dim_v: int, causal: bool, write_lse: bool,
-               variant_meta: dict | None = None) -> tuple:
+               variant_meta: dict | None = None, seq_block: int = 0) -> tuple:
     """``(kernel, launch keywords)`` of a call: its constexprs (``variant_meta``: ``plan.variant_args``' switches,
-    none by default; ``head_dim``, ``head_dim_v``: the widths on chip, the sums of the column parts), ``num_warps``
+    none by default; ``head_dim``, ``head_dim_v``: the widths on chip, the sums of the column parts;
+    ``seq_block``: a packed batch's ``SEQ_BLOCK``, ``plan.packed_schedule``, 0 for a dense one), ``num_warps``
     and, warp-specialized, ``maxnreg``."""
     variants = {**NO_VARIANTS, **(variant_meta or {})}
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-                KV_STAGES=config.kv_stages, IS_CAUSAL=causal, WRITE_LSE=write_lse, num_warps=config.num_warps,
-                **variants)
+                KV_STAGES=config.kv_stages, IS_CAUSAL=causal, WRITE_LSE=write_lse, SEQ_BLOCK=seq_block,
+                num_warps=config.num_warps, **variants)
     if config.warp_specialized:
         return _attention_fwd_ws_kernel, dict(meta, SOFTMAX_REGISTERS=tuning.WS_SOFTMAX_REGISTERS,
                                               LOAD_REGISTERS=tuning.WS_LOAD_REGISTERS, maxnreg=tuning.WS_LAUNCH_REGISTERS)
@@ -530,40 +617,90 @@ class HopperForwardLaunch:
     columns, not 128 (256); any other head dim, and every one under ``FLASHLITE_HEAD_SPLIT=0``, in one box as
     wide as the padded head dim, TMA filling the columns past D with zeros on loads and dropping them on the
     output's store.
+
+    A packed batch (``varlen = (sequences, max_seqlen_q, max_seqlen_k)``, ``core.packed``): (1, H, total, D)
+    tensors whose calls bring ``seqs = (cu_seqlens_q, cu_seqlens_k)``, run as one flattened schedule of every
+    sequence's query tiles (``plan.packed_schedule``); a K/V tile cut by its sequence's end reads the next
+    sequence's first rows, which the masks hide (keys past the sequence's length), and the query tile cut so
+    is stored by pointer, not TMA (``_write_output``). The tiles are those of the longest sequence's keys.
     """
 
     def __init__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, write_lse: bool,
         config: WgmmaConfig | None = None, window: tuple[int, int] | None = None, softcap: float | None = None,
-        has_alibi: bool = False, has_sinks: bool = False,
+        has_alibi: bool = False, has_sinks: bool = False, varlen: tuple[int, int, int] | None = None,
     ):
         batch, n_heads, seqlen_q, head_dim = q.shape
         seqlen_k, head_dim_v = k.shape[2], v.shape[3]
-        config = config or wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
         self.output = OutputLayout(q, head_dim_v)
-        self.lse_shape = (batch, n_heads, seqlen_q) if write_lse else None
+        self.lse_shape = (batch, n_heads, seqlen_q) if write_lse else None  # packed: (1, H, total_q)
+        self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)  # packed: the totals
+        self.varlen = varlen
+        if varlen is not None:
+            batch, seqlen_q, seqlen_k = varlen  # the longest sequences'
+        config = config or wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
         q_parts, v_parts = column_parts(head_dim), column_parts(head_dim_v)
         self.descriptors = part_templates(
             descriptor_specs((q, k, v, self.output.meta(q.dtype)), config, q_parts, v_parts))
         variant_scalars, variant_meta = variant_args(q, False, softcap, window, has_alibi, has_sinks,
                                                      seqlen_q, seqlen_k)
-        self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)
         self.scalars = (scale * LOG2E.value, *variant_scalars)
-        kernel, meta = kernel_for(config, sum(q_parts), sum(v_parts), causal, write_lse, variant_meta)
-        grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
+        if varlen is not None:
+            numbers, seq_block = packed_schedule(batch, q.shape[2], config.rows_per_program, config.num_warps)
+            grid = (numbers * n_heads,)
+            self.packed_strides = (batch, *self.output.strides[1:3], head_dim_v)  # (sequences, O's H and L strides)
+        else:
+            seq_block = 0
+            grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
+        kernel, meta = kernel_for(config, sum(q_parts), sum(v_parts), causal, write_lse, variant_meta, seq_block)
         self.kernel = KernelLaunch(kernel, grid, **meta)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi: torch.Tensor | None = None,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, seqs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(o, lse)``: o (B, H, Lq, Dv), lse (B, H, Lq) fp32 or None."""
+        """``(o, lse)``: o (B, H, Lq, Dv), lse (B, H, Lq) fp32 or None; a packed batch brings ``seqs``."""
         o = self.output.empty(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if self.lse_shape else None
         descs = rebind_parts(self.descriptors, (q, k, v, o))
-        self.kernel(*descs, lse if lse is not None else o, alibi, sinks, *self.sizes,
+        packed = None
+        if self.varlen is not None:
+            n_seqs, stride_h, stride_l, head_dim_v = self.packed_strides
+            packed = (*seqs, n_seqs, o, stride_h, stride_l, head_dim_v)
+        self.kernel(*descs, lse if lse is not None else o, alibi, sinks, packed, *self.sizes,
                     alibi.stride(0) if alibi is not None else 0, *self.scalars)
         return o, lse
+
+
+def build_for_sm90(config: WgmmaConfig, head_dim: int, causal: bool, write_lse: bool,
+                   variant_meta: dict | None = None, head_dim_v: int | None = None, split: bool = False,
+                   dtype: torch.dtype = torch.bfloat16, packed: bool = False) -> "triton.compiler.CompiledKernel":
+    """The kernel ``config`` selects, built for sm_90 on any machine, no GPU needed, with the argument types a
+    launch on Hopper gives (``dtype``; head dim ``head_dim`` for q and k, ``head_dim_v``, by default the same, for
+    v and o; ``split``: in column parts as ``plan.head_dim_parts`` plans them, else padded; ``variant_meta``:
+    ``plan.variant_args``' switches that are on; ``packed``: a packed batch's kernel, ``SEQ_BLOCK`` 256): Triton's
+    compiled kernel, whose ``asm["ptx"]`` the CPU build tests and bench/forward_resources.py read."""
+    from triton.backends.compiler import GPUTarget
+
+    head_dim_v = head_dim_v or head_dim
+    parts = head_dim_parts if split else (lambda d: (head_dim_padded(d),))
+    q_parts, v_parts = parts(head_dim), parts(head_dim_v)
+    tensors = [torch.empty(1, 1, 256, d, dtype=dtype) for d in (head_dim, head_dim, head_dim_v, head_dim_v)]
+    kernel, meta = kernel_for(config, sum(q_parts), sum(v_parts), causal, write_lse, variant_meta,
+                              256 if packed else 0)
+    descs = dict(zip(kernel.arg_names, kernel_descriptors(tensors, config, q_parts, v_parts)))  # (its first args)
+    options = {name: meta[name] for name in ("num_warps", "maxnreg") if name in meta}
+    constants = {name: value for name, value in meta.items() if name != "maxnreg"}
+    constants.update({name: None for name, desc in descs.items() if desc is None})
+    if not packed:
+        constants["packed"] = None
+    scalars = {"lse_ptr": "*fp32", "alibi_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32",
+               # (cu_seqlens_q, cu_seqlens_k, sequences, o, O's H and L strides, Dv): _query_program's
+               "packed": ("*i32", "*i32", "i32", mangle_type(tensors[3]), "i32", "i32", "i32")}
+    signature = {name: "constexpr" if name in constants else mangle_type(descs[name]) if name in descs
+                 else scalars.get(name, "i32") for name in kernel.arg_names}
+    return triton.compile(gluon_source(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options=options)
 
 
 def attention_forward_hopper(

@@ -106,6 +106,32 @@ if gluon is not None:
             views = views + (boxes[i].reshape([boxes[i].type.shape[2], boxes[i].type.shape[3]]),)
         return views
 
+    # ---------------------------------------------- packed batches: one flattened schedule of every sequence's tiles
+    #
+    # A packed batch (``core.packed``) is launched as ``packed_tiles`` programs a head, not one per tile of the
+    # longest sequence: sequence ``b``'s tiles of ROWS rows take the numbers from ``cu_seqlens[b] // ROWS + b``
+    # on. Those starts rise by at least ``cdiv(length, ROWS)`` from one sequence to the next (the ``+ b`` pays for
+    # a tile cut by a multiple of ROWS), so every tile has a number of its own, and at most one number a sequence
+    # is left without a tile. Example, ROWS = 128, lengths 300, 0, 100: starts 0, 3, 4; numbers 0-2 are sequence
+    # 0's tiles, 3 is sequence 1's (empty), 4 sequence 2's, 5 no one's.
+
+    @gluon.jit
+    def packed_tile(number, cu_seqlens, n_seqs, ROWS: gl.constexpr, SEQ_BLOCK: gl.constexpr,
+                    NUM_WARPS: gl.constexpr):
+        """``(b, start)`` of tile ``number`` of a packed batch's schedule (above): sequence ``b``'s tile whose rows
+        start at ``start``, which may lie past the sequence's end (a number with no tile). ``b`` is the count of
+        sequences whose first number is at most ``number``, less one, counted ``SEQ_BLOCK`` starts a load (one
+        load for batches of up to SEQ_BLOCK sequences: no dependent loads, unlike a binary search)."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        count = 0
+        for first in range(0, n_seqs, SEQ_BLOCK):
+            seq = first + gl.arange(0, SEQ_BLOCK, layout=layout)
+            starts = gl.load(cu_seqlens + seq, mask=seq < n_seqs, other=0) // ROWS + seq
+            count += gl.sum(((starts <= number) & (seq < n_seqs)).to(gl.int32), axis=0)
+        b = gl.maximum(count - 1, 0)
+        start = (number - (gl.load(cu_seqlens + b) // ROWS + b)) * ROWS
+        return b, start
+
     @gluon.jit
     def wait_kv(ring, tile):
         """Wait for K (or V) tile ``tile`` of ``ring`` and return its slot as [BLOCK_N, width] views, one a column

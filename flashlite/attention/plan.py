@@ -202,6 +202,17 @@ def head_split_enabled() -> bool:
     return os.environ.get("FLASHLITE_HEAD_SPLIT", "1") != "0"
 
 
+def hopper_varlen_enabled() -> bool:
+    """True under ``FLASHLITE_HOPPER_VARLEN=1``: packed batches (``flash_attention_varlen``) run their forward on the
+    Hopper kernels (``forward_hopper``: a flattened schedule of every sequence's query tiles) rather than on the
+    ``triton.language`` one.
+
+    Off by default until its GPU tests have run: built and checked for sm_90 on the CPU
+    (tests/test_attention_wgmma.py), not yet run on a GPU (tests/test_gpu_varlen.py runs the varlen matrix both
+    ways). Read when a call is planned (``api.clear_routes`` after changing it)."""
+    return os.environ.get("FLASHLITE_HOPPER_VARLEN", "0") == "1"
+
+
 def column_parts(head_dim: int) -> tuple[int, ...]:
     """The column parts the Hopper kernels load a head dim in: ``head_dim_parts``' while ``head_split_enabled``
     (unless ``FLASHLITE_HEAD_SPLIT=0``), else one part, the padded head dim."""
@@ -277,6 +288,16 @@ def wgmma_config(head_dim: int, causal: bool, seqlen_k: int) -> WgmmaConfig:
         if hd_pad in tuning.WGMMA_CAUSAL_CONFIGS:
             return tuning.WGMMA_CAUSAL_CONFIGS[hd_pad]
     return tuning.WGMMA_CONFIGS[hd_pad]
+
+
+def packed_schedule(n_seqs: int, total_rows: int, rows: int, num_warps: int) -> tuple[int, int]:
+    """``(numbers, SEQ_BLOCK)`` of a packed batch's flattened tile schedule (``gluon_tiles.packed_tile``): the
+    tile numbers a head of ``n_seqs`` sequences of ``total_rows`` rows in all takes, in tiles of ``rows`` rows
+    (``total_rows // rows + n_seqs``: every tile, and at most one number a sequence without one), and how many
+    sequence starts one load of the kernel's search reads (a power of two, at least one a thread of
+    ``num_warps`` warps, at most ``tuning.PACKED_SEQ_BLOCK``)."""
+    seq_block = max(32 * num_warps, min(triton.next_power_of_2(max(n_seqs, 1)), tuning.PACKED_SEQ_BLOCK))
+    return total_rows // rows + n_seqs, seq_block
 
 
 def default_backward_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> BackwardConfig:

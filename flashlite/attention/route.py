@@ -20,6 +20,7 @@ from ..core.runtime import runs_kernels
 from .backward import BackwardLaunch
 from .forward import TlForwardLaunch
 from .forward_hopper import HopperForwardLaunch, wgmma_eligible
+from .plan import hopper_varlen_enabled
 from .reference import (
     attention_backward_torch, attention_torch, attention_varlen_backward_torch, attention_varlen_torch,
 )
@@ -50,9 +51,11 @@ class Route:
     keeps what the backward needs (the LSE, and each row's ``(m, log d)`` under an additive mask);
     ``num_splits`` (resolved, >= 1) and ``has_cache_seqlens`` choose split-K/V. ``varlen = (sequences,
     max_seqlen_q, max_seqlen_k)``: a packed batch (``core.packed``) of (1, H, total, D) tensors, whose calls
-    bring ``seqs = (cu_seqlens_q, cu_seqlens_k)``; it runs on the ``triton.language`` kernels (no mask, no
-    split). ``paged = (page_size, max_blocks)``: k, v are (num_blocks, H_kv, page_size, ·) pages whose calls
-    bring a (B, max_blocks) ``block_table`` (split-K/V decoding, no backward).
+    bring ``seqs = (cu_seqlens_q, cu_seqlens_k)`` (no mask, no split): its forward runs on the Hopper kernel where
+    that applies under ``FLASHLITE_HOPPER_VARLEN=1`` (``plan.hopper_varlen_enabled``), else on the
+    ``triton.language`` one. ``paged = (page_size, max_blocks)``: k, v are (num_blocks,
+    H_kv, page_size, ·) pages whose calls bring a (B, max_blocks) ``block_table`` (split-K/V decoding, no
+    backward).
     """
 
     def __init__(
@@ -79,7 +82,10 @@ class Route:
             return
         variants = dict(softcap=softcap, window=window, has_alibi=has_alibi, has_sinks=has_sinks)
         write_lse = write_lse or training
-        if varlen is not None:
+        if varlen is not None and hopper_varlen_enabled() and wgmma_eligible(q, k, v, False, scale):
+            self.launch = HopperForwardLaunch(q, k, v, causal, scale, write_lse, varlen=varlen, **variants)
+            self.hopper = True
+        elif varlen is not None:
             self.launch = TlForwardLaunch(q, k, v, causal, scale, None, False, write_lse, varlen=varlen, **variants)
         elif self.split:
             self.launch = SplitLaunch(q, k, v, mask, causal, scale, mask_is_bool, write_lse, num_splits,
@@ -105,12 +111,12 @@ class Route:
             return (*self._forward_without_kernels(q, k, v, mask, cache_seqlens, alibi, sinks, seqs, block_table),
                     None)
         launch = self.launch
+        if self.hopper:
+            return (*launch(q, k, v, alibi, sinks, seqs), None)
         if self.varlen is not None:
             return (*launch(q, k, v, None, alibi, sinks, seqs=seqs), None)
         if self.split:
             return (*launch(q, k, v, mask, cache_seqlens, alibi, sinks, block_table), None)
-        if self.hopper:
-            return (*launch(q, k, v, alibi, sinks), None)
         if self.keeps_row_stats:
             row_stats = torch.empty((2, *self.lse_shape), dtype=torch.float32, device=q.device)
             o, _ = launch(q, k, v, mask, alibi, sinks, row_stats)

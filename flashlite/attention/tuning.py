@@ -125,6 +125,10 @@ class WgmmaConfig:
         return 2 * self.block_m if self.warp_specialized else self.block_m
 
 
+# Sequence starts one load of a packed batch's tile search reads (``plan.packed_schedule``): batches of up to
+# 1024 sequences find a program's sequence in one load; longer ones loop.
+PACKED_SEQ_BLOCK = 1024
+
 # The Hopper kernel's tiles by head dim. D = 128: one program a multiprocessor, warp-specialized: a load
 # warp and two softmax warpgroups that share 128-key K/V tiles (two buffers: 160 KB of shared memory), so
 # each K/V tile brought in serves 128 query rows; the softmax warpgroups get 240 registers each, the load

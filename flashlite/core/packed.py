@@ -26,8 +26,8 @@ def sequence_bounds(seqs, b, n_heads, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     grids) are replaced by the sequence's. Offsets are clamped to ``[0, total]`` and each end to at least its
     start, so that offsets the host could not check (on a GPU) never reach past the tensors.
     """
-    q_row0 = tl.zeros([], tl.int64)
-    k_row0 = tl.zeros([], tl.int64)
+    q_row0 = tl.cast(b, tl.int64) * 0  # (not tl.zeros: Gluon kernels call this too, and want its layout)
+    k_row0 = q_row0
     stats_head_stride = tl.cast(seqlen_q, tl.int64)
     stats_row0 = tl.cast(b, tl.int64) * n_heads * seqlen_q
     if VARLEN:
