@@ -3,7 +3,8 @@
     python bench/backward_resources.py
 
 The Hopper (Gluon) kernels of ``backward_hopper`` on the table's tiles (and the candidates bench/backward_tune.py
-times), then the ``triton.language`` dK/dV kernel on its candidates.
+times), head dims in column parts, a packed batch's kernels (``FLASHLITE_HOPPER_VARLEN=1``), then the
+``triton.language`` dK/dV kernel on its candidates.
 
 For each tile config: registers a thread and spill stores (ptxas -v, Triton's own ptxas), shared memory,
 the wgmma instructions in the PTX and the depths of their waits (``wgmma.wait_group N``: 0 means each product
@@ -44,7 +45,7 @@ TUPLE_TYPES = dict(mask=("constexpr", "i32", "i32", "i32", "i32"), heads=("i32",
 def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int) -> str:
     kernel = backward._attention_bwd_dkdv_kernel
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, DIMS=(head_dim, head_dim, True, True),
-                  MASKING=(False, False, False, False, False), UNITS=1.0, DOTS=("tf32", False),
+                  MASKING=(False, False, False, False, 0), UNITS=1.0, DOTS=("tf32", False),
                   MODS=(False, False, False, False), alibi_ptr=None, seqs=None)
     signature = {}
     for name in kernel.arg_names:
@@ -84,13 +85,14 @@ HOPPER_SPLIT_CASES = [(d, dv, kernel, tuning.WGMMA_BACKWARD_CONFIGS[256])
 HOPPER_SPLIT_CASES += [(192, 192, "dK/dV", Tiles(64, 64, 2))]
 
 
-def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | None = None, split: bool = False) -> str:
+def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | None = None, split: bool = False,
+                  packed: bool = False) -> str:
     """One row of the Hopper kernels' table (non-causal, bf16, no variants); ``split``: head dims in column parts
-    (``head_dim_v``: v's head dim, by default q's)."""
+    (``head_dim_v``: v's head dim, by default q's); ``packed``: a packed batch's kernel."""
     dq = kernel_name == "dQ"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
     compiled = backward_hopper.build_for_sm90("dq" if dq else "dkdv", config, head_dim, False,
-                                              head_dim_v=head_dim_v, split=split)
+                                              head_dim_v=head_dim_v, split=split, packed=packed)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_report(ptx)
     waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
@@ -98,6 +100,7 @@ def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | Non
     split = f", split {config.split}" if config.split > 1 and not dq else ""  # (the warpgroups' column split)
     stages = config.dq_stages if dq else config.stages
     dims = f"{head_dim}/{head_dim_v} in parts" if head_dim_v else head_dim
+    dims = f"{dims}, packed" if packed else dims
     return (f"| {dims} | {kernel_name} | {rows} x {keys}{split} | "
             f"{compiled.metadata.num_warps} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
             f"{ptx.count('wgmma.mma_async')} | {', '.join(waits)} | {atomics} |")
@@ -115,6 +118,10 @@ def main() -> None:
         print(hopper_report(*case), flush=True)
     for head_dim, head_dim_v, kernel_name, config in HOPPER_SPLIT_CASES:
         print(hopper_report(head_dim, kernel_name, config, head_dim_v, split=True), flush=True)
+    for head_dim, kernel_name, config in HOPPER_CASES[:6]:  # a packed batch's (FLASHLITE_HOPPER_VARLEN=1)
+        print(hopper_report(head_dim, kernel_name, config, packed=True), flush=True)
+    print(hopper_report(192, "dK/dV", tuning.WGMMA_BACKWARD_CONFIGS[256], 192, split=True, packed=True), flush=True)
+    print(hopper_report(192, "dQ", tuning.WGMMA_BACKWARD_CONFIGS[256], 192, split=True, packed=True), flush=True)
     print("\n`triton.language` dK/dV kernel, `backward`\n")
     print("| D | tiles | warps | stages | registers | spill stores (B) | shared (B) | wgmma | wait depths |")
     print("|---|---|---|---|---|---|---|---|---|")

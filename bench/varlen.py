@@ -10,12 +10,14 @@ the last document cut so that the lengths sum to T. Forward (``fwd``) and forwar
 q, k, v (``fwd_bwd``), ``triton.testing.do_bench`` medians. TFLOP/s count the visible (query, key) pairs only:
 4·H·D per pair forward, 2.5 times that backward.
 
-Providers: ``flashlite`` (varlen); ``dense``: flashlite's ``flash_attention`` on a uniform (B, H, L_eq, D) batch
+Providers: ``flashlite`` (varlen, the default kernels); ``hopper``: the same call on the Hopper kernels
+(``FLASHLITE_HOPPER_VARLEN=1``, set and the routes cleared before its rows); ``dense``: flashlite's ``flash_attention`` on a uniform (B, H, L_eq, D) batch
 of the same visible work (L_eq = Σ Lᵢ² / T, B = T / L_eq), the kernel a user gets there; ``mask``: today's
 route for a packed batch, ``flash_attention`` with the block-diagonal (T, T) boolean mask (T <= 16K); ``fa4``:
 FlashAttention-4's ``flash_attn_varlen_func`` when ``flash_attn.cute`` imports (``../shared/tools/peer_wheels.sh``);
 ``flex``: FlexAttention with a document-causal block mask (compiled; T <= 16K). Ratios: ``x_dense``,
-``x_fa4``, ``x_flex``, ``x_mask`` (flashlite's speed over theirs; > 1 is faster).
+``x_fa4``, ``x_flex``, ``x_mask`` (flashlite's speed over theirs; > 1 is faster), and ``hopper_x_dense``,
+``hopper_x_fa4`` (the Hopper kernels' over theirs).
 
 Paged decoding (``--part paged``): B in {1, 8, 32}, H = 32, H_kv = 8, D = 128, Lq = 1, caches of 4K-128K keys
 (every sequence full), pages of 16, 64 and 256 keys scattered at random over the pool: flashlite's paged call
@@ -98,6 +100,16 @@ def flex_document_call(doc: torch.Tensor, total: int, device):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
+def hopper_switch(make, on: bool):
+    """``make`` (an inputs factory) that first sets ``FLASHLITE_HOPPER_VARLEN`` and clears flashlite's planned calls
+    (the switch is read when a call is planned): the provider after it runs on the kernels it chooses."""
+    def made():
+        os.environ["FLASHLITE_HOPPER_VARLEN"] = "1" if on else "0"
+        flashlite.attention.api.clear_routes()
+        return make()
+    return made
+
+
 def providers(lengths: list[int], head_dim: int, device) -> dict:
     """name -> (inputs factory, call) for one packed batch; each call returns the output to differentiate."""
     total = sum(lengths)
@@ -112,8 +124,10 @@ def providers(lengths: list[int], head_dim: int, device) -> dict:
         return lambda: [torch.randn(batch, HEADS, length, head_dim, device=device, dtype=torch.bfloat16)
                         for _ in range(3)]
 
-    out = {"flashlite": (packed, lambda q, k, v: flashlite.flash_attention_varlen(q, k, v, cu, cu, longest, longest,
-                                                                                   causal=True))}
+    def varlen_call(q, k, v):
+        return flashlite.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+
+    out = {"flashlite": (hopper_switch(packed, False), varlen_call), "hopper": (hopper_switch(packed, True), varlen_call)}
     l_eq = max(16, round(sum(n * n for n in lengths) / total))
     out["dense"] = (bhld(max(1, total // l_eq), l_eq), lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True))
     fa4 = fa4_varlen()
@@ -158,6 +172,10 @@ def measure(mix: str, total: int, head_dim: int, device) -> dict:
         for peer in ("dense", "fa4", "flex", "mask"):
             theirs = row.get(f"{peer}_{part}")
             row[f"x_{peer}_{part}"] = mine / theirs if mine and theirs else None
+        hopper = row.get(f"hopper_{part}")
+        for peer in ("dense", "fa4"):
+            theirs = row.get(f"{peer}_{part}")
+            row[f"hopper_x_{peer}_{part}"] = hopper / theirs if hopper and theirs else None
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     return row
 
@@ -166,8 +184,9 @@ def run_speed(out: str, totals: list[int], command: str) -> None:
     device = torch.device("cuda")
     columns = ["mix", "tokens", "D", "docs", "longest"]
     for part in ("fwd", "fwd_bwd"):
-        columns += [f"{p}_{part}" for p in ("flashlite", "dense", "fa4", "flex", "mask")]
+        columns += [f"{p}_{part}" for p in ("flashlite", "hopper", "dense", "fa4", "flex", "mask")]
         columns += [f"x_{p}_{part}" for p in ("dense", "fa4", "flex", "mask")]
+        columns += [f"hopper_x_{p}_{part}" for p in ("dense", "fa4")]
     meta = dict(environment(), command=command, heads=HEADS, dtype="bfloat16", causal=True,
                 fa4="present" if fa4_varlen() is not None else "not importable",
                 units="TFLOP/s on visible pairs (fwd_bwd: 3.5x the forward's FLOPs)")

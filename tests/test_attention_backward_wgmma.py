@@ -64,10 +64,10 @@ def test_attention_backward_dispatch(monkeypatch):
     monkeypatch.setattr(backward, "wgmma_backward_eligible", lambda q, k, v, do, has_mask, scale: not has_mask)
 
     class Fake:  # stands in for the Hopper launch (Gluon builds for sm_90 only)
-        def __init__(self, do, q, k, v, causal, scale, variant_scalars, variant_meta, config):
+        def __init__(self, do, q, k, v, causal, scale, variant_scalars, variant_meta, config, varlen=None):
             calls.append(config)
 
-        def __call__(self, do, q, k, v, lse, delta, alibi=None):
+        def __call__(self, do, q, k, v, lse, delta, alibi=None, seqs=None):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(backward, "HopperBackwardLaunch", Fake)
@@ -228,3 +228,83 @@ def test_split_kernels_build_with_products_in_flight():
             assert built["stores"] == len(q_parts), built
         assert len(v_parts) in built["waits"], built  # dPᵀ's (dP's) products in flight while Sᵀ (S) is worked on
         assert built["atomics"] == 0 and built["tanh"] == variants, built
+
+
+# ----------------------------------------------------------------------------- packed (variable-length) batches
+
+
+def test_packed_backward_dispatch(hopper, monkeypatch):
+    """A packed batch's backward on Hopper takes the Hopper kernels under FLASHLITE_HOPPER_VARLEN=1 (the tl ones
+    without): each kernel one program a number of its flattened schedule (key tiles for dK/dV, query tiles for
+    dQ) and head, and the packed tuple its cut tiles are stored through (the cu_seqlens, the sequences, each
+    gradient with its H and L strides and head dim)."""
+    from .utils import cu_seqlens
+
+    launched = []
+    monkeypatch.setattr(backward_hopper.KernelLaunch, "__call__", lambda launch, *args: launched.append((launch, args)))
+    lengths = [300, 0, 100, 517, 1]
+    total, n_seqs = sum(lengths), len(lengths)
+    q = on_hopper(torch.randn(1, 4, total, 192, dtype=torch.bfloat16))  # packed: (1, H, total, D), GQA
+    k = on_hopper(torch.randn(1, 2, total, 192, dtype=torch.bfloat16))
+    v = on_hopper(torch.randn(1, 2, total, 128, dtype=torch.bfloat16))
+    do = on_hopper(torch.randn(1, 4, total, 128, dtype=torch.bfloat16))
+    varlen = (n_seqs, 517, 517)
+    monkeypatch.delenv("FLASHLITE_HOPPER_VARLEN", raising=False)
+    assert backward.BackwardLaunch(do, q, k, v, True, 0.1, None, False, varlen=varlen).hopper is None
+    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "1")
+    planned = backward.BackwardLaunch(do, q, k, v, True, 0.1, None, False, varlen=varlen)
+    assert planned.hopper is not None
+    cu = cu_seqlens(lengths, "cpu")
+    lse = delta = torch.zeros(1, 4, total)
+    dq, dk, dv = planned.hopper(do, q, k, v, lse, delta, None, (cu, cu))
+    (dkdv, dkdv_args), (dq_launch, dq_args) = launched[-2:]
+    config = tuning.WGMMA_BACKWARD_CONFIGS[256]
+    assert dkdv.grid == ((total // config.block_n + n_seqs) * 2,)
+    assert dq_launch.grid == ((total // config.dq_block_m + n_seqs) * 4,)
+    assert dkdv.options["SEQ_BLOCK"] >= 32 * dkdv.options["num_warps"]
+    assert dq_launch.options["SEQ_BLOCK"] >= 32 * dq_launch.options["num_warps"]
+    dkdv_packed = dkdv_args[2 * 6 + 3]  # after the descriptors and lse, delta, alibi
+    assert dkdv_packed[:3] == (cu, cu, n_seqs)
+    assert dkdv_packed[3] is dk and dkdv_packed[4:7] == (dk.stride(1), dk.stride(2), 192)
+    assert dkdv_packed[7] is dv and dkdv_packed[8:] == (dv.stride(1), dv.stride(2), 128)
+    dq_packed = dq_args[2 * 5 + 3]
+    assert dq_packed[:4] == (cu, cu, n_seqs, dq) and dq_packed[4:] == (dq.stride(1), dq.stride(2), 192)
+    assert dkdv_args[2 * 6 + 6:2 * 6 + 8] == (total, total)  # the totals, where the sequences' rows lie
+    # A dense call's kernels take none.
+    qd, kd, vd = map(on_hopper, hopper_qkv(128, torch.bfloat16, seqlen_q=300, seqlen_k=500, kv_heads=2))
+    dod = on_hopper(torch.randn(2, 4, 300, 128, dtype=torch.bfloat16))
+    launch = backward_hopper.HopperBackwardLaunch(dod, qd, kd, vd, True, 0.1, (0.0, 0, 0), {})
+    launch(dod, qd, kd, vd, torch.zeros(2, 4, 300), torch.zeros(2, 4, 300))
+    (dkdv, dkdv_args), (dq_launch, dq_args) = launched[-2:]
+    assert dkdv.options["SEQ_BLOCK"] == dq_launch.options["SEQ_BLOCK"] == 0
+    assert dkdv_args[2 * 6 + 3] is None and dq_args[2 * 5 + 3] is None
+
+
+def _packed_build_report(cases: list) -> dict:
+    """For each (kernel, head_dim, head_dim_v, causal): the packed batch's kernel built for sm_90 (head dims in
+    column parts): its wait depths, TMA stores, pointer stores (a sequence's cut tile) and atomics."""
+    report = {}
+    for kernel_name, head_dim, head_dim_v, causal in cases:
+        config = tuning.WGMMA_BACKWARD_CONFIGS[max(plan.head_dim_padded(head_dim), plan.head_dim_padded(head_dim_v))]
+        ptx = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, None, head_dim_v, split=True,
+                                             packed=True).asm["ptx"]
+        report[f"{kernel_name}-{head_dim}-v{head_dim_v}-{causal}"] = dict(
+            waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
+            tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared", ptx)),
+            stores=len(re.findall(r"st\.global", ptx)),
+            atomics=len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx)))
+    return report
+
+
+def test_packed_kernels_build_with_products_in_flight():
+    """The packed batch's two backward kernels built for sm_90 in a fresh process: products in flight as in the dense
+    kernels, full tiles stored by TMA (one store a column part of each gradient), cut ones by pointer, no atomics."""
+    cases = [("dkdv", 128, 128, True), ("dkdv", 64, 64, False), ("dkdv", 192, 128, True),
+             ("dq", 128, 128, True), ("dq", 64, 64, False), ("dq", 192, 192, True)]
+    report = fresh_process_report("tests.test_attention_backward_wgmma", "_packed_build_report", cases)
+    for (kernel_name, head_dim, head_dim_v, causal), built in zip(cases, report.values()):
+        q_parts, v_parts = backward_hopper.column_parts(head_dim), backward_hopper.column_parts(head_dim_v)
+        assert 1 in built["waits"] or 2 in built["waits"], built
+        grads = len(q_parts) + len(v_parts) if kernel_name == "dkdv" else len(q_parts)
+        assert built["tma_stores"] == grads, built
+        assert built["stores"] > 0 and built["atomics"] == 0, built

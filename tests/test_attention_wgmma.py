@@ -320,7 +320,7 @@ def test_split_kernel_builds_with_products_in_flight():
 
 
 def test_packed_schedule_numbers_every_tile():
-    # gluon_tiles.packed_tile's schedule: sequence b's tiles numbered from cu[b] // rows + b on. Every tile gets a
+    # core.packed.tile_sequence's schedule: sequence b's tiles numbered from cu[b] // rows + b on. Every tile gets a
     # number of its own below plan.packed_schedule's count, and no sequence leaves more than one number unused.
     generator = torch.Generator().manual_seed(0)
     for trial in range(300):

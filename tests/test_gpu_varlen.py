@@ -1,8 +1,8 @@
 """``flash_attention_varlen`` on the GPU (``pytest -m gpu``): FlashAttention's varlen test matrix (the seqlen pairs
 and head dims of its ``test_flash_attn_varlen_output``), MHA/GQA/MQA, causal and not, fp16/bf16 (and fp32 on a
-few), output, LSE and gradients against float64 per sequence, on poisoned memory; each case on both forward
-kernels of a packed batch (``packed_forward``: the ``triton.language`` one, and the Hopper one that
-``FLASHLITE_HOPPER_VARLEN=1`` switches on)."""
+few), output, LSE and gradients against float64 per sequence, on poisoned memory; each case on both kernel
+families of a packed batch (``packed_kernels``: the ``triton.language`` forward and backward, and the Hopper
+ones that ``FLASHLITE_HOPPER_VARLEN=1`` switches on)."""
 
 import pytest
 import torch
@@ -28,9 +28,10 @@ def random_lengths(batch: int, longest: int, generator: torch.Generator) -> list
 
 
 @pytest.fixture(params=["tl", "hopper"])
-def packed_forward(request, monkeypatch):
-    """The forward kernel of a packed batch: the ``triton.language`` one, or the Hopper one
-    (``FLASHLITE_HOPPER_VARLEN=1``, where the call is one it takes: fp16/bf16, head dims 33-256, on Hopper)."""
+def packed_kernels(request, monkeypatch):
+    """The kernels of a packed batch: the ``triton.language`` forward and backward, or the Hopper ones
+    (``FLASHLITE_HOPPER_VARLEN=1``, where the call is one they take: fp16/bf16, head dims 33-256 forward and
+    16-256 backward (TMA-aligned), on Hopper)."""
     from flashlite.attention import api
 
     monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "1" if request.param == "hopper" else "0")
@@ -44,7 +45,7 @@ def packed_forward(request, monkeypatch):
 @pytest.mark.parametrize("mha_type", ["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("seqlen_q, seqlen_k", SEQLENS)
-def test_varlen_matrix(seqlen_q, seqlen_k, head_dim, mha_type, causal, dtype, packed_forward):
+def test_varlen_matrix(seqlen_q, seqlen_k, head_dim, mha_type, causal, dtype, packed_kernels):
     generator = torch.Generator().manual_seed(seqlen_q * 7919 + seqlen_k * 31 + head_dim)
     batch, heads = 4, 6
     kv_heads = {"mha": 6, "gqa": 2, "mqa": 1}[mha_type]
@@ -60,7 +61,7 @@ def test_varlen_matrix(seqlen_q, seqlen_k, head_dim, mha_type, causal, dtype, pa
 @pytest.mark.parametrize("variant", [dict(window_size=(64, 16)), dict(softcap=20.0, causal=True),
                                      dict(alibi=True, causal=True), dict(sinks=True, causal=True),
                                      dict(head_dim_v=64), dict(dtype=torch.float32, causal=True)])
-def test_varlen_variants(variant, packed_forward):
+def test_varlen_variants(variant, packed_kernels):
     variant = dict(variant)
     dtype = variant.pop("dtype", torch.bfloat16)
     head_dim_v = variant.pop("head_dim_v", 128)
@@ -76,7 +77,7 @@ def test_varlen_variants(variant, packed_forward):
     check_attention_varlen(q, k, v, lengths_q, lengths_k, **variant)
 
 
-def test_varlen_graph_capture_replays(packed_forward):
+def test_varlen_graph_capture_replays(packed_kernels):
     # No host reads of the lengths: a CUDA graph replays the call with new lengths written into cu_seqlens.
     lengths = [100, 37, 250]
     q, k, v = (torch.randn(400, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -92,22 +93,21 @@ def test_varlen_graph_capture_replays(packed_forward):
         assert torch.equal(out, expected)
 
 
-def test_varlen_runs_on_the_hopper_kernel(monkeypatch):
-    # Under FLASHLITE_HOPPER_VARLEN=1 the matrix's "hopper" cases go through the Hopper forward where it applies
-    # (fp16/bf16, head dims 33-256 but 32, on an H100/H200): a spy counts its packed launches, so that they do not
-    # pass on the tl kernel alone.
-    from flashlite.attention import api, forward_hopper
+def test_varlen_runs_on_the_hopper_kernels(monkeypatch):
+    # Under FLASHLITE_HOPPER_VARLEN=1 the matrix's "hopper" cases go through the Hopper forward and backward where
+    # they apply (fp16/bf16, head dims 33-256 but 32 forward, on an H100/H200): spies count their packed launches,
+    # so that those cases do not pass on the tl kernels alone.
+    from flashlite.attention import api, backward_hopper, forward_hopper
 
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Hopper kernel runs on compute capability 9.0")
+        pytest.skip("the Hopper kernels run on compute capability 9.0")
     packed_calls = []
-    call = forward_hopper.HopperForwardLaunch.__call__
+    for launch_class in (forward_hopper.HopperForwardLaunch, backward_hopper.HopperBackwardLaunch):
+        def spy(launch, *args, call=launch_class.__call__, name=launch_class.__name__):
+            packed_calls.append((name, launch.varlen is not None))
+            return call(launch, *args)
 
-    def spy(launch, *args):
-        packed_calls.append(launch.varlen is not None)
-        return call(launch, *args)
-
-    monkeypatch.setattr(forward_hopper.HopperForwardLaunch, "__call__", spy)
+        monkeypatch.setattr(launch_class, "__call__", spy)
     monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "1")
     api.clear_routes()
     lengths = [129, 0, 255, 1, 640]
@@ -115,12 +115,13 @@ def test_varlen_runs_on_the_hopper_kernel(monkeypatch):
     q, k, v = (torch.randn(sum(lengths), 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     check_attention_varlen(q, k, v, lengths, lengths, causal=True)
-    assert packed_calls and all(packed_calls)
+    assert {name for name, _ in packed_calls} == {"HopperForwardLaunch", "HopperBackwardLaunch"}
+    assert all(packed for _, packed in packed_calls)
 
 
 @pytest.mark.parametrize("n_seqs", [300, 1500])  # past one thread a sequence start, and past one load of them
-def test_varlen_many_short_sequences(n_seqs, packed_forward):
-    # The flattened schedule's search over sequence starts (gluon_tiles.packed_tile), in one load and in several.
+def test_varlen_many_short_sequences(n_seqs, packed_kernels):
+    # The flattened schedule's search over sequence starts (core.packed.tile_sequence), in one load and in several.
     generator = torch.Generator().manual_seed(n_seqs)
     lengths = torch.randint(0, 40, (n_seqs,), generator=generator).tolist()
     lengths[7] = 300
@@ -132,7 +133,7 @@ def test_varlen_many_short_sequences(n_seqs, packed_forward):
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192])
-def test_varlen_views_of_a_packed_projection(head_dim, packed_forward):
+def test_varlen_views_of_a_packed_projection(head_dim, packed_kernels):
     # q, k, v as views of one (total, 3, H, D) projection (strides H·D·3 between tokens), read in place.
     lengths = [200, 3, 517, 64, 0, 130]
     poison()
@@ -143,3 +144,30 @@ def test_varlen_views_of_a_packed_projection(head_dim, packed_forward):
                                            cu_seqlens(lengths, "cuda"), 517, 517, causal=True)
     expected, _ = check_attention_varlen(q, k, v, lengths, lengths, causal=True)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
+def test_varlen_sequences_are_isolated_from_their_neighbours_values(head_dim, packed_kernels):
+    # A tile cut by a sequence's end reads the next sequence's first rows (the Hopper kernels' TMA boxes): those
+    # rows get a weight of exactly 0, and an infinity or NaN there must not reach this sequence (0 · inf is NaN):
+    # the other sequences' outputs and gradients are bitwise those of a batch whose middle sequence is finite.
+    lengths = [100, 77, 130]
+    cu = cu_seqlens(lengths, "cuda")
+    middle = slice(lengths[0], lengths[0] + lengths[1])
+    others = torch.ones(sum(lengths), dtype=torch.bool, device="cuda")
+    others[middle] = False
+    q, k, v = (torch.randn(sum(lengths), 4, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    results = []
+    for spoilt in (False, True):
+        leaves = [t.clone() for t in (q, k, v)]
+        grad_out = do.clone()
+        if spoilt:
+            for t, value in zip((*leaves, grad_out), (float("nan"), float("inf"), float("-inf"), float("nan"))):
+                t[middle] = value
+        leaves = [t.requires_grad_() for t in leaves]
+        out = flashlite.flash_attention_varlen(*leaves, cu, cu, max(lengths), max(lengths), causal=True)
+        results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
+    for clean, spoilt in zip(*results):
+        assert torch.isfinite(clean).all()
+        assert torch.equal(spoilt[others], clean[others])

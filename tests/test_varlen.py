@@ -171,3 +171,23 @@ def test_compiles_as_one_graph(small_attention_tiles):
     compiled = (compiled_fn(q, k, v), *torch.autograd.grad(compiled_fn(q, k, v), (q, k, v), do))
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flattened_schedule_over_many_sequences(small_attention_tiles, monkeypatch, causal):
+    # Every kernel numbers a packed batch's tiles by one flattened schedule (core.packed.tile_sequence), whose
+    # search reads SEQ_BLOCK sequence starts a load: with 128 a load, 150 sequences take two loads. Lengths that
+    # are multiples of the 16-row tiles (where a sequence's first number gains its "+ b"), empty ones, ones, and
+    # ragged ones; the longest sequence is not the first.
+    from flashlite.attention import api, tuning
+
+    monkeypatch.setattr(tuning, "PACKED_SEQ_BLOCK", 128)
+    api.clear_routes()
+    generator = torch.Generator().manual_seed(7)
+    lengths_q = torch.randint(0, 5, (150,), generator=generator).tolist()
+    lengths_q[::7] = [16 * (i % 3) for i in range(len(lengths_q[::7]))]
+    lengths_q[100] = 37
+    lengths_k = [n + int(m) for n, m in zip(lengths_q, torch.randint(0, 3, (150,), generator=generator))]
+    q, k, v = packed(lengths_q, lengths_k, heads=2, kv_heads=1, head_dim=16)
+    check_attention_varlen(q, k, v, lengths_q, lengths_k, causal=causal)
+    api.clear_routes()

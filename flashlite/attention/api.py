@@ -608,8 +608,10 @@ def flash_attention_varlen(
     Returns:
         ``o`` (total_q, H, Dv) in q's dtype, or ``(o, lse)``. Rows of a sequence without keys are 0 (LSE
         ``-inf``, or the sink). Differentiable in q, k, v, sinks and through the LSE (the two-pass backward,
-        deterministic). Runs on the ``triton.language`` kernels (``core.packed``); CPU tensors without
-        ``TRITON_INTERPRET=1`` take the PyTorch path, one sequence at a time.
+        deterministic). Runs on the ``triton.language`` kernels (``core.packed``: one flattened schedule of
+        every sequence's tiles), or on the Hopper ones under ``FLASHLITE_HOPPER_VARLEN=1``
+        (``plan.hopper_varlen_enabled``); CPU tensors without ``TRITON_INTERPRET=1`` take the PyTorch path, one
+        sequence at a time.
     """
     training = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)

@@ -91,8 +91,8 @@ from . import tuning
 from .backward_hopper import HopperBackwardLaunch, wgmma_backward_eligible
 from .forward import alibi_slope
 from .plan import (
-    NATURAL_BIAS, OutputLayout, default_backward_config, head_dim_padded, kernel_switches, qk_scale_for, query_tile,
-    variant_args,
+    NATURAL_BIAS, OutputLayout, default_backward_config, head_dim_padded, hopper_varlen_enabled, kernel_switches,
+    packed_schedule, packed_tile, qk_scale_for, query_tile, variant_args,
 )
 from .reference import attention_backward_torch, attention_varlen_backward_torch
 from .tuning import AttentionConfig, BackwardConfig, WgmmaBackwardConfig
@@ -329,22 +329,29 @@ def _attention_bwd_dkdv_kernel(
     EVEN_DV: tl.constexpr = DIMS[3]
     IS_CAUSAL: tl.constexpr = MASKING[0]
     HAS_MASK: tl.constexpr = MASKING[1]
-    VARLEN: tl.constexpr = MASKING[4]
+    SEQ_BLOCK: tl.constexpr = MASKING[4]
+    VARLEN: tl.constexpr = SEQ_BLOCK > 0
     HAS_ALIBI: tl.constexpr = MODS[2]
     HAS_WINDOW: tl.constexpr = MODS[3]
     Q_TILE: tl.constexpr = (BLOCK_M, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV)
-    n_key_tiles = tl.cdiv(seqlen_k, BLOCK_N)
-    bh_kv = tl.program_id(0) // n_key_tiles
-    n_start = (tl.program_id(0) % n_key_tiles) * BLOCK_N
     n_kv_heads = n_heads // kv_group
-    b64 = tl.cast(bh_kv // n_kv_heads, tl.int64)
-    h_kv64 = tl.cast(bh_kv % n_kv_heads, tl.int64)
-    # A packed batch: sequence b's rows and lengths (core.packed); its key tiles past its end have no work.
+    if VARLEN:  # a packed batch: one flattened schedule of every sequence's key tiles (plan.packed_tile)
+        h_kv, b, n_start = packed_tile(tl.program_id(0), seqs[1], n_bh // n_heads, seqs[3], tl.arange(0, SEQ_BLOCK),
+                                       BLOCK_N, False)
+    else:
+        n_key_tiles = tl.cdiv(seqlen_k, BLOCK_N)
+        bh_kv = tl.program_id(0) // n_key_tiles
+        n_start = (tl.program_id(0) % n_key_tiles) * BLOCK_N
+        b = bh_kv // n_kv_heads
+        h_kv = bh_kv % n_kv_heads
+    b64 = tl.cast(b, tl.int64)
+    h_kv64 = tl.cast(h_kv, tl.int64)
+    # A packed batch: sequence b's rows and lengths (core.packed); a number with no tile has no work.
     q_row0, k_row0, len_q, len_k, stats_row0, stats_head_stride = sequence_bounds(
-        seqs, bh_kv // n_kv_heads, n_heads, seqlen_q, seqlen_k, VARLEN)
+        seqs, b, n_heads, seqlen_q, seqlen_k, VARLEN)
     live = True
     if VARLEN:
-        live = n_start < len_k
+        live = (n_start >= 0) & (n_start < len_k)
     if live:
         n_stat_rows = tl.cast(n_bh, tl.int64) * seqlen_q  # B·H·Lq
 
@@ -416,19 +423,24 @@ def _attention_bwd_dq_kernel(
     EVEN_DV: tl.constexpr = DIMS[3]
     IS_CAUSAL: tl.constexpr = MASKING[0]
     HAS_MASK: tl.constexpr = MASKING[1]
-    VARLEN: tl.constexpr = MASKING[4]
+    SEQ_BLOCK: tl.constexpr = MASKING[4]
+    VARLEN: tl.constexpr = SEQ_BLOCK > 0
     HAS_ALIBI: tl.constexpr = MODS[2]
     HAS_WINDOW: tl.constexpr = MODS[3]
     KV_TILE: tl.constexpr = (BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV)
-    n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
-    bh, m_start = query_tile(tl.program_id(0), n_query_tiles, BLOCK_M, IS_CAUSAL)
+    if VARLEN:  # a packed batch: the forward's flattened schedule (plan.packed_tile)
+        h, b, m_start = packed_tile(tl.program_id(0), seqs[0], n_bh // n_heads, seqs[2], tl.arange(0, SEQ_BLOCK),
+                                    BLOCK_M, IS_CAUSAL)
+        bh = b * n_heads + h
+    else:
+        bh, m_start = query_tile(tl.program_id(0), tl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, IS_CAUSAL)
     b64 = tl.cast(bh // n_heads, tl.int64)
-    # A packed batch: sequence b's rows and lengths (core.packed); its tiles past its end have no work.
+    # A packed batch: sequence b's rows and lengths (core.packed); a number with no tile has no work.
     q_row0, k_row0, len_q, len_k, stats_row0, stats_head_stride = sequence_bounds(
         seqs, bh // n_heads, n_heads, seqlen_q, seqlen_k, VARLEN)
     live = True
     if VARLEN:
-        live = m_start < len_q
+        live = (m_start >= 0) & (m_start < len_q)
     if live:
         h64 = tl.cast(bh % n_heads, tl.int64)
         h_kv64 = h64 // kv_group
@@ -554,8 +566,8 @@ class BackwardLaunch:
         bh = batch * n_heads
         additive = mask is not None and not mask_is_bool
         self.additive, self.mask_needs_grad = additive, mask_needs_grad
-        variant_scalars, variant_meta = variant_args(q, additive, softcap, window, has_alibi, False, seqlen_q,
-                                                     seqlen_k)
+        variant_scalars, variant_meta = variant_args(q, additive, softcap, window, has_alibi, False,
+                                                     *self.totals)  # (as the forward's: a packed batch's totals)
         variant_meta.pop("HAS_SINKS")  # the sinks' gradient is taken here, from δ; the kernels see the LSE alone
         # δ = rowsum(dO ⊙ O) - dLSE (with a mask's gradient: the dQ kernel's pass instead, below).
         self.delta = None
@@ -569,9 +581,10 @@ class BackwardLaunch:
         if hopper_config is not None:
             config = None
         self.hopper = None
-        if config is None and varlen is None and wgmma_backward_eligible(q, k, v, do, mask is not None, scale):
+        if (config is None and (varlen is None or hopper_varlen_enabled())
+                and wgmma_backward_eligible(q, k, v, do, mask is not None, scale)):
             self.hopper = HopperBackwardLaunch(do, q, k, v, causal, scale, variant_scalars, variant_meta,
-                                               hopper_config)
+                                               hopper_config, varlen)
             return
         config = config or default_backward_config(max(head_dim, head_dim_v), q.dtype, q.device)
         self.mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)  # core.masking's `mask` tuple
@@ -585,13 +598,19 @@ class BackwardLaunch:
         if varlen is not None:  # one (1, H, total) row space: a sequence's rows start at its cu_seqlens
             self.dkdv_strides, self.dq_strides = (tuple((0, *strides[1:]) for strides in group)
                                                   for group in (self.dkdv_strides, self.dq_strides))
-        meta = kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta, varlen is not None)
+        seq_block = 0
+        dkdv_grid = (triton.cdiv(seqlen_k, config.dkdv.block_n) * batch * k.shape[1],)
+        dq_grid = (triton.cdiv(seqlen_q, config.dq.block_m) * bh,)
+        if varlen is not None:  # the flattened schedules of every sequence's key and query tiles (plan.packed_tile)
+            key_numbers, seq_block = packed_schedule(batch, self.totals[1], config.dkdv.block_n, config.dkdv.num_warps)
+            query_numbers, _ = packed_schedule(batch, self.totals[0], config.dq.block_m, config.dkdv.num_warps)
+            dkdv_grid, dq_grid = (key_numbers * k.shape[1],), (query_numbers * n_heads,)
+        meta = kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta, seq_block)
         c = config.dkdv
         self.dkdv = KernelLaunch(
-            _attention_bwd_dkdv_kernel, (triton.cdiv(seqlen_k, c.block_n) * batch * k.shape[1],),
+            _attention_bwd_dkdv_kernel, dkdv_grid,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages, **meta)
         c = config.dq
-        dq_grid = (triton.cdiv(seqlen_q, c.block_m) * bh,)
         dq_meta = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
                        **meta)
         # δ = Σ_j P_ij dP_ij from the P the kernels recompute (one more walk over the keys), so that the bias
@@ -630,7 +649,7 @@ class BackwardLaunch:
             self.delta(o, do, dlse, delta, *_bhl_strides(o), *_bhl_strides(do), *self.delta_sizes)
         ds = None
         if self.hopper is not None:
-            dq, dk, dv = self.hopper(do, q, k, v, stats, delta, alibi)
+            dq, dk, dv = self.hopper(do, q, k, v, stats, delta, alibi, seqs)
         else:
             dq, dk, dv = (layout.empty(t) for layout, t in zip(self.grads, (q, k, v)))
             visible = ((mask, *self.mask_strides), (*seqs, *self.totals) if seqs is not None else None)

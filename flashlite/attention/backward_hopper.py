@@ -64,11 +64,12 @@ from . import tuning
 from .forward import alibi_slope
 from . import plan
 from .gluon_tiles import (
-    WGMMA_CAPABILITY, accumulate_products, box_views, boxes_nbytes, copy_boxes, descriptor_parts, gluon,
-    issue_kv_load, part_descriptors, part_start, part_templates, rebind_parts, register_operands, ring_slots,
-    slot_boxes, sum_of_products, thread_barrier, tile_boxes, tma_store, wait_kv, zero_accumulators,
+    WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, boxes_nbytes, copy_boxes, descriptor_parts,
+    gluon, issue_kv_load, packed_program, part_descriptors, part_start, part_templates, query_program, rebind_parts,
+    register_operands, ring_slots, slot_boxes, store_rows, sum_of_products, thread_barrier, tile_boxes, tile_bounds,
+    tma_store, wait_kv, zero_accumulators, zero_rows_past,
 )
-from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, query_tile
+from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, packed_schedule
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -116,11 +117,11 @@ if gluon is not None:
     @gluon.jit
     def _attention_bwd_wgmma_kernel(
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_desc_b, k_desc_b, v_desc_b, do_desc_b, dk_desc_b,
-        dv_desc_b, lse_ptr, delta_ptr, alibi_ptr,
+        dv_desc_b, lse_ptr, delta_ptr, alibi_ptr, packed,
         n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
-        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         # The column parts of Q/K's head dim (q, k, dk) and of V/dO's (v, do, dv) (``plan.head_dim_parts``): the
@@ -143,13 +144,13 @@ if gluon is not None:
         query_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
 
         # Programs numbered per (batch, K/V head), key tile fastest: under causal the first key tiles meet
-        # the most query tiles, and they start first.
-        n_key_tiles = gl.cdiv(seqlen_k, BLOCK_N)
-        bh_kv = gl.program_id(0) // n_key_tiles
-        n_start = (gl.program_id(0) % n_key_tiles) * BLOCK_N
-        n_kv_heads = n_heads // kv_group
-        b = bh_kv // n_kv_heads
-        h_kv = bh_kv % n_kv_heads
+        # the most query tiles, and they start first (a packed batch: ``_key_program``).
+        b, h_kv, n_start, row0s, lengths, stats = _key_program(
+            gl.program_id(0), packed, n_heads, kv_group, seqlen_q, seqlen_k, BLOCK_N, SEQ_BLOCK, num_warps)
+        q_row0, k_row0 = row0s
+        seqlen_q, seqlen_k = lengths
+        stats_row0, stats_head_stride = stats
+        b_row = batch_coordinate(b, SEQ_BLOCK)
         h_first = h_kv * kv_group
         MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
 
@@ -162,7 +163,9 @@ if gluon is not None:
         if n_start + BLOCK_N > seqlen_k:
             full_start = query_end
             full_end = query_end
-        n_query_tiles = gl.cdiv(query_end - query_start, BLOCK_M)
+        if SEQ_BLOCK > 0:  # a packed batch: the next sequence's rows follow a ragged last query tile: masked too
+            full_end = gl.minimum(full_end, seqlen_q // BLOCK_M * BLOCK_M)
+        n_query_tiles = gl.cdiv(query_end - query_start, BLOCK_M) * (n_start < seqlen_k).to(gl.int32)
         n_items = n_query_tiles * kv_group
 
         k_smem = tile_boxes(k_descs)
@@ -182,12 +185,12 @@ if gluon is not None:
             ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
 
         # K and V, every column part, on one barrier counting all their bytes.
-        kv_start = (b, h_kv, n_start)
+        kv_start = (b_row, h_kv, k_row0 + n_start)
         mbarrier.expect(kv_bar, boxes_nbytes(k_descs) + boxes_nbytes(v_descs))
         copy_boxes(k_descs, kv_start, kv_bar, k_smem)
         copy_boxes(v_descs, kv_start, kv_bar, v_smem)
         q_ring = (q_descs, do_descs, q_smem, do_smem, q_bars)
-        items = (b, h_first, query_start, n_query_tiles, n_items)
+        items = (b_row, h_first, q_row0 + query_start, n_query_tiles, n_items)
         for i in gl.static_range(STAGES):
             _load_query_tile(q_ring, i, items)
 
@@ -207,11 +210,15 @@ if gluon is not None:
             g = it // n_query_tiles
             start = query_start + (it % n_query_tiles) * BLOCK_M
             h = h_first + g
-            bh = (b * n_heads + h).to(gl.int64)
+            stats_row = stats_row0 + h.to(gl.int64) * stats_head_stride  # this head's LSE and δ
             q_idx = start + cols
             mbarrier.wait(q_bars.index(slot), (it // STAGES) & 1)
             q_tiles = box_views(slot_boxes(q_smem, slot))
             do_tiles = box_views(slot_boxes(do_smem, slot))
+            if SEQ_BLOCK > 0:  # a query tile cut by its sequence's end: the next sequence's rows cleared
+                if start + BLOCK_M > seqlen_q:
+                    zero_rows_past(q_tiles, seqlen_q - start, num_warps)
+                    zero_rows_past(do_tiles, seqlen_q - start, num_warps)
             # Sᵀ and dPᵀ: one product a column part each, chained on its accumulator.
             s_token = sum_of_products(k_tiles, q_tiles, s_zero)
             dp_token = sum_of_products(v_tiles, do_tiles, s_zero)
@@ -220,9 +227,9 @@ if gluon is not None:
             # for each of its 16 columns).
             stat_rows = start + stat_offsets
             in_q = stat_rows < seqlen_q
-            row_m = safe_max(gl.load(lse_ptr + bh * seqlen_q + stat_rows, mask=in_q, other=0.0) * LOG2E)
+            row_m = safe_max(gl.load(lse_ptr + stats_row + stat_rows, mask=in_q, other=0.0) * LOG2E)
             row_m = gl.convert_layout(row_m, query_cols)
-            delta = gl.convert_layout(gl.load(delta_ptr + bh * seqlen_q + stat_rows, mask=in_q, other=0.0),
+            delta = gl.convert_layout(gl.load(delta_ptr + stats_row + stat_rows, mask=in_q, other=0.0),
                                       query_cols)
             mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
                     window_left, window_right)
@@ -280,14 +287,72 @@ if gluon is not None:
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(q_bars.index(i))
-        # dK and dV leave through the K and V buffers (no product reads them any more), part by part.
+        # dK and dV leave through the K and V buffers (no product reads them any more), part by part; in a packed
+        # batch, a key tile cut by its sequence's end by pointer (``store_rows``: the next sequence's rows follow).
+        if SEQ_BLOCK == 0:
+            _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
+        elif n_start + BLOCK_N <= seqlen_k:
+            _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
+        else:
+            dk_ptr, stride_dk_h, stride_dk_l, head_dim = packed[3], packed[4], packed[5], packed[6]
+            dv_ptr, stride_dv_h, stride_dv_l, head_dim_v = packed[7], packed[8], packed[9], packed[10]
+            key_rows_of = (k_idx, seqlen_k)
+            dk_seq = dk_ptr + h_kv.to(gl.int64) * stride_dk_h + k_row0.to(gl.int64) * stride_dk_l
+            dv_seq = dv_ptr + h_kv.to(gl.int64) * stride_dv_h + k_row0.to(gl.int64) * stride_dv_l
+            store_rows(_scaled_parts(dks, scale, dtype), dk_descs, key_rows_of, (dk_seq, stride_dk_l, head_dim))
+            store_rows(_scaled_parts(dvs, 1.0, dtype), dv_descs, key_rows_of, (dv_seq, stride_dv_l, head_dim_v))
+
+    @gluon.jit
+    def _scaled_parts(accs, factor, dtype: gl.constexpr):
+        """Each column part of a gradient (``accs``, fp32) times ``factor``, in ``dtype``."""
+        parts = ()
+        for i in gl.static_range(len(accs)):
+            parts = parts + ((accs[i] * factor).to(dtype),)
+        return parts
+
+    @gluon.jit
+    def _store_key_tile(dks, dvs, scale, descs, boxes, start):
+        """dK (times ``scale``) and dV of one key tile, every column part, through the K and V buffers ``boxes =
+        (k_smem, v_smem)`` by TMA into their tile at ``start = (b, h_kv, row)`` of ``descs = (dk_descs,
+        dv_descs)`` (clipped to L and the head dim by the copies)."""
+        dk_descs, dv_descs = descs
+        k_smem, v_smem = boxes
         _stage_parts(dks, scale, k_smem)
         _stage_parts(dvs, 1.0, v_smem)
         fence_async_shared()
         thread_barrier()
-        _store_parts(dk_descs, kv_start, k_smem)
-        _store_parts(dv_descs, kv_start, v_smem)
+        _store_parts(dk_descs, start, k_smem)
+        _store_parts(dv_descs, start, v_smem)
         tma.store_wait(0)
+
+    @gluon.jit
+    def _key_program(pid, packed, n_heads, kv_group, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr,
+                     SEQ_BLOCK: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """The dK/dV kernel's program ``pid``: ``(b, h_kv, n_start, (q_row0, k_row0), (seqlen_q, seqlen_k),
+        (stats_row0, stats_head_stride))``: batch (or sequence) ``b``, K/V head ``h_kv``, its key tile's first
+        key ``n_start``, where the sequence's rows start in the tensors (int32, TMA's coordinates), its lengths,
+        and where its rows' statistics lie (``core.packed.sequence_bounds``: row ``i`` of query head ``h`` at
+        ``stats_row0 + h · stats_head_stride + i``).
+
+        Dense (``SEQ_BLOCK`` 0): programs numbered per (batch, K/V head), key tile fastest. A packed batch
+        (``packed = (cu_seqlens_q, cu_seqlens_k, n_seqs, dk, its H and L strides, D, dv, its H and L strides,
+        Dv)``, ``seqlen_q``/``_k`` the totals): ``gluon_tiles.packed_program``'s schedule over every sequence's key
+        tiles; a number with no tile gets ``n_start = seqlen_k = 0`` (nothing to read, nothing to store)."""
+        VARLEN: gl.constexpr = SEQ_BLOCK > 0
+        n_kv_heads = n_heads // kv_group
+        seqs = None
+        if VARLEN:
+            seqs = (packed[0], packed[1], seqlen_q, seqlen_k)
+            h_kv, b, n_start = packed_program(pid, packed[1], packed[2], seqlen_k, BLOCK_N, False, SEQ_BLOCK,
+                                              NUM_WARPS)
+        else:
+            n_key_tiles = gl.cdiv(seqlen_k, BLOCK_N)
+            bh_kv = pid // n_key_tiles
+            n_start = (pid % n_key_tiles) * BLOCK_N
+            b = bh_kv // n_kv_heads
+            h_kv = bh_kv % n_kv_heads
+        n_start, row0s, lengths, stats = tile_bounds(seqs, b, n_heads, seqlen_q, seqlen_k, n_start, True, VARLEN)
+        return b, h_kv, n_start, row0s, lengths, stats
 
     @gluon.jit
     def _dq_scores_grads(s, dp, stats, tile, key_start, full, rows, qk_scale, mods, IS_CAUSAL: gl.constexpr,
@@ -329,13 +394,14 @@ if gluon is not None:
     @gluon.jit
     def _attention_bwd_dq_wgmma_kernel(
         q_desc, k_desc, v_desc, do_desc, dq_desc, q_desc_b, k_desc_b, v_desc_b, do_desc_b, dq_desc_b,
-        lse_ptr, delta_ptr, alibi_ptr,
+        lse_ptr, delta_ptr, alibi_ptr, packed,
         n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
-        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, num_warps: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # One program a (batch, head, query tile), numbered as the forward; Q and dO stay in shared memory, the
+        # One program a (batch, head, query tile), numbered as the forward (a packed batch: as the forward's,
+        # ``gluon_tiles.query_program``, ``packed`` ending in dq, its H and L strides and D); Q and dO stay in shared memory, the
         # K/V tiles stream through STAGES buffers. Turn j issues dQ += dS_j K_j, then S_{j+1} = Q K_{j+1}ᵀ and
         # dP_{j+1} = dO V_{j+1}ᵀ, and works out dS_{j+1} while the last of them runs. Head dims come in column
         # parts as in the dK/dV kernel (``*_desc_b``: the second part's descriptors, or None): S and dP sum one
@@ -348,9 +414,11 @@ if gluon is not None:
         dq_descs = descriptor_parts(dq_desc, dq_desc_b)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-        bh, m_start = query_tile(gl.program_id(0), gl.cdiv(seqlen_q, BLOCK_M), BLOCK_M, IS_CAUSAL)
-        b = bh // n_heads
-        h = bh % n_heads
+        b, h, m_start, row0s, lengths, stats_row = query_program(
+            gl.program_id(0), packed, n_heads, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, SEQ_BLOCK, num_warps)
+        q_row0, k_row0 = row0s
+        seqlen_q, seqlen_k = lengths
+        b_row = batch_coordinate(b, SEQ_BLOCK)
         h_kv = h // kv_group
         mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
                 window_left, window_right)
@@ -358,7 +426,7 @@ if gluon is not None:
         key_start, full_start, full_end, key_end = key_ranges(
             m_start, gl.minimum(m_start + BLOCK_M, seqlen_q) - 1, seqlen_q, seqlen_k, BLOCK_N, IS_CAUSAL,
             HAS_MASK=False, window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-        n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N)
+        n_kv_tiles = gl.cdiv(key_end - key_start, BLOCK_N) * (m_start < seqlen_q).to(gl.int32)
         full = ((full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
 
         q_smem = tile_boxes(q_descs)
@@ -373,7 +441,7 @@ if gluon is not None:
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
         # Q and dO, every column part, on one barrier counting all their bytes.
-        q_start = (b, h, m_start)
+        q_start = (b_row, h, q_row0 + m_start)
         mbarrier.expect(q_bar, boxes_nbytes(q_descs) + boxes_nbytes(do_descs))
         copy_boxes(q_descs, q_start, q_bar, q_smem)
         copy_boxes(do_descs, q_start, q_bar, do_smem)
@@ -381,7 +449,7 @@ if gluon is not None:
         # itself (the ready barriers stand in for the free ones).
         k_ring = (k_descs, k_smem, k_bars, k_bars)
         v_ring = (v_descs, v_smem, v_bars, v_bars)
-        source = (b, h_kv, key_start, n_kv_tiles)
+        source = (b_row, h_kv, k_row0 + key_start, n_kv_tiles)  # (K/V rows' coordinates: gluon_tiles)
         for i in gl.static_range(STAGES):
             issue_kv_load(k_ring, i, source)
             issue_kv_load(v_ring, i, source)
@@ -389,8 +457,8 @@ if gluon is not None:
         rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         q_idx = m_start + gl.arange(0, BLOCK_M, layout=rows)
         in_q = q_idx < seqlen_q
-        row_m = safe_max(gl.load(lse_ptr + bh.to(gl.int64) * seqlen_q + q_idx, mask=in_q, other=0.0) * LOG2E)
-        delta = gl.load(delta_ptr + bh.to(gl.int64) * seqlen_q + q_idx, mask=in_q, other=0.0)
+        row_m = safe_max(gl.load(lse_ptr + stats_row + q_idx, mask=in_q, other=0.0) * LOG2E)
+        delta = gl.load(delta_ptr + stats_row + q_idx, mask=in_q, other=0.0)
         stats = (row_m, delta)
         rows = (q_idx, seqlen_q, seqlen_k)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -402,6 +470,7 @@ if gluon is not None:
             # Turn 0's scores and dP alone.
             k_tiles = wait_kv(k_ring, 0)
             v_tiles = wait_kv(v_ring, 0)
+            _clear_cut_tile(k_tiles, v_tiles, 0, n_kv_tiles, seqlen_k - key_start, SEQ_BLOCK, num_warps)
             s_token = sum_of_products(q_tiles, k_tiles, s_zero)
             dp_token = sum_of_products(do_tiles, v_tiles, s_zero)
             s = warpgroup_mma_wait(len(v_tiles), deps=(s_token,))  # dP's products may still run
@@ -416,6 +485,7 @@ if gluon is not None:
                 dq_tokens = accumulate_products(ds_ops, k_tiles, dqs)
                 k_tiles = wait_kv(k_ring, j)
                 v_tiles = wait_kv(v_ring, j)
+                _clear_cut_tile(k_tiles, v_tiles, j, n_kv_tiles, seqlen_k - key_start, SEQ_BLOCK, num_warps)
                 s_token = sum_of_products(q_tiles, k_tiles, s_zero)
                 dp_token = sum_of_products(do_tiles, v_tiles, s_zero)
                 # dQ_{j-1} and S_j done; dP_j's products may still run.
@@ -442,11 +512,36 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
-        # dQ leaves through Q's buffers, part by part (clipped to Lq and D by the copies).
+        # dQ leaves through Q's buffers, part by part (clipped to Lq and D by the copies); in a packed batch, a
+        # query tile cut by its sequence's end by pointer (``store_rows``: the next sequence's rows follow).
+        if SEQ_BLOCK == 0:
+            _store_query_tile(dqs, scale, dq_descs, q_smem, q_start)
+        elif m_start + BLOCK_M <= seqlen_q:
+            _store_query_tile(dqs, scale, dq_descs, q_smem, q_start)
+        else:
+            dq_seq = packed[3] + h.to(gl.int64) * packed[4] + q_row0.to(gl.int64) * packed[5]
+            store_rows(_scaled_parts(dqs, scale, dtype), dq_descs, (q_idx, seqlen_q), (dq_seq, packed[5], packed[6]))
+
+    @gluon.jit
+    def _clear_cut_tile(k_tiles, v_tiles, tile, n_tiles, keys_left, SEQ_BLOCK: gl.constexpr,
+                        NUM_WARPS: gl.constexpr):
+        """In a packed batch (``SEQ_BLOCK`` > 0), clear the rows past the sequence's end of K/V tile ``tile`` when
+        it is the last of ``n_tiles`` (the only one the end can cut; ``keys_left``: the sequence's keys from the
+        first tile's on) before its products read them (``zero_rows_past``)."""
+        if SEQ_BLOCK > 0:
+            if tile == n_tiles - 1:
+                valid = keys_left - tile * k_tiles[0].shape[0]
+                zero_rows_past(k_tiles, valid, NUM_WARPS)
+                zero_rows_past(v_tiles, valid, NUM_WARPS)
+
+    @gluon.jit
+    def _store_query_tile(dqs, scale, dq_descs, q_smem, start):
+        """dQ (times ``scale``) of one query tile, every column part, through Q's buffers by TMA into its tile at
+        ``start = (b, h, row)`` of ``dq_descs``."""
         _stage_parts(dqs, scale, q_smem)
         fence_async_shared()
         thread_barrier()
-        _store_parts(dq_descs, q_start, q_smem)
+        _store_parts(dq_descs, start, q_smem)
         tma.store_wait(0)
 
 
@@ -477,20 +572,21 @@ def _variant_switches(variant_meta: dict | None) -> dict:
 
 
 def dq_kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
-                   variant_meta: dict | None = None) -> dict:
+                   variant_meta: dict | None = None, seq_block: int = 0) -> dict:
     """The launch keywords of the dQ kernel on ``config``'s tiles (as ``kernel_meta``)."""
     return dict(BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-                STAGES=config.dq_stages, IS_CAUSAL=causal, num_warps=config.dq_block_m // 16,
+                STAGES=config.dq_stages, IS_CAUSAL=causal, SEQ_BLOCK=seq_block, num_warps=config.dq_block_m // 16,
                 **_variant_switches(variant_meta))
 
 
 def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
-                variant_meta: dict | None = None) -> dict:
+                variant_meta: dict | None = None, seq_block: int = 0) -> dict:
     """The dK/dV kernel's launch keywords (constexprs, ``num_warps`` and, if capped, ``maxnreg``) on ``config``'s
     tiles; ``variant_meta``: ``plan.variant_args``' switches (sinks dropped: their gradient is
-    ``backward.sink_gradient``'s)."""
+    ``backward.sink_gradient``'s); ``seq_block``: a packed batch's ``SEQ_BLOCK`` (``plan.packed_schedule``), 0 for
+    a dense one."""
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-                STAGES=config.stages, IS_CAUSAL=causal,
+                STAGES=config.stages, IS_CAUSAL=causal, SEQ_BLOCK=seq_block,
                 num_warps=config.block_n // 16 * config.split, **_variant_switches(variant_meta))
     if config.max_registers:
         meta["maxnreg"] = config.max_registers
@@ -526,11 +622,17 @@ class HopperBackwardLaunch:
     column parts (``column_parts``: 192 = 128 + 64, 160 = 128 + 32), on the tiles of the padded head dim (256:
     two warpgroups splitting the columns of every part), and run the products of 192 (160) columns, not 256.
     ``parts = (q_parts, v_parts)``: the widths chosen (the tests read them).
+
+    A packed batch (``varlen = (sequences, max_seqlen_q, max_seqlen_k)``, ``core.packed``; under
+    ``FLASHLITE_HOPPER_VARLEN=1``): (1, H, total, D) tensors whose calls bring ``seqs = (cu_seqlens_q,
+    cu_seqlens_k)``, each kernel on one flattened schedule of every sequence's tiles (its key tiles for dK/dV, its
+    query tiles for dQ; ``plan.packed_schedule``), a tile cut by its sequence's end masked and stored by pointer.
     """
 
     def __init__(
         self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
         variant_scalars: tuple, variant_meta: dict, config: tuning.WgmmaBackwardConfig | None = None,
+        varlen: tuple[int, int, int] | None = None,
     ):
         batch, n_heads, seqlen_q, head_dim = q.shape
         seqlen_k, head_dim_v = k.shape[2], v.shape[3]
@@ -547,24 +649,44 @@ class HopperBackwardLaunch:
             (q, config.dq_block_m, q_parts), (k, config.dq_block_n, q_parts), (v, config.dq_block_n, v_parts),
             (do, config.dq_block_m, v_parts), (dq_like, config.dq_block_m, q_parts)))
         softcap, window_left, window_right = variant_scalars
-        self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)
+        self.sizes = (n_heads, n_heads // k.shape[1], seqlen_q, seqlen_k)  # packed: the totals
         self.scalars = (scale * LOG2E.value, scale, softcap, window_left, window_right)
         widths = (sum(q_parts), sum(v_parts))  # on chip: the parts' sums
-        self.dkdv = KernelLaunch(_attention_bwd_wgmma_kernel, (triton.cdiv(seqlen_k, config.block_n) * batch * k.shape[1],),
-                                 **kernel_meta(config, *widths, causal, variant_meta))
-        self.dq = KernelLaunch(_attention_bwd_dq_wgmma_kernel, (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,),
-                               **dq_kernel_meta(config, *widths, causal, variant_meta))
+        dkdv_meta, dq_meta = (kernel_meta(config, *widths, causal, variant_meta),
+                              dq_kernel_meta(config, *widths, causal, variant_meta))
+        self.varlen = varlen
+        if varlen is not None:
+            batch = varlen[0]
+            key_numbers, dkdv_meta["SEQ_BLOCK"] = packed_schedule(batch, seqlen_k, config.block_n,
+                                                                  dkdv_meta["num_warps"])
+            query_numbers, dq_meta["SEQ_BLOCK"] = packed_schedule(batch, seqlen_q, config.dq_block_m,
+                                                                  dq_meta["num_warps"])
+            grids = ((key_numbers * k.shape[1],), (query_numbers * n_heads,))
+            # (sequences, then each gradient's H and L strides and head dim: the kernels' ``packed`` tuples)
+            self.packed_layouts = (batch, *(layout.strides[1:3] + (layout.shape[3],) for layout in self.grads))
+        else:
+            grids = ((triton.cdiv(seqlen_k, config.block_n) * batch * k.shape[1],),
+                     (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,))
+        self.dkdv = KernelLaunch(_attention_bwd_wgmma_kernel, grids[0], **dkdv_meta)
+        self.dq = KernelLaunch(_attention_bwd_dq_wgmma_kernel, grids[1], **dq_meta)
 
     def __call__(
         self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
         delta: torch.Tensor, alibi: torch.Tensor | None = None,
+        seqs: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)``; a packed batch brings ``seqs = (cu_seqlens_q, cu_seqlens_k)``."""
         dq, dk, dv = (layout.empty(t) for layout, t in zip(self.grads, (q, k, v)))
         stride_alibi = alibi.stride(0) if alibi is not None else 0
+        dkdv_packed = dq_packed = None
+        if self.varlen is not None:
+            n_seqs, dq_layout, dk_layout, dv_layout = self.packed_layouts
+            dkdv_packed = (*seqs, n_seqs, dk, *dk_layout, dv, *dv_layout)
+            dq_packed = (*seqs, n_seqs, dq, *dq_layout)
         descs = rebind_parts(self.dkdv_descriptors, (q, k, v, do, dk, dv))
-        self.dkdv(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
+        self.dkdv(*descs, lse, delta, alibi, dkdv_packed, *self.sizes, stride_alibi, *self.scalars)
         descs = rebind_parts(self.dq_descriptors, (q, k, v, do, dq))
-        self.dq(*descs, lse, delta, alibi, *self.sizes, stride_alibi, *self.scalars)
+        self.dq(*descs, lse, delta, alibi, dq_packed, *self.sizes, stride_alibi, *self.scalars)
         return dq, dk, dv
 
 
@@ -580,12 +702,12 @@ def attention_backward_hopper(
 
 def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_dim: int, causal: bool,
                    variant_meta: dict | None = None, head_dim_v: int | None = None, split: bool = False,
-                   dtype: torch.dtype = torch.bfloat16) -> "triton.compiler.CompiledKernel":
+                   dtype: torch.dtype = torch.bfloat16, packed: bool = False) -> "triton.compiler.CompiledKernel":
     """One of the two kernels (``kernel_name`` "dkdv" or "dq") built for sm_90 on any machine, no GPU needed, with
     the argument types a launch on Hopper gives (``dtype``, bf16 by default; head dim ``head_dim`` for q and k,
     ``head_dim_v`` (default: the same) for v and dO; ``split``: in column parts as ``FLASHLITE_HEAD_SPLIT=1``
-    plans them, else padded): Triton's compiled kernel, whose ``asm["ptx"]`` the CPU build test and
-    bench/backward_resources.py read."""
+    plans them, else padded; ``packed``: a packed batch's kernel, ``SEQ_BLOCK`` 256): Triton's compiled kernel,
+    whose ``asm["ptx"]`` the CPU build test and bench/backward_resources.py read."""
     from triton.backends.compiler import GPUTarget
 
     head_dim_v = head_dim_v or head_dim
@@ -600,19 +722,28 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
              ((q_like, rows, q_parts), (q_like, keys, q_parts), (v_like, keys, v_parts), (v_like, rows, v_parts),
               (q_like, keys, q_parts), (v_like, keys, v_parts)))
     descs = dict(zip(kernel.arg_names, part_descriptors(specs)))  # (a launch's first arguments)
-    meta = (dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta) if dq
-            else kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta))
+    seq_block = 256 if packed else 0
+    meta = (dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block) if dq
+            else kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block))
     options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
     constants = dict(meta, num_warps=options["num_warps"])  # (the kernels read num_warps as a constexpr)
     constants.update({name: None for name, desc in descs.items() if desc is None})
     if not meta["HAS_ALIBI"]:
         constants["alibi_ptr"] = None
+    if not packed:
+        constants["packed"] = None
+    # (cu_seqlens_q, cu_seqlens_k, sequences, then each gradient, its H and L strides and head dim):
+    # HopperBackwardLaunch's ``packed`` tuples
+    grad = (mangle_type(q_like), "i32", "i32", "i32")
+    packed_types = ("*i32", "*i32", "i32", *grad) + (() if dq else grad)
     signature = {}
     for name in kernel.arg_names:
         if name in constants:
             signature[name] = "constexpr"
         elif name in descs:
             signature[name] = mangle_type(descs[name])
+        elif name == "packed":
+            signature[name] = packed_types
         elif name.endswith("_ptr"):
             signature[name] = "*fp32"
         else:

@@ -35,10 +35,10 @@ projection or of a (B, L, H, D) tensor cost nothing. K/V may have fewer heads
 are not powers of two are padded to the next one inside the kernel (masked
 loads). On Hopper, Q/K/V tiles arrive by TMA through host-side tensor
 descriptors (their bounds give zeros past L and D). A packed batch (``flash_attention_varlen``) comes as
-(1, H, total, D) with its ``cu_seqlens`` (``core.packed``): programs index sequences as they index a dense
-batch, over the longest sequence's tiles, and a tile past its sequence's end does nothing; its K/V come by
-pointer loads (a TMA box would cross into the next sequence). Scheduling: one program a
-query tile, numbered as ``plan.query_tile`` says; a persistent grid
+(1, H, total, D) with its ``cu_seqlens`` (``core.packed``): programs take the tiles of one flattened schedule
+of every sequence's query tiles (``plan.packed_tile``: ``total_q // BLOCK_M + B`` a head, at most one a
+sequence without work); its K/V come by pointer loads. Scheduling: one program a query tile, numbered as
+``plan.query_tile`` says; a persistent grid
 (``AttentionConfig.persistent``) runs the same loop with fewer programs.
 
 Variants. The score modifiers (softcap, ALiBi, the sliding window: ``core.masking``'s ``mods``/``MODS``)
@@ -71,7 +71,7 @@ from ..core.tiles import dot, load_paged_tile, load_tile, store_tile, tensor_des
 from . import tuning
 from .plan import (
     NATURAL_BIAS, OutputLayout, autotune_enabled, default_config, head_dim_padded, kernel_switches, mask_layout,
-    prune_tune_space, qk_scale_for, query_tile, tma_safe, variant_args,
+    packed_schedule, packed_tile, prune_tune_space, qk_scale_for, query_tile, tma_safe, variant_args,
 )
 from .tuning import AttentionConfig
 
@@ -253,22 +253,29 @@ def attention_fwd_kernel(
     EVEN_DV: tl.constexpr = DIMS[3]
     IS_CAUSAL: tl.constexpr = MASKING[0]
     HAS_MASK: tl.constexpr = MASKING[1]
-    VARLEN: tl.constexpr = MASKING[4]
+    SEQ_BLOCK: tl.constexpr = MASKING[4]
+    VARLEN: tl.constexpr = SEQ_BLOCK > 0
     HAS_ALIBI: tl.constexpr = MODS[2]
     HAS_WINDOW: tl.constexpr = MODS[3]
     KV_TILE: tl.constexpr = (BLOCK_N, HEAD_DIM_PADDED, HEAD_DIM_V_PADDED, EVEN_D, EVEN_DV)
     n_query_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     n_tiles = n_query_tiles * n_bh
+    if VARLEN:  # a packed batch: one flattened schedule of every sequence's tiles (plan.packed_tile)
+        n_tiles = (seqs[2] // BLOCK_M + n_bh // n_heads) * n_heads
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        bh, m_start = query_tile(tile, n_query_tiles, BLOCK_M, IS_CAUSAL)
-        b = bh // n_heads
-        h = bh % n_heads
-        # A packed batch: sequence b's rows and lengths (core.packed); its tiles past its end have no work.
+        if VARLEN:
+            h, b, m_start = packed_tile(tile, seqs[0], n_bh // n_heads, seqs[2], tl.arange(0, SEQ_BLOCK), BLOCK_M,
+                                        IS_CAUSAL)
+        else:
+            bh, m_start = query_tile(tile, n_query_tiles, BLOCK_M, IS_CAUSAL)
+            b = bh // n_heads
+            h = bh % n_heads
+        # A packed batch: sequence b's rows and lengths (core.packed); a number with no tile has no work.
         q_row0, k_row0, len_q, len_k, stats_row0, stats_head_stride = sequence_bounds(
             seqs, b, n_heads, seqlen_q, seqlen_k, VARLEN)
         live = True
         if VARLEN:
-            live = m_start < len_q
+            live = (m_start >= 0) & (m_start < len_q)
         if live:
             b64 = tl.cast(b, tl.int64)
             h64 = tl.cast(h, tl.int64)
@@ -394,8 +401,10 @@ class TlForwardLaunch:
         bh = batch * n_heads
         self.mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
         additive = mask is not None and not mask_is_bool
+        # (a window's unbounded side from the tensors' lengths: a packed batch's totals, which no sequence
+        # passes even when max_seqlen is given too short)
         variant_scalars, variant_meta = variant_args(q, additive, softcap, window, has_alibi, has_sinks,
-                                                     seqlen_q, seqlen_k)
+                                                     *self.totals)
         # The arguments after the tensors: the scale goes in as a float (a run-time argument, one kernel for any
         # scale); the last two are read by the autotuner's key only.
         self.strides = (q.stride()[:3], k.stride()[:3], v.stride()[:3], self.output.strides[:3])
@@ -404,12 +413,16 @@ class TlForwardLaunch:
         self.sizes = ((n_heads, n_heads // k.shape[1], bh), (seqlen_q, seqlen_k, head_dim, head_dim_v),
                       qk_scale_for(scale, additive), variant_scalars, triton.next_power_of_2(seqlen_k),
                       mask_layout(mask))
+        self.n_tiles = triton.cdiv(seqlen_q, config.block_m) * bh
+        seq_block = 0
+        if varlen is not None:  # the flattened schedule of every sequence's query tiles (plan.packed_schedule)
+            numbers, seq_block = packed_schedule(batch, self.totals[0], config.block_m, config.num_warps)
+            self.n_tiles = numbers * n_heads
         meta = dict(
             WRITE_LSE=write_lse, WRITE_STATS=write_stats, USE_TMA=self.descriptors is not None,
             HAS_SINKS=variant_meta["HAS_SINKS"],
-            **kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta, varlen is not None),
+            **kernel_switches(q, causal, mask, mask_is_bool, head_dim, head_dim_v, variant_meta, seq_block),
         )
-        self.n_tiles = triton.cdiv(seqlen_q, config.block_m) * bh
         self.grid_rows = (seqlen_q, bh)
         self.config, self.meta = config, meta
         self.persistent_key = None

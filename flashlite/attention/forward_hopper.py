@@ -76,19 +76,19 @@ import triton
 
 from ..core.masking import apply_masks, key_ranges, modified_scores_scaled
 from ..core.online_softmax import BASE2_UNITS, LOG2E, merge_sink, normalize, online_update_scaled, state_logsumexp
-from ..core.packed import sequence_bounds
 from ..core.runtime import KernelLaunch, device_info
 from ..core.tiles import tma_usable
 from ..core.triton_compat import gluon_source, mangle_type
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
-    WGMMA_CAPABILITY, accumulate_products, box_views, descriptor_parts, gluon, issue_kv_load,
-    load_boxes, packed_tile, part_descriptors, part_start, part_templates, rebind_parts, register_operands, ring_slots,
-    slot_boxes, sum_of_products, thread_barrier, tile_boxes, tma_store, wait_kv, wait_products, zero_accumulators,
+    WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, descriptor_parts, gluon, issue_kv_load,
+    load_boxes, part_descriptors, part_start, part_templates, query_program, rebind_parts, register_operands,
+    ring_slots, slot_boxes, store_rows, sum_of_products, thread_barrier, tile_boxes, tma_store, wait_kv,
+    wait_products, zero_accumulators, zero_rows_past,
 )
 from .plan import (
-    NO_VARIANTS, OutputLayout, column_parts, head_dim_padded, head_dim_parts, packed_schedule, query_tile, variant_args,
+    NO_VARIANTS, OutputLayout, column_parts, head_dim_padded, head_dim_parts, packed_schedule, variant_args,
     wgmma_config,
 )
 from .tuning import WgmmaConfig
@@ -175,7 +175,7 @@ if gluon is not None:
     @gluon.jit
     def _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, keys, rows, qk_scale, mods,
                          IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, NUM_WARPS: gl.constexpr,
-                         LOAD_WARP: gl.constexpr):
+                         LOAD_WARP: gl.constexpr, PACKED: gl.constexpr = False):
         """The K/V loop of one query tile: ``(m, d, O)`` after every K/V tile, O not yet divided by d.
 
         Q, its K tiles and its V tiles and O come as tuples of column parts (above): ``q_ops`` Q's operands,
@@ -188,7 +188,8 @@ if gluon is not None:
         Turn j issues ``S_j = Q K_jᵀ`` and ``O += P_{j-1} V_{j-1}`` together, waits until only the
         second is in flight (one product a part of O), folds S_j into ``(m, d)`` while P V runs, then waits
         for O, rescales it and releases the K and V slots it read (``_release_kv_slot``). ``s_zero`` carries
-        the layout of S.
+        the layout of S. In a packed batch (``PACKED``) the last V tile, the only one a sequence's end can cut,
+        has the rows past the sequence cleared first (``zero_rows_past``; the masks have hidden its keys).
         """
         dtype: gl.constexpr = k_ring[0][0].dtype
         n_kv_tiles = source[3]
@@ -217,6 +218,8 @@ if gluon is not None:
                 _release_kv_slot(v_ring, j - 1, source, NUM_WARPS, LOAD_WARP)
                 accs = _rescale(accs, alpha)
             v_tiles = wait_kv(v_ring, n_kv_tiles - 1)
+            if PACKED:
+                zero_rows_past(v_tiles, rows[2] - key_start - (n_kv_tiles - 1) * s_zero.shape[1], NUM_WARPS)
             accs = wait_products(accumulate_products(register_operands(p, accs), v_tiles, accs))
             if LOAD_WARP:  # (without one, nothing is left to load into the slot)
                 _release_kv_slot(v_ring, n_kv_tiles - 1, source, NUM_WARPS, LOAD_WARP)
@@ -233,8 +236,8 @@ if gluon is not None:
         merged into every row's state first (``merge_sink``).
 
         ``packed``: None for a dense batch (TMA drops the rows past the tensor's end). In a packed batch
-        (``_query_program``'s ``packed``) the next sequence's rows follow, so the last tile of a sequence, cut by
-        its end, is stored from registers by pointer instead."""
+        (``gluon_tiles.query_program``'s ``packed``) the next sequence's rows follow, so the last tile of a
+        sequence, cut by its end, is stored from registers by pointer instead (``store_rows``)."""
         q_idx, seqlen_q, seqlen_k = rows
         o_descs, o_boxes, lse_row = out
         b, h, row, q_row0 = o_start
@@ -251,15 +254,9 @@ if gluon is not None:
             _store_by_tma(outs, o_descs, o_boxes, (b, h, row))
         elif gl.max(q_idx, axis=0) < seqlen_q:
             _store_by_tma(outs, o_descs, o_boxes, (b, h, row))
-        else:  # the sequence's last tile
-            o_ptr, stride_h, stride_l, head_dim_v = packed[3], packed[4], packed[5], packed[6]
-            o_seq = o_ptr + h.to(gl.int64) * stride_h + q_row0.to(gl.int64) * stride_l  # this head's sequence
-            for i in gl.static_range(len(outs)):  # (each part's layout its own: no constexpr name for it)
-                o_idx = gl.convert_layout(q_idx, gl.SliceLayout(1, outs[i].type.layout)).to(gl.int64)
-                cols = part_start(o_descs, i) + gl.arange(0, outs[i].shape[1],
-                                                          layout=gl.SliceLayout(0, outs[i].type.layout))
-                gl.store(o_seq + o_idx[:, None] * stride_l + cols[None, :], outs[i],
-                         mask=(o_idx < seqlen_q)[:, None] & (cols < head_dim_v)[None, :])
+        else:  # the sequence's last tile: this head's rows of the sequence by pointer
+            o_seq = packed[3] + h.to(gl.int64) * packed[4] + q_row0.to(gl.int64) * packed[5]
+            store_rows(outs, o_descs, (q_idx, seqlen_q), (o_seq, packed[5], packed[6]))
 
     @gluon.jit
     def _store_by_tma(outs, o_descs, o_boxes, start):
@@ -274,48 +271,6 @@ if gluon is not None:
         for i in gl.static_range(len(outs)):
             tma_store(o_descs[i], [b, h, row, part_start(o_descs, i)], o_boxes[i])
         tma.store_wait(0)
-
-    @gluon.jit
-    def _batch_coordinate(b, SEQ_BLOCK: gl.constexpr):
-        """The batch coordinate of batch ``b``'s tiles in the (B, H, L, D) tensors: ``b``, or 0 in a packed batch
-        (``SEQ_BLOCK`` > 0), whose tensors are (1, H, total, D)."""
-        if SEQ_BLOCK > 0:
-            b = b * 0
-        return b
-
-    @gluon.jit
-    def _query_program(pid, packed, n_heads, seqlen_q, seqlen_k, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                       SEQ_BLOCK: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """Program ``pid``'s ``ROWS`` query rows: ``(b, h, m_start, (q_row0, k_row0), (seqlen_q, seqlen_k),
-        stats_row)``: batch (or sequence) ``b``, head ``h``, its first row's position ``m_start``, where the
-        sequence's query and key rows start in the tensors (0 in a dense batch; int32, TMA's coordinates), its
-        lengths, and where its head's LSE row starts (``core.packed.sequence_bounds``).
-
-        Dense (``SEQ_BLOCK`` 0, ``packed`` None): tiles numbered by ``plan.query_tile``. A packed batch,
-        ``packed = (cu_seqlens_q, cu_seqlens_k, n_seqs, o, stride_o_h, stride_o_l, head_dim_v)`` with
-        ``seqlen_q``/``_k``
-        the totals: the flattened schedule of ``gluon_tiles.packed_tile`` (one program a number, head-major,
-        under causal the numbers backwards so that the last, heaviest tiles start first); a number with no
-        tile gets ``m_start = seqlen_q = 0`` (nothing to read, nothing to store)."""
-        VARLEN: gl.constexpr = SEQ_BLOCK > 0
-        seqs = None
-        if VARLEN:
-            cu_seqlens_q, cu_seqlens_k, n_seqs = packed[0], packed[1], packed[2]
-            seqs = (cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k)
-            h, number = query_tile(pid, seqlen_q // ROWS + n_seqs, 1, IS_CAUSAL)
-            b, m_start = packed_tile(number, cu_seqlens_q, n_seqs, ROWS, SEQ_BLOCK, NUM_WARPS)
-        else:
-            bh, m_start = query_tile(pid, gl.cdiv(seqlen_q, ROWS), ROWS, IS_CAUSAL)
-            b = bh // n_heads
-            h = bh % n_heads
-        q_row0, k_row0, seqlen_q, seqlen_k, stats_row0, stats_head_stride = sequence_bounds(
-            seqs, b, n_heads, seqlen_q, seqlen_k, VARLEN)
-        if VARLEN:
-            live = ((m_start >= 0) & (m_start < seqlen_q)).to(gl.int32)
-            m_start = m_start * live
-            seqlen_q = seqlen_q * live
-        return (b, h, m_start, (q_row0.to(gl.int32), k_row0.to(gl.int32)), (seqlen_q, seqlen_k),
-                stats_row0 + h.to(gl.int64) * stats_head_stride)
 
     @gluon.jit
     def _sink_logit(sinks_ptr, h, HAS_SINKS: gl.constexpr):
@@ -347,12 +302,12 @@ if gluon is not None:
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
 
         # One query tile per program, numbered as the other kernels number them (a packed batch: its sequence's
-        # rows and lengths, ``packed`` as ``_query_program`` takes it; its tensors are (1, H, total, D)).
-        b, h, m_start, row0s, lengths, stats_row = _query_program(
+        # rows and lengths, ``packed`` as ``gluon_tiles.query_program`` takes it; its tensors are (1, H, total, D)).
+        b, h, m_start, row0s, lengths, stats_row = query_program(
             gl.program_id(0), packed, n_heads, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, SEQ_BLOCK, num_warps)
         q_row0, k_row0 = row0s
         seqlen_q, seqlen_k = lengths
-        b_row = _batch_coordinate(b, SEQ_BLOCK)
+        b_row = batch_coordinate(b, SEQ_BLOCK)
         h_kv = h // kv_group
         # The score modifiers (core.masking), softcap and slope in base-2 units.
         mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
@@ -401,7 +356,8 @@ if gluon is not None:
         keys = (key_start, (full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
         rows = (q_idx, seqlen_q, seqlen_k)
         m, d, accs = _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, keys, rows, qk_scale, mods,
-                                      IS_CAUSAL, MODS, NUM_WARPS=num_warps, LOAD_WARP=False)
+                                      IS_CAUSAL, MODS, NUM_WARPS=num_warps, LOAD_WARP=False,
+                                      PACKED=SEQ_BLOCK > 0)
 
         mbarrier.invalidate(q_bar)
         for i in gl.static_range(KV_STAGES):
@@ -478,7 +434,7 @@ if gluon is not None:
         keys = (key_start, (full_start - key_start) // BLOCK_N, (full_end - key_start) // BLOCK_N)
         rows = (q_idx, seqlen_q, seqlen_k)
         m, d, accs = _attend_kv_tiles(q_ops, s_zero, accs, k_ring, v_ring, source, keys, rows, qk_scale, mods,
-                                      IS_CAUSAL, MODS, NUM_WARPS=4, LOAD_WARP=True)
+                                      IS_CAUSAL, MODS, NUM_WARPS=4, LOAD_WARP=True, PACKED=packed is not None)
         # Q is in registers: O goes out through this warpgroup's Q boxes (o_smem is q_smem when O is as wide).
         _write_output(accs, m, d, rows, (o_descs, slot_boxes(o_smem, WARPGROUP), lse_row),
                       (b, h, row + WARPGROUP * BLOCK_M, q_row0), sink, packed, WRITE_LSE, HAS_SINKS)
@@ -502,11 +458,11 @@ if gluon is not None:
         o_descs = descriptor_parts(o_desc, o_desc_b)
         # A program holds 2 * BLOCK_M query rows, BLOCK_M per softmax warpgroup, numbered as the other kernels do
         # (a packed batch: as in _attention_fwd_wgmma_kernel).
-        b, h, m_start, row0s, lengths, stats_row = _query_program(
+        b, h, m_start, row0s, lengths, stats_row = query_program(
             gl.program_id(0), packed, n_heads, seqlen_q, seqlen_k, 2 * BLOCK_M, IS_CAUSAL, SEQ_BLOCK, num_warps)
         q_row0, k_row0 = row0s
         seqlen_q, seqlen_k = lengths
-        b_row = _batch_coordinate(b, SEQ_BLOCK)
+        b_row = batch_coordinate(b, SEQ_BLOCK)
         h_kv = h // kv_group
         mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
                 window_left, window_right)
@@ -643,7 +599,7 @@ class HopperForwardLaunch:
         self.descriptors = part_templates(
             descriptor_specs((q, k, v, self.output.meta(q.dtype)), config, q_parts, v_parts))
         variant_scalars, variant_meta = variant_args(q, False, softcap, window, has_alibi, has_sinks,
-                                                     seqlen_q, seqlen_k)
+                                                     *self.sizes[2:])  # (the totals: forward.TlForwardLaunch's)
         self.scalars = (scale * LOG2E.value, *variant_scalars)
         if varlen is not None:
             numbers, seq_block = packed_schedule(batch, q.shape[2], config.rows_per_program, config.num_warps)
@@ -695,7 +651,7 @@ def build_for_sm90(config: WgmmaConfig, head_dim: int, causal: bool, write_lse: 
     if not packed:
         constants["packed"] = None
     scalars = {"lse_ptr": "*fp32", "alibi_ptr": "*fp32", "sinks_ptr": "*fp32", "qk_scale": "fp32", "softcap": "fp32",
-               # (cu_seqlens_q, cu_seqlens_k, sequences, o, O's H and L strides, Dv): _query_program's
+               # (cu_seqlens_q, cu_seqlens_k, sequences, o, O's H and L strides, Dv): gluon_tiles.query_program's
                "packed": ("*i32", "*i32", "i32", mangle_type(tensors[3]), "i32", "i32", "i32")}
     signature = {name: "constexpr" if name in constants else mangle_type(descs[name]) if name in descs
                  else scalars.get(name, "i32") for name in kernel.arg_names}

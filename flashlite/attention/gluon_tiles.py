@@ -19,12 +19,15 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton.language as tl
 
 try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
     from triton import constexpr_function
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
     # TMA copies: 3.6 names them async_copy_*, 3.9 only async_load / async_store.
@@ -35,13 +38,17 @@ try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
 except ImportError:  # pragma: no cover - older Triton: the triton.language kernel serves every call
     gluon = None
 
+from ..core.packed import sequence_bounds
 from ..core.tiles import descriptor_strides
 from ..core.triton_compat import descriptor_template, new_descriptor, rebind_descriptor
+from .plan import packed_tile, query_tile
 
 # wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
 WGMMA_CAPABILITY = (9, 0)
 # Descriptors the kernels take of each tensor: one a column part (``plan.head_dim_parts``: at most two).
 MAX_COLUMN_PARTS = 2
+# Rows ``zero_rows_past`` clears at a time (a swizzle pattern's rows: 8, at most 128-byte rows, divide it).
+ZERO_ROWS = tl.constexpr(16)
 
 
 if gluon is not None:
@@ -107,30 +114,106 @@ if gluon is not None:
         return views
 
     # ---------------------------------------------- packed batches: one flattened schedule of every sequence's tiles
-    #
-    # A packed batch (``core.packed``) is launched as ``packed_tiles`` programs a head, not one per tile of the
-    # longest sequence: sequence ``b``'s tiles of ROWS rows take the numbers from ``cu_seqlens[b] // ROWS + b``
-    # on. Those starts rise by at least ``cdiv(length, ROWS)`` from one sequence to the next (the ``+ b`` pays for
-    # a tile cut by a multiple of ROWS), so every tile has a number of its own, and at most one number a sequence
-    # is left without a tile. Example, ROWS = 128, lengths 300, 0, 100: starts 0, 3, 4; numbers 0-2 are sequence
-    # 0's tiles, 3 is sequence 1's (empty), 4 sequence 2's, 5 no one's.
 
     @gluon.jit
-    def packed_tile(number, cu_seqlens, n_seqs, ROWS: gl.constexpr, SEQ_BLOCK: gl.constexpr,
-                    NUM_WARPS: gl.constexpr):
-        """``(b, start)`` of tile ``number`` of a packed batch's schedule (above): sequence ``b``'s tile whose rows
-        start at ``start``, which may lie past the sequence's end (a number with no tile). ``b`` is the count of
-        sequences whose first number is at most ``number``, less one, counted ``SEQ_BLOCK`` starts a load (one
-        load for batches of up to SEQ_BLOCK sequences: no dependent loads, unlike a binary search)."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-        count = 0
-        for first in range(0, n_seqs, SEQ_BLOCK):
-            seq = first + gl.arange(0, SEQ_BLOCK, layout=layout)
-            starts = gl.load(cu_seqlens + seq, mask=seq < n_seqs, other=0) // ROWS + seq
-            count += gl.sum(((starts <= number) & (seq < n_seqs)).to(gl.int32), axis=0)
-        b = gl.maximum(count - 1, 0)
-        start = (number - (gl.load(cu_seqlens + b) // ROWS + b)) * ROWS
-        return b, start
+    def packed_program(pid, cu_seqlens, n_seqs, total, ROWS: gl.constexpr, REVERSE: gl.constexpr,
+                       SEQ_BLOCK: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """``(head, b, start)`` of program ``pid`` of a packed batch's schedule of tiles of ``ROWS`` rows of
+        ``cu_seqlens``' sequences (``total`` rows in all): ``plan.packed_tile``'s, its sequence search over
+        ``SEQ_BLOCK`` starts a load spread over the program's ``NUM_WARPS`` warps."""
+        seq = gl.arange(0, SEQ_BLOCK, layout=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]))
+        return packed_tile(pid, cu_seqlens, n_seqs, total, seq, ROWS, REVERSE)
+
+    @gluon.jit
+    def query_program(pid, packed, n_heads, seqlen_q, seqlen_k, ROWS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                      SEQ_BLOCK: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Program ``pid``'s ``ROWS`` query rows (the forward kernels', the backward's dQ kernel's): ``(b, h,
+        m_start, (q_row0, k_row0), (seqlen_q, seqlen_k), stats_row)``: batch (or sequence) ``b``, head ``h``, its
+        first row's position ``m_start``, where the sequence's query and key rows start in the tensors (0 in a
+        dense batch; int32, TMA's coordinates), its lengths, and where its head's statistics row (LSE, δ) starts
+        (``core.packed.sequence_bounds``).
+
+        Dense (``SEQ_BLOCK`` 0, ``packed`` None): tiles numbered by ``plan.query_tile``. A packed batch,
+        ``packed = (cu_seqlens_q, cu_seqlens_k, n_seqs, out, stride_h, stride_l, width)`` (the output's pointer,
+        strides and true head dim, for ``store_rows``) with ``seqlen_q``/``_k`` the totals: ``packed_program``'s
+        schedule over the query tiles (``core.packed.tile_sequence``); a number with no tile gets ``m_start =
+        seqlen_q = 0`` (nothing to read, nothing to store)."""
+        VARLEN: gl.constexpr = SEQ_BLOCK > 0
+        seqs = None
+        if VARLEN:
+            seqs = (packed[0], packed[1], seqlen_q, seqlen_k)
+            h, b, m_start = packed_program(pid, packed[0], packed[2], seqlen_q, ROWS, IS_CAUSAL, SEQ_BLOCK, NUM_WARPS)
+        else:
+            bh, m_start = query_tile(pid, gl.cdiv(seqlen_q, ROWS), ROWS, IS_CAUSAL)
+            b = bh // n_heads
+            h = bh % n_heads
+        m_start, row0s, lengths, stats = tile_bounds(seqs, b, n_heads, seqlen_q, seqlen_k, m_start, False, VARLEN)
+        stats_row0, stats_head_stride = stats
+        return b, h, m_start, row0s, lengths, stats_row0 + h.to(gl.int64) * stats_head_stride
+
+    @gluon.jit
+    def tile_bounds(seqs, b, n_heads, seqlen_q, seqlen_k, start, KEYS: gl.constexpr, VARLEN: gl.constexpr):
+        """Sequence ``b``'s bounds for a tile whose rows (its queries', or under ``KEYS`` its keys') start at
+        ``start``: ``(start, (q_row0, k_row0), (seqlen_q, seqlen_k), (stats_row0, stats_head_stride))``, the row
+        starts int32 (TMA's coordinates), as ``core.packed.sequence_bounds`` gives them. In a packed batch a
+        number of the schedule with no tile (``start`` outside the sequence's rows) becomes an empty tile: its
+        ``start`` and its rows' length 0, so that it reads and stores nothing."""
+        q_row0, k_row0, seqlen_q, seqlen_k, stats_row0, stats_head_stride = sequence_bounds(
+            seqs, b, n_heads, seqlen_q, seqlen_k, VARLEN)
+        if VARLEN:
+            if KEYS:
+                live = ((start >= 0) & (start < seqlen_k)).to(gl.int32)
+                seqlen_k = seqlen_k * live
+            else:
+                live = ((start >= 0) & (start < seqlen_q)).to(gl.int32)
+                seqlen_q = seqlen_q * live
+            start = start * live
+        return (start, (q_row0.to(gl.int32), k_row0.to(gl.int32)), (seqlen_q, seqlen_k),
+                (stats_row0, stats_head_stride))
+
+    @gluon.jit
+    def batch_coordinate(b, SEQ_BLOCK: gl.constexpr):
+        """The batch coordinate of batch ``b``'s tiles in the (B, H, L, D) tensors: ``b``, or 0 in a packed batch
+        (``SEQ_BLOCK`` > 0), whose tensors are (1, H, total, D)."""
+        if SEQ_BLOCK > 0:
+            b = b * 0
+        return b
+
+    @gluon.jit
+    def store_rows(outs, descs, rows, out):
+        """Store each column part of a tile (``outs``, registers in the output's dtype; the parts' columns as
+        ``descs`` split them) by pointer: row ``i`` of the tile to row ``rows[0][i]`` of ``out = (base, stride_l,
+        width)`` (a sequence's first row, its row stride, the true head dim), those with ``rows[0] < rows[1]``
+        only (``rows = (idx, length)``). A packed batch's tile cut by its sequence's end goes out so: a TMA box
+        would write the next sequence's rows."""
+        idx, length = rows
+        base, stride_l, width = out
+        for i in gl.static_range(len(outs)):  # (each part's layout its own: no constexpr name for it)
+            row = gl.convert_layout(idx, gl.SliceLayout(1, outs[i].type.layout)).to(gl.int64)
+            cols = part_start(descs, i) + gl.arange(0, outs[i].shape[1], layout=gl.SliceLayout(0, outs[i].type.layout))
+            gl.store(base + row[:, None] * stride_l + cols[None, :], outs[i],
+                     mask=(row < length)[:, None] & (cols < width)[None, :])
+
+    @gluon.jit
+    def zero_rows_past(tiles, valid, NUM_WARPS: gl.constexpr):
+        """Zero the rows from ``valid`` on of each [rows, width] shared-memory tile of ``tiles`` (a tuple, one a
+        column part), then make the writes visible to the tensor cores' reads and wait for the ``NUM_WARPS`` warps
+        that write them. A packed batch's tile cut by its sequence's end holds the next sequence's rows (or rows
+        past the last one's, which nothing writes): the masks give them a weight of exactly 0, but 0 · inf and
+        0 · NaN are NaN, so they are cleared before a product reads them. Warps that share a tile may each clear it:
+        they write the same bytes. The rows go ``ZERO_ROWS`` at a time, and only the chunks that reach ``valid``,
+        so that a chunk, not the tile, passes through registers."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])
+        ROWS: gl.constexpr = tiles[0].type.shape[0]  # (every column part's tile has the same rows)
+        for i in gl.static_range(len(tiles)):
+            for first in gl.static_range(0, ROWS, ZERO_ROWS):
+                if first + ZERO_ROWS > valid:
+                    chunk = tiles[i].slice(first, ZERO_ROWS)
+                    t = chunk.load(layout)
+                    rows = first + gl.arange(0, ZERO_ROWS, layout=gl.SliceLayout(1, layout))
+                    chunk.store(gl.where(rows[:, None] < valid, t, gl.zeros_like(t)))
+        fence_async_shared()
+        thread_barrier()
 
     @gluon.jit
     def wait_kv(ring, tile):

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..core.online_softmax import BASE2_UNITS, LOG2E
+from ..core.packed import tile_sequence
 from . import tuning
 from .tuning import AttentionConfig, BackwardConfig, WgmmaConfig
 
@@ -35,6 +36,17 @@ def query_tile(tile, n_query_tiles, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constex
     if IS_CAUSAL:
         m_tile = n_query_tiles - 1 - m_tile
     return bh, m_tile * BLOCK_M
+
+
+@triton.jit
+def packed_tile(tile, cu_seqlens, n_seqs, total, seq, ROWS: tl.constexpr, REVERSE: tl.constexpr):
+    """``(head, b, start)`` of program tile ``tile`` of a packed batch (``core.packed.tile_sequence``'s schedule
+    of the tiles of ``ROWS`` rows of ``cu_seqlens``' sequences, ``total`` rows in all): numbered head-major as
+    ``query_tile`` numbers a dense batch's, the schedule's numbers backwards under ``REVERSE`` (causal query
+    tiles: the last, heaviest, start first). ``seq``: ``tile_sequence``'s block of sequence numbers."""
+    head, number = query_tile(tile, total // ROWS + n_seqs, 1, REVERSE)
+    b, start = tile_sequence(number, cu_seqlens, n_seqs, seq, ROWS)
+    return head, b, start
 
 
 def kv_loop_flags(mask_ptr, mask_is_bool: bool, stride_mask_q: int, head_dim: int, head_dim_pad: int,
@@ -62,16 +74,17 @@ def qk_scale_for(scale: float, additive_mask: bool) -> float:
 
 
 def kernel_switches(q: torch.Tensor, causal: bool, mask: torch.Tensor | None, mask_is_bool: bool, head_dim: int,
-                    head_dim_v: int, variant_meta: dict, varlen: bool = False) -> dict:
+                    head_dim_v: int, variant_meta: dict, seq_block: int = 0) -> dict:
     """The constexpr tuples every ``triton.language`` attention kernel takes (``forward``'s module docstring):
     ``DIMS``, ``MASKING``, ``UNITS``, ``DOTS`` and ``MODS``, for a call on ``q`` with ``mask`` broadcast to
-    (B, H, Lq, Lk) and ``variant_meta`` from ``variant_args``; ``varlen``: a packed batch (``core.packed``)."""
+    (B, H, Lq, Lk) and ``variant_meta`` from ``variant_args``; ``seq_block``: a packed batch's ``SEQ_BLOCK``
+    (``packed_schedule``; ``MASKING[4]``, 0 for a dense batch)."""
     hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
     flags = kv_loop_flags(mask, mask_is_bool, mask.stride(2) if mask is not None else 0, head_dim, hd_pad,
                           head_dim_v, dv_pad)
     return dict(
         DIMS=(hd_pad, dv_pad, flags["EVEN_D"], flags["EVEN_DV"]),
-        MASKING=(causal, flags["HAS_MASK"], mask_is_bool, flags["MASK_PER_KEY"], varlen),
+        MASKING=(causal, flags["HAS_MASK"], mask_is_bool, flags["MASK_PER_KEY"], seq_block),
         UNITS=flags["UNITS"],
         DOTS=("ieee" if q.dtype == torch.float32 else "tf32",
               q.dtype == torch.bfloat16 and not q.is_cuda),  # UPCAST_DOTS: the interpreter (core.tiles.dot)
@@ -203,13 +216,14 @@ def head_split_enabled() -> bool:
 
 
 def hopper_varlen_enabled() -> bool:
-    """True under ``FLASHLITE_HOPPER_VARLEN=1``: packed batches (``flash_attention_varlen``) run their forward on the
-    Hopper kernels (``forward_hopper``: a flattened schedule of every sequence's query tiles) rather than on the
-    ``triton.language`` one.
+    """True under ``FLASHLITE_HOPPER_VARLEN=1``: packed batches (``flash_attention_varlen``) run their forward and
+    backward on the Hopper kernels (``forward_hopper``, ``backward_hopper``: flattened schedules of every
+    sequence's tiles, ``core.packed.tile_sequence``) rather than on the ``triton.language`` ones.
 
-    Off by default until its GPU tests have run: built and checked for sm_90 on the CPU
-    (tests/test_attention_wgmma.py), not yet run on a GPU (tests/test_gpu_varlen.py runs the varlen matrix both
-    ways). Read when a call is planned (``api.clear_routes`` after changing it)."""
+    Off by default until they have run on a GPU: built and checked for sm_90 on the CPU with Triton 3.6 and 3.9
+    (tests/test_attention_wgmma.py, tests/test_attention_backward_wgmma.py), not yet run on one
+    (tests/test_gpu_varlen.py runs the varlen matrix both ways). Read when a call is planned
+    (``api.clear_routes`` after changing it)."""
     return os.environ.get("FLASHLITE_HOPPER_VARLEN", "0") == "1"
 
 
@@ -291,7 +305,7 @@ def wgmma_config(head_dim: int, causal: bool, seqlen_k: int) -> WgmmaConfig:
 
 
 def packed_schedule(n_seqs: int, total_rows: int, rows: int, num_warps: int) -> tuple[int, int]:
-    """``(numbers, SEQ_BLOCK)`` of a packed batch's flattened tile schedule (``gluon_tiles.packed_tile``): the
+    """``(numbers, SEQ_BLOCK)`` of a packed batch's flattened tile schedule (``core.packed.tile_sequence``): the
     tile numbers a head of ``n_seqs`` sequences of ``total_rows`` rows in all takes, in tiles of ``rows`` rows
     (``total_rows // rows + n_seqs``: every tile, and at most one number a sequence without one), and how many
     sequence starts one load of the kernel's search reads (a power of two, at least one a thread of

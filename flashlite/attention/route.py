@@ -51,9 +51,9 @@ class Route:
     keeps what the backward needs (the LSE, and each row's ``(m, log d)`` under an additive mask);
     ``num_splits`` (resolved, >= 1) and ``has_cache_seqlens`` choose split-K/V. ``varlen = (sequences,
     max_seqlen_q, max_seqlen_k)``: a packed batch (``core.packed``) of (1, H, total, D) tensors, whose calls
-    bring ``seqs = (cu_seqlens_q, cu_seqlens_k)`` (no mask, no split): its forward runs on the Hopper kernel where
-    that applies under ``FLASHLITE_HOPPER_VARLEN=1`` (``plan.hopper_varlen_enabled``), else on the
-    ``triton.language`` one. ``paged = (page_size, max_blocks)``: k, v are (num_blocks,
+    bring ``seqs = (cu_seqlens_q, cu_seqlens_k)`` (no mask, no split): it runs on the Hopper kernels where they
+    apply under ``FLASHLITE_HOPPER_VARLEN=1`` (``plan.hopper_varlen_enabled``), else on the ``triton.language``
+    ones. ``paged = (page_size, max_blocks)``: k, v are (num_blocks,
     H_kv, page_size, ·) pages whose calls bring a (B, max_blocks) ``block_table`` (split-K/V decoding, no
     backward).
     """
