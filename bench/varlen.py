@@ -101,10 +101,14 @@ def flex_document_call(doc: torch.Tensor, total: int, device):
 
 
 def hopper_switch(make, on: bool):
-    """``make`` (an inputs factory) that first sets ``FLASHLITE_HOPPER_VARLEN`` and clears flashlite's planned calls
-    (the switch is read when a call is planned): the provider after it runs on the kernels it chooses."""
+    """``make`` (an inputs factory) that first sets ``FLASHLITE_HOPPER_VARLEN=1`` (``on``) or unsets it (flashlite's
+    default kernels) and clears flashlite's planned calls (the switch is read when a call is planned): the provider
+    after it runs on the kernels it chooses."""
     def made():
-        os.environ["FLASHLITE_HOPPER_VARLEN"] = "1" if on else "0"
+        if on:
+            os.environ["FLASHLITE_HOPPER_VARLEN"] = "1"
+        else:
+            os.environ.pop("FLASHLITE_HOPPER_VARLEN", None)
         flashlite.attention.api.clear_routes()
         return make()
     return made
