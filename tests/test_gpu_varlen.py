@@ -146,12 +146,16 @@ def test_varlen_views_of_a_packed_projection(head_dim, packed_kernels):
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 192])
-def test_varlen_sequences_are_isolated_from_their_neighbours_values(head_dim, packed_kernels):
+@pytest.mark.parametrize("variant", [dict(causal=True), dict(causal=False), dict(softcap=20.0, causal=True),
+                                     dict(window_size=(300, 40))])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+def test_varlen_sequences_are_isolated_from_their_neighbours_values(head_dim, variant, packed_kernels):
     # A tile cut by a sequence's end reads the next sequence's first rows (the Hopper kernels' TMA boxes): those
     # rows get a weight of exactly 0, and an infinity or NaN there must not reach this sequence (0 · inf is NaN):
     # the other sequences' outputs and gradients are bitwise those of a batch whose middle sequence is finite.
-    lengths = [100, 77, 130]
+    # Sequences past 1024 keys: the warp-specialized forward (two warpgroups clearing one V slot) under causal too,
+    # and D = 192/256's one-slot ring non-causal.
+    lengths = [1100, 77, 1230]
     cu = cu_seqlens(lengths, "cuda")
     middle = slice(lengths[0], lengths[0] + lengths[1])
     others = torch.ones(sum(lengths), dtype=torch.bool, device="cuda")
@@ -166,7 +170,7 @@ def test_varlen_sequences_are_isolated_from_their_neighbours_values(head_dim, pa
             for t, value in zip((*leaves, grad_out), (float("nan"), float("inf"), float("-inf"), float("nan"))):
                 t[middle] = value
         leaves = [t.requires_grad_() for t in leaves]
-        out = flashlite.flash_attention_varlen(*leaves, cu, cu, max(lengths), max(lengths), causal=True)
+        out = flashlite.flash_attention_varlen(*leaves, cu, cu, max(lengths), max(lengths), **variant)
         results.append((out, *torch.autograd.grad(out, leaves, grad_out)))
     for clean, spoilt in zip(*results):
         assert torch.isfinite(clean).all()

@@ -217,8 +217,7 @@ if gluon is not None:
             do_tiles = box_views(slot_boxes(do_smem, slot))
             if SEQ_BLOCK > 0:  # a query tile cut by its sequence's end: the next sequence's rows cleared
                 if start + BLOCK_M > seqlen_q:
-                    zero_rows_past(q_tiles, seqlen_q - start, num_warps)
-                    zero_rows_past(do_tiles, seqlen_q - start, num_warps)
+                    zero_rows_past(q_tiles + do_tiles, seqlen_q - start, num_warps)
             # Sᵀ and dPᵀ: one product a column part each, chained on its accumulator.
             s_token = sum_of_products(k_tiles, q_tiles, s_zero)
             dp_token = sum_of_products(v_tiles, do_tiles, s_zero)
@@ -530,9 +529,7 @@ if gluon is not None:
         first tile's on) before its products read them (``zero_rows_past``)."""
         if SEQ_BLOCK > 0:
             if tile == n_tiles - 1:
-                valid = keys_left - tile * k_tiles[0].shape[0]
-                zero_rows_past(k_tiles, valid, NUM_WARPS)
-                zero_rows_past(v_tiles, valid, NUM_WARPS)
+                zero_rows_past(k_tiles + v_tiles, keys_left - tile * k_tiles[0].shape[0], NUM_WARPS)
 
     @gluon.jit
     def _store_query_tile(dqs, scale, dq_descs, q_smem, start):

@@ -201,14 +201,17 @@ if gluon is not None:
         that write them. A packed batch's tile cut by its sequence's end holds the next sequence's rows (or rows
         past the last one's, which nothing writes): the masks give them a weight of exactly 0, but 0 · inf and
         0 · NaN are NaN, so they are cleared before a product reads them. Warps that share a tile may each clear it:
-        they write the same bytes. The rows go ``ZERO_ROWS`` at a time, and only the chunks that reach ``valid``,
-        so that a chunk, not the tile, passes through registers."""
+        they write the same bytes. The rows go ``ZERO_ROWS`` at a time, only the chunks that reach ``valid``: those
+        past it take zeros, the one it cuts is read, selected and written back (a chunk, not the tile, passes
+        through registers). ``tiles`` may hold several tensors' tiles of the same rows (Q's and dO's)."""
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])
-        ROWS: gl.constexpr = tiles[0].type.shape[0]  # (every column part's tile has the same rows)
+        ROWS: gl.constexpr = tiles[0].type.shape[0]  # (every tile of the tuple has the same rows)
         for i in gl.static_range(len(tiles)):
             for first in gl.static_range(0, ROWS, ZERO_ROWS):
-                if first + ZERO_ROWS > valid:
-                    chunk = tiles[i].slice(first, ZERO_ROWS)
+                chunk = tiles[i].slice(first, ZERO_ROWS)
+                if first >= valid:
+                    chunk.store(gl.full([ZERO_ROWS, chunk.type.shape[1]], 0.0, chunk.dtype, layout=layout))
+                elif first + ZERO_ROWS > valid:
                     t = chunk.load(layout)
                     rows = first + gl.arange(0, ZERO_ROWS, layout=gl.SliceLayout(1, layout))
                     chunk.store(gl.where(rows[:, None] < valid, t, gl.zeros_like(t)))
