@@ -48,8 +48,8 @@ def row(head_dim: int, head_dim_v: int, causal: bool, variants: bool, seqlen_k: 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"triton {triton.__version__}, sm_90\n")
-    print("| D/Dv | causal | variants | keys | batch | kernel | registers | spill stores (B) | shared (B) | wait depths |"
-          " TMA stores | pointer stores |")
+    print("| D/Dv | causal | variants | keys | batch | kernel | registers | spill stores (B) | shared (B) |"
+          " wait depths | TMA stores | pointer stores |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in CASES:
         for packed in (False, True):

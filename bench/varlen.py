@@ -131,7 +131,8 @@ def providers(lengths: list[int], head_dim: int, device) -> dict:
     def varlen_call(q, k, v):
         return flashlite.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
 
-    out = {"flashlite": (hopper_switch(packed, False), varlen_call), "hopper": (hopper_switch(packed, True), varlen_call)}
+    out = {"flashlite": (hopper_switch(packed, False), varlen_call),
+           "hopper": (hopper_switch(packed, True), varlen_call)}
     l_eq = max(16, round(sum(n * n for n in lengths) / total))
     out["dense"] = (bhld(max(1, total // l_eq), l_eq), lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True))
     fa4 = fa4_varlen()

@@ -400,8 +400,8 @@ if gluon is not None:
         HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, num_warps: gl.constexpr,
     ):
         # One program a (batch, head, query tile), numbered as the forward (a packed batch: as the forward's,
-        # ``gluon_tiles.query_program``, ``packed`` ending in dq, its H and L strides and D); Q and dO stay in shared memory, the
-        # K/V tiles stream through STAGES buffers. Turn j issues dQ += dS_j K_j, then S_{j+1} = Q K_{j+1}ᵀ and
+        # ``gluon_tiles.query_program``, ``packed`` ending in dq, its H and L strides and D); Q and dO stay in
+        # shared memory, the K/V tiles stream through STAGES buffers. Turn j issues dQ += dS_j K_j, then S_{j+1} = Q K_{j+1}ᵀ and
         # dP_{j+1} = dO V_{j+1}ᵀ, and works out dS_{j+1} while the last of them runs. Head dims come in column
         # parts as in the dK/dV kernel (``*_desc_b``: the second part's descriptors, or None): S and dP sum one
         # product a part, dQ is one accumulator a part of Q's head dim.

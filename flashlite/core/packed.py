@@ -2,12 +2,11 @@
 
 A packed batch keeps B sequences of different lengths end to end, FlashAttention's ``cu_seqlens`` convention:
 sequence ``b`` owns rows ``[cu_seqlens[b], cu_seqlens[b + 1])`` of a (total, H, D) tensor. The attention
-kernels see such a tensor as (1, H, total, D) with a batch stride of 0 and index programs by sequence as
-they index a dense batch; ``sequence_bounds`` turns a sequence number into its first rows and lengths,
-read from the device (no host synchronisation), and into where its rows' statistics (LSE, δ) lie. Example:
-``cu_seqlens_q = [0, 3, 3, 8]`` packs lengths 3, 0 and 5; sequence 2's queries are rows 3..7. The kernels
-number their programs by one flattened schedule of every sequence's tiles (``tile_sequence``), so that no
-program is spent on a tile past a sequence's end beyond one a sequence.
+kernels see such a tensor as (1, H, total, D) with a batch stride of 0 and number their programs by one
+flattened schedule of every sequence's tiles (``tile_sequence``: no program spent on a tile past a sequence's
+end, beyond one a sequence); ``sequence_bounds`` turns a sequence number into its first rows and lengths, read
+from the device (no host synchronisation), and into where its rows' statistics (LSE, δ) lie. Example:
+``cu_seqlens_q = [0, 3, 3, 8]`` packs lengths 3, 0 and 5; sequence 2's queries are rows 3..7.
 """
 
 from __future__ import annotations
