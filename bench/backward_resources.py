@@ -27,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from common import ptxas_report  # noqa: E402
+from common import ptxas_report, wait_depths  # noqa: E402
 from flashlite.attention import backward, backward_hopper, tuning  # noqa: E402
 from flashlite.attention.tuning import WgmmaBackwardConfig  # noqa: E402
 
@@ -67,10 +67,10 @@ def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int) -
                               options=dict(num_warps=warps, num_stages=stages))
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_report(ptx)
-    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
+    waits = wait_depths(ptx)
     return (f"| {head_dim} | {block_m} x {block_n} | {warps} | {stages} | "
             f"{regs} | {spills} | {compiled.metadata.shared} | "
-            f"{ptx.count('wgmma.mma_async')} | {', '.join(sorted(set(waits))) or '—'} |")
+            f"{ptx.count('wgmma.mma_async')} | {', '.join(waits) or '—'} |")
 
 
 # (padded head dim, kernel, config): the table's tiles, and the dK/dV candidates bench/backward_tune.py times.
@@ -95,7 +95,7 @@ def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | Non
                                               head_dim_v=head_dim_v, split=split, packed=packed)
     ptx = compiled.asm["ptx"]
     regs, spills = ptxas_report(ptx)
-    waits = sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))
+    waits = wait_depths(ptx)
     atomics = len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx))
     split = f", split {config.split}" if config.split > 1 and not dq else ""  # (the warpgroups' column split)
     stages = config.dq_stages if dq else config.stages

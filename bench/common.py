@@ -270,3 +270,9 @@ def ptxas_report(ptx: str) -> tuple[str, str]:
     regs = re.findall(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill stores", log)
     return regs[0] if regs else "?", spills[0] if spills else "?"
+
+
+def wait_depths(ptx: str) -> list[str]:
+    """The distinct depths of a kernel's ``wgmma.wait_group N`` in its PTX, sorted (0: each product waited for
+    before the next is issued; 1 or more: products left in flight across the work between them)."""
+    return sorted(set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)))

@@ -288,18 +288,15 @@ if gluon is not None:
             mbarrier.invalidate(q_bars.index(i))
         # dK and dV leave through the K and V buffers (no product reads them any more), part by part; in a packed
         # batch, a key tile cut by its sequence's end by pointer (``store_rows``: the next sequence's rows follow).
+        # (Twin TMA branches as in forward_hopper._write_output: the dense test is a compile-time one.)
         if SEQ_BLOCK == 0:
             _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
         elif n_start + BLOCK_N <= seqlen_k:
             _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
         else:
-            dk_ptr, stride_dk_h, stride_dk_l, head_dim = packed[3], packed[4], packed[5], packed[6]
-            dv_ptr, stride_dv_h, stride_dv_l, head_dim_v = packed[7], packed[8], packed[9], packed[10]
-            key_rows_of = (k_idx, seqlen_k)
-            dk_seq = dk_ptr + h_kv.to(gl.int64) * stride_dk_h + k_row0.to(gl.int64) * stride_dk_l
-            dv_seq = dv_ptr + h_kv.to(gl.int64) * stride_dv_h + k_row0.to(gl.int64) * stride_dv_l
-            store_rows(_scaled_parts(dks, scale, dtype), dk_descs, key_rows_of, (dk_seq, stride_dk_l, head_dim))
-            store_rows(_scaled_parts(dvs, 1.0, dtype), dv_descs, key_rows_of, (dv_seq, stride_dv_l, head_dim_v))
+            dk_out, dv_out = (packed[3], packed[4], packed[5], packed[6]), (packed[7], packed[8], packed[9], packed[10])
+            store_rows(_scaled_parts(dks, scale, dtype), dk_descs, (k_idx, seqlen_k), dk_out, (h_kv, k_row0))
+            store_rows(_scaled_parts(dvs, 1.0, dtype), dv_descs, (k_idx, seqlen_k), dv_out, (h_kv, k_row0))
 
     @gluon.jit
     def _scaled_parts(accs, factor, dtype: gl.constexpr):
@@ -401,8 +398,8 @@ if gluon is not None:
     ):
         # One program a (batch, head, query tile), numbered as the forward (a packed batch: as the forward's,
         # ``gluon_tiles.query_program``, ``packed`` ending in dq, its H and L strides and D); Q and dO stay in
-        # shared memory, the K/V tiles stream through STAGES buffers. Turn j issues dQ += dS_j K_j, then S_{j+1} = Q K_{j+1}ᵀ and
-        # dP_{j+1} = dO V_{j+1}ᵀ, and works out dS_{j+1} while the last of them runs. Head dims come in column
+        # shared memory, the K/V tiles stream through STAGES buffers. Turn j issues dQ += dS_j K_j, then
+        # S_{j+1} = Q K_{j+1}ᵀ and dP_{j+1} = dO V_{j+1}ᵀ, and works out dS_{j+1} while the last of them runs. Head dims come in column
         # parts as in the dK/dV kernel (``*_desc_b``: the second part's descriptors, or None): S and dP sum one
         # product a part, dQ is one accumulator a part of Q's head dim.
         dtype: gl.constexpr = q_desc.dtype
@@ -518,8 +515,8 @@ if gluon is not None:
         elif m_start + BLOCK_M <= seqlen_q:
             _store_query_tile(dqs, scale, dq_descs, q_smem, q_start)
         else:
-            dq_seq = packed[3] + h.to(gl.int64) * packed[4] + q_row0.to(gl.int64) * packed[5]
-            store_rows(_scaled_parts(dqs, scale, dtype), dq_descs, (q_idx, seqlen_q), (dq_seq, packed[5], packed[6]))
+            store_rows(_scaled_parts(dqs, scale, dtype), dq_descs, (q_idx, seqlen_q),
+                       (packed[3], packed[4], packed[5], packed[6]), (h, q_row0))
 
     @gluon.jit
     def _clear_cut_tile(k_tiles, v_tiles, tile, n_tiles, keys_left, SEQ_BLOCK: gl.constexpr,

@@ -250,13 +250,14 @@ if gluon is not None:
         for i in gl.static_range(len(accs)):
             o = normalize(accs[i], gl.convert_layout(d, gl.SliceLayout(1, accs[i].type.layout)), ZERO_IF_EMPTY=True)
             outs = outs + (o.to(o_descs[i].dtype),)
+        # (Two branches to the same TMA store: a dense batch's test is a compile-time one, whose pointer branch
+        # is never built; or-ing it with the packed batch's run-time test would build both.)
         if packed is None:
             _store_by_tma(outs, o_descs, o_boxes, (b, h, row))
         elif gl.max(q_idx, axis=0) < seqlen_q:
             _store_by_tma(outs, o_descs, o_boxes, (b, h, row))
         else:  # the sequence's last tile: this head's rows of the sequence by pointer
-            o_seq = packed[3] + h.to(gl.int64) * packed[4] + q_row0.to(gl.int64) * packed[5]
-            store_rows(outs, o_descs, (q_idx, seqlen_q), (o_seq, packed[5], packed[6]))
+            store_rows(outs, o_descs, (q_idx, seqlen_q), (packed[3], packed[4], packed[5], packed[6]), (h, q_row0))
 
     @gluon.jit
     def _store_by_tma(outs, o_descs, o_boxes, start):
@@ -378,9 +379,8 @@ if gluon is not None:
     def _ws_load_partition(q_tiles, k_ring, v_ring, q_start, source):
         """The load warp: both Q tiles (``q_tiles = (q_descs, q_smem, q_bars)``, rows from ``q_start = (b, h,
         row, ...)``, ``row`` their coordinate in Q; each warpgroup's tile, every column part of it, onto its own
-        mbarrier), then every K and V tile
-        (from ``source``, ``issue_kv_load``) into its ring of slots, each once both softmax warpgroups have
-        released the slot (a fresh mbarrier counts as released: phase 1 is done)."""
+        mbarrier), then every K and V tile (from ``source``, ``issue_kv_load``) into its ring of slots, each once
+        both softmax warpgroups have released the slot (a fresh mbarrier counts as released: phase 1 is done)."""
         q_descs, q_smem, q_bars = q_tiles
         k_descs, k_slots, k_ready, k_free = k_ring
         v_descs, v_slots, v_ready, v_free = v_ring

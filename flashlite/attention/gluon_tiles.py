@@ -180,14 +180,17 @@ if gluon is not None:
         return b
 
     @gluon.jit
-    def store_rows(outs, descs, rows, out):
+    def store_rows(outs, descs, rows, out, start):
         """Store each column part of a tile (``outs``, registers in the output's dtype; the parts' columns as
-        ``descs`` split them) by pointer: row ``i`` of the tile to row ``rows[0][i]`` of ``out = (base, stride_l,
-        width)`` (a sequence's first row, its row stride, the true head dim), those with ``rows[0] < rows[1]``
-        only (``rows = (idx, length)``). A packed batch's tile cut by its sequence's end goes out so: a TMA box
-        would write the next sequence's rows."""
+        ``descs`` split them) by pointer: row ``i`` of the tile to row ``rows[0][i]`` of head ``start[0]``'s
+        sequence whose first row is ``start[1]``, in ``out = (pointer, stride_h, stride_l, width)`` (the packed
+        output, its head and row strides, the true head dim), those with ``rows[0] < rows[1]`` only (``rows =
+        (idx, length)``). A packed batch's tile cut by its sequence's end goes out so: a TMA box would write the
+        next sequence's rows."""
         idx, length = rows
-        base, stride_l, width = out
+        pointer, stride_h, stride_l, width = out
+        head, row0 = start
+        base = pointer + head.to(gl.int64) * stride_h + row0.to(gl.int64) * stride_l
         for i in gl.static_range(len(outs)):  # (each part's layout its own: no constexpr name for it)
             row = gl.convert_layout(idx, gl.SliceLayout(1, outs[i].type.layout)).to(gl.int64)
             cols = part_start(descs, i) + gl.arange(0, outs[i].shape[1], layout=gl.SliceLayout(0, outs[i].type.layout))
