@@ -145,19 +145,17 @@ def call_path_table(data: dict) -> str:
 
 
 def varlen_table(data: dict) -> str:
-    # (runs since 2026-12-01 also time the Hopper kernels, FLASHLITE_HOPPER_VARLEN=1: their columns last)
-    hopper = "hopper_fwd" in data["rows"][0]
+    # (runs since 2026-12-01 also time the triton.language kernels, FLASHLITE_HOPPER_VARLEN=0: their columns last)
+    tl = "tl_fwd" in data["rows"][0]
     rows = [[r["mix"], r["tokens"], r["D"], r["docs"], r["flashlite_fwd"], r["x_dense_fwd"], r["x_fa4_fwd"],
              r["x_flex_fwd"], r["x_mask_fwd"], r["flashlite_fwd_bwd"], r["x_dense_fwd_bwd"], r["x_fa4_fwd_bwd"],
-             r["x_flex_fwd_bwd"]] + ([r["hopper_fwd"], r["hopper_x_dense_fwd"], r["hopper_x_fa4_fwd"],
-                                      r["hopper_fwd_bwd"], r["hopper_x_dense_fwd_bwd"], r["hopper_x_fa4_fwd_bwd"]]
-                                     if hopper else []) for r in data["rows"]]
-    rows = [[cell if not isinstance(cell, float) or j in (4, 9, 13, 16) else f"{cell:.2f}"
+             r["x_flex_fwd_bwd"]] + ([r["tl_fwd"], r["tl_x_dense_fwd"], r["tl_fwd_bwd"], r["tl_x_dense_fwd_bwd"]]
+                                     if tl else []) for r in data["rows"]]
+    rows = [[cell if not isinstance(cell, float) or j in (4, 9, 13, 15) else f"{cell:.2f}"
              for j, cell in enumerate(row)] for row in rows]
     return _table(["documents", "tokens", "D", "docs", "fwd TFLOP/s", "× dense", "× FA4", "× Flex", "× mask",
                    "fwd+bwd TFLOP/s", "× dense", "× FA4", "× Flex"]
-                  + (["Hopper fwd", "× dense", "× FA4", "Hopper fwd+bwd", "× dense", "× FA4"] if hopper else []),
-                  rows)
+                  + (["tl fwd", "× dense", "tl fwd+bwd", "× dense"] if tl else []), rows)
 
 
 def paged_table(data: dict) -> str:

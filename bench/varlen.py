@@ -10,14 +10,14 @@ the last document cut so that the lengths sum to T. Forward (``fwd``) and forwar
 q, k, v (``fwd_bwd``), ``triton.testing.do_bench`` medians. TFLOP/s count the visible (query, key) pairs only:
 4·H·D per pair forward, 2.5 times that backward.
 
-Providers: ``flashlite`` (varlen, the default kernels); ``hopper``: the same call on the Hopper kernels
-(``FLASHLITE_HOPPER_VARLEN=1``, set and the routes cleared before its rows); ``dense``: flashlite's ``flash_attention`` on a uniform (B, H, L_eq, D) batch
+Providers: ``flashlite`` (varlen, the default kernels: the Hopper ones on Hopper); ``tl``: the same call on the
+``triton.language`` kernels (``FLASHLITE_HOPPER_VARLEN=0``, set and the routes cleared before its rows); ``dense``: flashlite's ``flash_attention`` on a uniform (B, H, L_eq, D) batch
 of the same visible work (L_eq = Σ Lᵢ² / T, B = T / L_eq), the kernel a user gets there; ``mask``: today's
 route for a packed batch, ``flash_attention`` with the block-diagonal (T, T) boolean mask (T <= 16K); ``fa4``:
 FlashAttention-4's ``flash_attn_varlen_func`` when ``flash_attn.cute`` imports (``../shared/tools/peer_wheels.sh``);
 ``flex``: FlexAttention with a document-causal block mask (compiled; T <= 16K). Ratios: ``x_dense``,
-``x_fa4``, ``x_flex``, ``x_mask`` (flashlite's speed over theirs; > 1 is faster), and ``hopper_x_dense``,
-``hopper_x_fa4`` (the Hopper kernels' over theirs).
+``x_fa4``, ``x_flex``, ``x_mask`` (flashlite's speed over theirs; > 1 is faster), and ``tl_x_dense``,
+``tl_x_fa4`` (the tl kernels' over theirs).
 
 Paged decoding (``--part paged``): B in {1, 8, 32}, H = 32, H_kv = 8, D = 128, Lq = 1, caches of 4K-128K keys
 (every sequence full), pages of 16, 64 and 256 keys scattered at random over the pool: flashlite's paged call
@@ -25,9 +25,10 @@ against its own contiguous-cache call on the same keys, GB/s of K/V read (``x_co
 contiguous speed), and FlashAttention-4's paged call when it imports (``page_table``).
 
 Host cost (``--part host``): a small packed training call (4 documents of 64 tokens, H = 16, D = 64) in
-microseconds per call, 200 calls back to back, against SDPA on the same work as a (4, 16, 64, 64) batch.
+microseconds per call, 200 calls back to back, on both kernel families, against SDPA on the same work as a
+(4, 16, 64, 64) batch; ``--profile`` adds each one's cProfile table (``varlen_host_profile.txt``).
 
-    python bench/varlen.py [--out DIR] [--part speed host paged] [--totals 16384 65536]
+    python bench/varlen.py [--out DIR] [--part speed host paged] [--totals 16384 65536] [--profile]
         # -> DIR/varlen.{json,md}, DIR/varlen_host.{json,md}, DIR/paged_decode.{json,md}
 """
 
@@ -101,14 +102,11 @@ def flex_document_call(doc: torch.Tensor, total: int, device):
 
 
 def hopper_switch(make, on: bool):
-    """``make`` (an inputs factory) that first sets ``FLASHLITE_HOPPER_VARLEN=1`` (``on``) or unsets it (flashlite's
-    default kernels) and clears flashlite's planned calls (the switch is read when a call is planned): the provider
-    after it runs on the kernels it chooses."""
+    """``make`` (an inputs factory) that first sets ``FLASHLITE_HOPPER_VARLEN=1`` (``on``: the default, the Hopper
+    kernels) or ``=0`` (the ``triton.language`` ones) and clears flashlite's planned calls (the switch is read when
+    a call is planned): the provider after it runs on the kernels it chooses."""
     def made():
-        if on:
-            os.environ["FLASHLITE_HOPPER_VARLEN"] = "1"
-        else:
-            os.environ.pop("FLASHLITE_HOPPER_VARLEN", None)
+        os.environ["FLASHLITE_HOPPER_VARLEN"] = "1" if on else "0"
         flashlite.attention.api.clear_routes()
         return make()
     return made
@@ -131,8 +129,8 @@ def providers(lengths: list[int], head_dim: int, device) -> dict:
     def varlen_call(q, k, v):
         return flashlite.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
 
-    out = {"flashlite": (hopper_switch(packed, False), varlen_call),
-           "hopper": (hopper_switch(packed, True), varlen_call)}
+    out = {"flashlite": (hopper_switch(packed, True), varlen_call),  # the default: the Hopper kernels on Hopper
+           "tl": (hopper_switch(packed, False), varlen_call)}
     l_eq = max(16, round(sum(n * n for n in lengths) / total))
     out["dense"] = (bhld(max(1, total // l_eq), l_eq), lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True))
     fa4 = fa4_varlen()
@@ -177,10 +175,10 @@ def measure(mix: str, total: int, head_dim: int, device) -> dict:
         for peer in ("dense", "fa4", "flex", "mask"):
             theirs = row.get(f"{peer}_{part}")
             row[f"x_{peer}_{part}"] = mine / theirs if mine and theirs else None
-        hopper = row.get(f"hopper_{part}")
+        tl = row.get(f"tl_{part}")
         for peer in ("dense", "fa4"):
             theirs = row.get(f"{peer}_{part}")
-            row[f"hopper_x_{peer}_{part}"] = hopper / theirs if hopper and theirs else None
+            row[f"tl_x_{peer}_{part}"] = tl / theirs if tl and theirs else None
     print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     return row
 
@@ -189,9 +187,9 @@ def run_speed(out: str, totals: list[int], command: str) -> None:
     device = torch.device("cuda")
     columns = ["mix", "tokens", "D", "docs", "longest"]
     for part in ("fwd", "fwd_bwd"):
-        columns += [f"{p}_{part}" for p in ("flashlite", "hopper", "dense", "fa4", "flex", "mask")]
+        columns += [f"{p}_{part}" for p in ("flashlite", "tl", "dense", "fa4", "flex", "mask")]
         columns += [f"x_{p}_{part}" for p in ("dense", "fa4", "flex", "mask")]
-        columns += [f"hopper_x_{p}_{part}" for p in ("dense", "fa4")]
+        columns += [f"tl_x_{p}_{part}" for p in ("dense", "fa4")]
     meta = dict(environment(), command=command, heads=HEADS, dtype="bfloat16", causal=True,
                 fa4="present" if fa4_varlen() is not None else "not importable",
                 units="TFLOP/s on visible pairs (fwd_bwd: 3.5x the forward's FLOPs)")
@@ -204,11 +202,11 @@ def run_speed(out: str, totals: list[int], command: str) -> None:
                               "Packed batches: flash_attention_varlen and peers (H200)")
 
 
-def run_host(out: str, command: str) -> None:
+def run_host(out: str, command: str, profile: bool = False) -> None:
     device = torch.device("cuda")
     lengths, head_dim = [64] * 4, 64
     cu = torch.tensor([0, 64, 128, 192, 256], dtype=torch.int32, device=device)
-    rows = []
+    rows, profiles = [], []
     for part in ("fwd", "fwd_bwd"):
         q, k, v = (torch.randn(256, HEADS, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
@@ -223,13 +221,46 @@ def run_host(out: str, command: str) -> None:
             o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
             return torch.autograd.grad(o, (qd, kd, vd), o) if part == "fwd_bwd" else o
 
-        row = dict(part=part, docs=len(lengths), flashlite_loop_us=loop_us(mine), sdpa_loop_us=loop_us(sdpa))
+        row = dict(part=part, docs=len(lengths))
+        for name, on in (("flashlite", True), ("tl", False)):  # the default kernels (Hopper), then the tl ones
+            hopper_switch(lambda: None, on)()
+            row[f"{name}_loop_us"] = loop_us(mine)
+            if profile:
+                profiles.append(f"## {part}, {name} (FLASHLITE_HOPPER_VARLEN={int(on)}): 200 calls\n"
+                                + host_profile(mine))
+        row["sdpa_loop_us"] = loop_us(sdpa)
         row["x_sdpa"] = row["flashlite_loop_us"] / row["sdpa_loop_us"]
+        row["tl_x_sdpa"] = row["tl_loop_us"] / row["sdpa_loop_us"]
         print(row, flush=True)
         rows.append(row)
+    hopper_switch(lambda: None, True)()
     meta = dict(environment(), command=command, shape="4 documents x 64 tokens, H = 16, D = 64, causal, bf16")
-    write_results("varlen_host", out, meta, rows, ["part", "docs", "flashlite_loop_us", "sdpa_loop_us", "x_sdpa"],
+    write_results("varlen_host", out, meta, rows,
+                  ["part", "docs", "flashlite_loop_us", "tl_loop_us", "sdpa_loop_us", "x_sdpa", "tl_x_sdpa"],
                   "Packed batches: host cost of a small training call (H200)")
+    if profiles:
+        with open(os.path.join(out, "varlen_host_profile.txt"), "w") as f:
+            f.write(f"# {command}\n\n" + "\n".join(profiles))
+
+
+def host_profile(fn, calls: int = 200) -> str:
+    """cProfile's table (by own time, the first 25 functions) of ``calls`` calls of ``fn`` after a warm-up."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
 
 
 def run_paged(out: str, command: str) -> None:
@@ -275,6 +306,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
     parser.add_argument("--part", nargs="+", default=["speed", "host", "paged"], choices=["speed", "host", "paged"])
     parser.add_argument("--totals", nargs="+", type=int, default=[16384, 65536])
+    parser.add_argument("--profile", action="store_true", help="--part host: also cProfile each provider's calls")
     args = parser.parse_args(argv)
     out = results_dir(args.out)
     given = list(sys.argv[1:] if argv is None else argv)
@@ -282,7 +314,7 @@ def main(argv=None) -> None:
         del given[given.index("--out"):given.index("--out") + 2]
     command = " ".join(["python bench/varlen.py", *given])
     if "host" in args.part:
-        run_host(out, command)
+        run_host(out, command, args.profile)
     if "paged" in args.part:
         run_paged(out, command)
     if "speed" in args.part:

@@ -234,8 +234,8 @@ def test_split_kernels_build_with_products_in_flight():
 
 
 def test_packed_backward_dispatch(hopper, monkeypatch):
-    """A packed batch's backward on Hopper takes the Hopper kernels under FLASHLITE_HOPPER_VARLEN=1 (the tl ones
-    without): each kernel one program a number of its flattened schedule (key tiles for dK/dV, query tiles for
+    """A packed batch's backward on Hopper takes the Hopper kernels by default (the tl ones under
+    FLASHLITE_HOPPER_VARLEN=0): each kernel one program a number of its flattened schedule (key tiles for dK/dV, query tiles for
     dQ) and head, and the packed tuple its cut tiles are stored through (the cu_seqlens, the sequences, each
     gradient with its H and L strides and head dim)."""
     from .utils import cu_seqlens
@@ -249,9 +249,9 @@ def test_packed_backward_dispatch(hopper, monkeypatch):
     v = on_hopper(torch.randn(1, 2, total, 128, dtype=torch.bfloat16))
     do = on_hopper(torch.randn(1, 4, total, 128, dtype=torch.bfloat16))
     varlen = (n_seqs, 517, 517)
-    monkeypatch.delenv("FLASHLITE_HOPPER_VARLEN", raising=False)
+    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "0")
     assert backward.BackwardLaunch(do, q, k, v, True, 0.1, None, False, varlen=varlen).hopper is None
-    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "1")
+    monkeypatch.delenv("FLASHLITE_HOPPER_VARLEN")
     planned = backward.BackwardLaunch(do, q, k, v, True, 0.1, None, False, varlen=varlen)
     assert planned.hopper is not None
     cu = cu_seqlens(lengths, "cpu")

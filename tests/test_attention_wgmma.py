@@ -339,8 +339,8 @@ def test_packed_schedule_numbers_every_tile():
 
 
 def test_packed_batch_dispatch(hopper, monkeypatch):
-    """A packed batch on Hopper takes the Hopper forward under FLASHLITE_HOPPER_VARLEN=1 (off by default until its
-    GPU tests have run): one program a number of the flattened schedule and head,
+    """A packed batch on Hopper takes the Hopper forward by default (the tl kernel under FLASHLITE_HOPPER_VARLEN=0):
+    one program a number of the flattened schedule and head,
     the (1, H, total, D) tensors' descriptors, and the packed tuple (cu_seqlens, sequences, O and its strides,
     Dv) that its last query tiles are stored through."""
     from .utils import cu_seqlens
@@ -350,10 +350,10 @@ def test_packed_batch_dispatch(hopper, monkeypatch):
     lengths = [300, 0, 100, 517]
     total = sum(lengths)
     q = on_hopper(torch.randn(1, 4, total, 128, dtype=torch.bfloat16))
-    monkeypatch.delenv("FLASHLITE_HOPPER_VARLEN", raising=False)  # off by default: the tl kernel
+    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "0")  # switched off: the tl kernel
     assert not route.Route(q, q, q, None, False, True, 0.1, None, None, False, False, True, False, 1, False,
                            varlen=(len(lengths), 517, 517)).hopper
-    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "1")
+    monkeypatch.delenv("FLASHLITE_HOPPER_VARLEN")  # the default: the Hopper kernel
     for head_dim, head_dim_v in ((128, 128), (64, 64), (192, 128)):
         q = on_hopper(torch.randn(1, 4, total, head_dim, dtype=torch.bfloat16))  # packed: (1, H, total, D)
         k = on_hopper(torch.randn(1, 2, total, head_dim, dtype=torch.bfloat16))

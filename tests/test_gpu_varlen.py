@@ -1,8 +1,8 @@
 """``flash_attention_varlen`` on the GPU (``pytest -m gpu``): FlashAttention's varlen test matrix (the seqlen pairs
 and head dims of its ``test_flash_attn_varlen_output``), MHA/GQA/MQA, causal and not, fp16/bf16 (and fp32 on a
 few), output, LSE and gradients against float64 per sequence, on poisoned memory; each case on both kernel
-families of a packed batch (``packed_kernels``: the ``triton.language`` forward and backward, and the Hopper
-ones that ``FLASHLITE_HOPPER_VARLEN=1`` switches on)."""
+families of a packed batch (``packed_kernels``: the Hopper forward and backward, the default on Hopper, and the
+``triton.language`` ones that ``FLASHLITE_HOPPER_VARLEN=0`` switches to)."""
 
 import pytest
 import torch
@@ -29,8 +29,8 @@ def random_lengths(batch: int, longest: int, generator: torch.Generator) -> list
 
 @pytest.fixture(params=["tl", "hopper"])
 def packed_kernels(request, monkeypatch):
-    """The kernels of a packed batch: the ``triton.language`` forward and backward, or the Hopper ones
-    (``FLASHLITE_HOPPER_VARLEN=1``, where the call is one they take: fp16/bf16, head dims 33-256 forward and
+    """The kernels of a packed batch: the ``triton.language`` forward and backward (``FLASHLITE_HOPPER_VARLEN=0``),
+    or the Hopper ones (``=1``, the default, where the call is one they take: fp16/bf16, head dims 33-256 forward and
     16-256 backward (TMA-aligned), on Hopper)."""
     from flashlite.attention import api
 
@@ -94,8 +94,8 @@ def test_varlen_graph_capture_replays(packed_kernels):
 
 
 def test_varlen_runs_on_the_hopper_kernels(monkeypatch):
-    # Under FLASHLITE_HOPPER_VARLEN=1 the matrix's "hopper" cases go through the Hopper forward and backward where
-    # they apply (fp16/bf16, head dims 33-256 but 32 forward, on an H100/H200): spies count their packed launches,
+    # By default (and so in the matrix's "hopper" cases) a packed batch goes through the Hopper forward and backward
+    # where they apply (fp16/bf16, head dims 33-256 but 32 forward, on an H100/H200): spies count their packed launches,
     # so that those cases do not pass on the tl kernels alone.
     from flashlite.attention import api, backward_hopper, forward_hopper
 
@@ -108,7 +108,7 @@ def test_varlen_runs_on_the_hopper_kernels(monkeypatch):
             return call(launch, *args)
 
         monkeypatch.setattr(launch_class, "__call__", spy)
-    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "1")
+    monkeypatch.delenv("FLASHLITE_HOPPER_VARLEN", raising=False)  # the default
     api.clear_routes()
     lengths = [129, 0, 255, 1, 640]
     poison()

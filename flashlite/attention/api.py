@@ -608,9 +608,9 @@ def flash_attention_varlen(
     Returns:
         ``o`` (total_q, H, Dv) in q's dtype, or ``(o, lse)``. Rows of a sequence without keys are 0 (LSE
         ``-inf``, or the sink). Differentiable in q, k, v, sinks and through the LSE (the two-pass backward,
-        deterministic). Runs on the ``triton.language`` kernels (``core.packed``: one flattened schedule of
-        every sequence's tiles), or on the Hopper ones under ``FLASHLITE_HOPPER_VARLEN=1``
-        (``plan.hopper_varlen_enabled``); CPU tensors without ``TRITON_INTERPRET=1`` take the PyTorch path, one
+        deterministic). Runs on one flattened schedule of every sequence's tiles (``core.packed``): on Hopper
+        the Hopper (Gluon) kernels where they apply, else (and under ``FLASHLITE_HOPPER_VARLEN=0``,
+        ``plan.hopper_varlen_enabled``) the ``triton.language`` ones; CPU tensors without ``TRITON_INTERPRET=1`` take the PyTorch path, one
         sequence at a time.
     """
     training = torch.is_grad_enabled() and (

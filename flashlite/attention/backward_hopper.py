@@ -617,8 +617,8 @@ class HopperBackwardLaunch:
     two warpgroups splitting the columns of every part), and run the products of 192 (160) columns, not 256.
     ``parts = (q_parts, v_parts)``: the widths chosen (the tests read them).
 
-    A packed batch (``varlen = (sequences, max_seqlen_q, max_seqlen_k)``, ``core.packed``; under
-    ``FLASHLITE_HOPPER_VARLEN=1``): (1, H, total, D) tensors whose calls bring ``seqs = (cu_seqlens_q,
+    A packed batch (``varlen = (sequences, max_seqlen_q, max_seqlen_k)``, ``core.packed``; unless
+    ``FLASHLITE_HOPPER_VARLEN=0``): (1, H, total, D) tensors whose calls bring ``seqs = (cu_seqlens_q,
     cu_seqlens_k)``, each kernel on one flattened schedule of every sequence's tiles (its key tiles for dK/dV, its
     query tiles for dQ; ``plan.packed_schedule``), a tile cut by its sequence's end masked and stored by pointer.
     """

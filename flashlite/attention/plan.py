@@ -216,15 +216,15 @@ def head_split_enabled() -> bool:
 
 
 def hopper_varlen_enabled() -> bool:
-    """True under ``FLASHLITE_HOPPER_VARLEN=1``: packed batches (``flash_attention_varlen``) run their forward and
+    """True unless ``FLASHLITE_HOPPER_VARLEN=0``: packed batches (``flash_attention_varlen``) run their forward and
     backward on the Hopper kernels (``forward_hopper``, ``backward_hopper``: flattened schedules of every
     sequence's tiles, ``core.packed.tile_sequence``) rather than on the ``triton.language`` ones.
 
-    Off by default until they have run on a GPU: built and checked for sm_90 on the CPU with Triton 3.6 and 3.9
-    (tests/test_attention_wgmma.py, tests/test_attention_backward_wgmma.py), not yet run on one
-    (tests/test_gpu_varlen.py runs the varlen matrix both ways). Read when a call is planned
-    (``api.clear_routes`` after changing it)."""
-    return os.environ.get("FLASHLITE_HOPPER_VARLEN", "0") == "1"
+    On by default since the varlen matrix passed on both kernel families on an H200 (tests/test_gpu_varlen.py)
+    and the Hopper kernels ran packed batches at 0.75-0.99x the dense forward against the tl kernels'
+    0.54-0.77x (bench/results/h200/varlen.json). ``=0`` keeps the tl kernels (to compare them). Read when a call
+    is planned (``api.clear_routes`` after changing it)."""
+    return os.environ.get("FLASHLITE_HOPPER_VARLEN", "1") != "0"
 
 
 def column_parts(head_dim: int) -> tuple[int, ...]:

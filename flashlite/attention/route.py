@@ -52,7 +52,7 @@ class Route:
     ``num_splits`` (resolved, >= 1) and ``has_cache_seqlens`` choose split-K/V. ``varlen = (sequences,
     max_seqlen_q, max_seqlen_k)``: a packed batch (``core.packed``) of (1, H, total, D) tensors, whose calls
     bring ``seqs = (cu_seqlens_q, cu_seqlens_k)`` (no mask, no split): it runs on the Hopper kernels where they
-    apply under ``FLASHLITE_HOPPER_VARLEN=1`` (``plan.hopper_varlen_enabled``), else on the ``triton.language``
+    apply (unless ``FLASHLITE_HOPPER_VARLEN=0``, ``plan.hopper_varlen_enabled``), else on the ``triton.language``
     ones. ``paged = (page_size, max_blocks)``: k, v are (num_blocks, H_kv, page_size, ·) pages whose calls bring
     a (B, max_blocks) ``block_table`` (split-K/V decoding, no backward).
     """
