@@ -11,9 +11,10 @@ q, k, v (``fwd_bwd``), ``triton.testing.do_bench`` medians. TFLOP/s count the vi
 4·H·D per pair forward, 2.5 times that backward.
 
 Providers: ``flashlite`` (varlen, the default kernels: the Hopper ones on Hopper); ``tl``: the same call on the
-``triton.language`` kernels (``FLASHLITE_HOPPER_VARLEN=0``, set and the routes cleared before its rows); ``dense``: flashlite's ``flash_attention`` on a uniform (B, H, L_eq, D) batch
-of the same visible work (L_eq = Σ Lᵢ² / T, B = T / L_eq), the kernel a user gets there; ``mask``: today's
-route for a packed batch, ``flash_attention`` with the block-diagonal (T, T) boolean mask (T <= 16K); ``fa4``:
+``triton.language`` kernels (``FLASHLITE_HOPPER_VARLEN=0``, set and the routes cleared before its rows);
+``dense``: flashlite's ``flash_attention`` on a uniform (B, H, L_eq, D) batch of the same visible work
+(L_eq = Σ Lᵢ² / T, B = T / L_eq), the kernel a user gets there; ``mask``: the route a packed batch had before
+``flash_attention_varlen``, ``flash_attention`` with the block-diagonal (T, T) boolean mask (T <= 16K); ``fa4``:
 FlashAttention-4's ``flash_attn_varlen_func`` when ``flash_attn.cute`` imports (``../shared/tools/peer_wheels.sh``);
 ``flex``: FlexAttention with a document-causal block mask (compiled; T <= 16K). Ratios: ``x_dense``,
 ``x_fa4``, ``x_flex``, ``x_mask`` (flashlite's speed over theirs; > 1 is faster), and ``tl_x_dense``,
@@ -23,6 +24,8 @@ Paged decoding (``--part paged``): B in {1, 8, 32}, H = 32, H_kv = 8, D = 128, L
 (every sequence full), pages of 16, 64 and 256 keys scattered at random over the pool: flashlite's paged call
 against its own contiguous-cache call on the same keys, GB/s of K/V read (``x_contiguous``: paged over
 contiguous speed), and FlashAttention-4's paged call when it imports (``page_table``).
+
+The packed backward's register cap at D = 64 (``--part tune``, ``run_tune``): ``varlen_tune_d64.{json,md}``.
 
 Host cost (``--part host``): a small packed training call (4 documents of 64 tokens, H = 16, D = 64) in
 microseconds per call, 200 calls back to back, on both kernel families, against SDPA on the same work as a
@@ -301,10 +304,50 @@ def run_paged(out: str, command: str) -> None:
                   "Paged decoding: flash_attention with a block table against the contiguous cache (H200)")
 
 
+def run_tune(out: str, totals: list[int], command: str) -> None:
+    """The packed backward's dK/dV register cap at D = 64 (``tuning.WGMMA_BACKWARD_CONFIGS[64].max_registers``):
+    168, the dense call's tuned cap (three programs a multiprocessor; the packed kernel spills 164 B under it),
+    against no cap and 200 (two programs), on the same packed batches in one process: forward + backward TFLOP/s
+    of the default (Hopper) kernels, and the dense call's under the same cap."""
+    import dataclasses
+
+    from flashlite.attention import tuning
+
+    device = torch.device("cuda")
+    kept = tuning.WGMMA_BACKWARD_CONFIGS[64]
+    rows = []
+    try:
+        for total in totals:
+            for mix in MIXES:
+                lengths = document_lengths(mix, total)
+                row = dict(mix=mix, tokens=total, docs=len(lengths))
+                calls = providers(lengths, 64, device)
+                for cap in (168, None, 200):
+                    tuning.WGMMA_BACKWARD_CONFIGS[64] = dataclasses.replace(kept, max_registers=cap)
+                    for name in ("flashlite", "dense"):
+                        make, call = calls[name]
+                        flashlite.attention.api.clear_routes()
+                        leaves = [t.requires_grad_() for t in make()]
+                        pairs = (visible_pairs([leaves[0].shape[2]] * leaves[0].shape[0]) if name == "dense"
+                                 else visible_pairs(lengths))
+                        do = torch.randn_like(call(*leaves))
+                        row[f"{name}_cap{cap}"] = tflops(3.5 * 4 * HEADS * 64 * pairs, try_time_ms(
+                            lambda: torch.autograd.grad(call(*leaves), leaves, do)))
+                print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+                rows.append(row)
+                write_results("varlen_tune_d64", out, dict(environment(), command=command, head_dim=64,
+                                                           units="TFLOP/s forward + backward on visible pairs"),
+                              rows, list(row), "Packed backward, D = 64: the dK/dV register cap (H200)")
+    finally:
+        tuning.WGMMA_BACKWARD_CONFIGS[64] = kept
+        flashlite.attention.api.clear_routes()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
-    parser.add_argument("--part", nargs="+", default=["speed", "host", "paged"], choices=["speed", "host", "paged"])
+    parser.add_argument("--part", nargs="+", default=["speed", "host", "paged"],
+                        choices=["speed", "host", "paged", "tune"])
     parser.add_argument("--totals", nargs="+", type=int, default=[16384, 65536])
     parser.add_argument("--profile", action="store_true", help="--part host: also cProfile each provider's calls")
     args = parser.parse_args(argv)
@@ -319,6 +362,8 @@ def main(argv=None) -> None:
         run_paged(out, command)
     if "speed" in args.part:
         run_speed(out, args.totals, command)
+    if "tune" in args.part:
+        run_tune(out, args.totals, command)
 
 
 if __name__ == "__main__":
