@@ -235,8 +235,8 @@ def test_split_kernels_build_with_products_in_flight():
 
 def test_packed_backward_dispatch(hopper, monkeypatch):
     """A packed batch's backward on Hopper takes the Hopper kernels by default (the tl ones under
-    FLASHLITE_HOPPER_VARLEN=0): each kernel one program a number of its flattened schedule (key tiles for dK/dV, query tiles for
-    dQ) and head, and the packed tuple its cut tiles are stored through (the cu_seqlens, the sequences, each
+    FLASHLITE_HOPPER_VARLEN=0): each kernel one program a number of its flattened schedule (key tiles for dK/dV,
+    query tiles for dQ) and head, and the packed tuple its cut tiles are stored through (the cu_seqlens, the sequences, each
     gradient with its H and L strides and head dim)."""
     from .utils import cu_seqlens
 

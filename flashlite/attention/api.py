@@ -610,8 +610,8 @@ def flash_attention_varlen(
         ``-inf``, or the sink). Differentiable in q, k, v, sinks and through the LSE (the two-pass backward,
         deterministic). Runs on one flattened schedule of every sequence's tiles (``core.packed``): on Hopper
         the Hopper (Gluon) kernels where they apply, else (and under ``FLASHLITE_HOPPER_VARLEN=0``,
-        ``plan.hopper_varlen_enabled``) the ``triton.language`` ones; CPU tensors without ``TRITON_INTERPRET=1`` take the PyTorch path, one
-        sequence at a time.
+        ``plan.hopper_varlen_enabled``) the ``triton.language`` ones; CPU tensors without ``TRITON_INTERPRET=1``
+        take the PyTorch path, one sequence at a time.
     """
     training = torch.is_grad_enabled() and (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False) or getattr(v, "requires_grad", False)
