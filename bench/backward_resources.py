@@ -27,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from common import ptxas_report, wait_depths  # noqa: E402
+from common import sm90_resources  # noqa: E402
 from flashlite.attention import backward, backward_hopper, tuning  # noqa: E402
 from flashlite.attention.tuning import WgmmaBackwardConfig  # noqa: E402
 
@@ -65,9 +65,7 @@ def report(block_m: int, block_n: int, warps: int, stages: int, head_dim: int) -
     consts = {(index(k),) if isinstance(k, str) else (index(k[0]), *k[1:]): v for k, v in consts.items()}
     compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
-    ptx = compiled.asm["ptx"]
-    regs, spills = ptxas_report(ptx)
-    waits = wait_depths(ptx)
+    ptx, regs, spills, waits = sm90_resources(compiled)
     return (f"| {head_dim} | {block_m} x {block_n} | {warps} | {stages} | "
             f"{regs} | {spills} | {compiled.metadata.shared} | "
             f"{ptx.count('wgmma.mma_async')} | {', '.join(waits) or '—'} |")
@@ -93,9 +91,7 @@ def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | Non
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
     compiled = backward_hopper.build_for_sm90("dq" if dq else "dkdv", config, head_dim, False,
                                               head_dim_v=head_dim_v, split=split, packed=packed)
-    ptx = compiled.asm["ptx"]
-    regs, spills = ptxas_report(ptx)
-    waits = wait_depths(ptx)
+    ptx, regs, spills, waits = sm90_resources(compiled)
     atomics = len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx))
     split = f", split {config.split}" if config.split > 1 and not dq else ""  # (the warpgroups' column split)
     stages = config.dq_stages if dq else config.stages

@@ -272,6 +272,13 @@ def ptxas_report(ptx: str) -> tuple[str, str]:
     return regs[0] if regs else "?", spills[0] if spills else "?"
 
 
+def sm90_resources(compiled) -> tuple[str, str, str, list[str]]:
+    """``(ptx, registers a thread, spill-store bytes, wgmma wait depths)`` of a kernel built for sm_90
+    (``ptxas_report``, ``wait_depths``): what the resource reports read off each build."""
+    ptx = compiled.asm["ptx"]
+    return (ptx, *ptxas_report(ptx), wait_depths(ptx))
+
+
 def wait_depths(ptx: str) -> list[str]:
     """The distinct depths of a kernel's ``wgmma.wait_group N`` in its PTX, sorted (0: each product waited for
     before the next is issued; 1 or more: products left in flight across the work between them)."""

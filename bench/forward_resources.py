@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
 
-from common import ptxas_report, wait_depths  # noqa: E402
+from common import sm90_resources  # noqa: E402
 from flashlite.attention import forward_hopper, plan  # noqa: E402
 
 EVERY_VARIANT = dict(HAS_SOFTCAP=True, FAST_TANH=True, HAS_ALIBI=True, HAS_WINDOW=True, HAS_SINKS=True)
@@ -35,9 +35,7 @@ def row(head_dim: int, head_dim_v: int, causal: bool, variants: bool, seqlen_k: 
     config = plan.wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
     compiled = forward_hopper.build_for_sm90(config, head_dim, causal, True, EVERY_VARIANT if variants else None,
                                              head_dim_v, split=True, packed=packed)
-    ptx = compiled.asm["ptx"]
-    regs, spills = ptxas_report(ptx)
-    waits = wait_depths(ptx)
+    ptx, regs, spills, waits = sm90_resources(compiled)
     tma_stores = len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared", ptx))
     pointer_stores = len(re.findall(r"st\.global\.v?\d*\.?b(?:16|32)", ptx))
     return (f"| {head_dim}/{head_dim_v} | {'yes' if causal else 'no'} | {'all' if variants else '-'} | {seqlen_k} | "

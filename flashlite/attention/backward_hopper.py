@@ -65,9 +65,9 @@ from .forward import alibi_slope
 from . import plan
 from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, boxes_nbytes, copy_boxes, descriptor_parts,
-    gluon, issue_kv_load, packed_program, part_descriptors, part_start, part_templates, query_program, rebind_parts,
-    register_operands, ring_slots, slot_boxes, store_rows, sum_of_products, thread_barrier, tile_boxes, tile_bounds,
-    tma_store, wait_kv, zero_accumulators, zero_rows_past,
+    gluon, issue_kv_load, packed_program, part_descriptors, part_templates, query_program, rebind_parts,
+    register_operands, ring_slots, slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier, tile_boxes,
+    tile_bounds, wait_kv, zero_accumulators, zero_rows_past,
 )
 from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, packed_schedule
 
@@ -101,18 +101,10 @@ if gluon is not None:
     def _stage_parts(accs, factor, boxes):
         """Write each column part of a gradient (``accs``, fp32 accumulators, times ``factor``) into its box of
         ``boxes`` (shared memory of the operand the gradient replaces: no product reads it any more), in the
-        boxes' dtype, for ``_store_parts`` (after a fence and a barrier of the program)."""
+        boxes' dtype, for ``gluon_tiles.store_boxes`` (after a fence and a barrier of the program)."""
         for i in gl.static_range(len(accs)):
             box = boxes[i]
             box.reshape([box.type.shape[2], box.type.shape[3]]).store((accs[i] * factor).to(box.dtype))
-
-    @gluon.jit
-    def _store_parts(descs, start, boxes):
-        """Start the TMA stores of ``boxes`` (one a column part, ``_stage_parts``') at ``start = (b, h, row)``
-        of ``descs``' tensor, each part at its own first column, clipped to L and the head dim by the copies."""
-        b, h, row = start
-        for i in gl.static_range(len(descs)):
-            tma_store(descs[i], [b, h, row, part_start(descs, i)], boxes[i])
 
     @gluon.jit
     def _attention_bwd_wgmma_kernel(
@@ -317,8 +309,8 @@ if gluon is not None:
         _stage_parts(dvs, 1.0, v_smem)
         fence_async_shared()
         thread_barrier()
-        _store_parts(dk_descs, start, k_smem)
-        _store_parts(dv_descs, start, v_smem)
+        store_boxes(dk_descs, start, k_smem)
+        store_boxes(dv_descs, start, v_smem)
         tma.store_wait(0)
 
     @gluon.jit
@@ -535,7 +527,7 @@ if gluon is not None:
         _stage_parts(dqs, scale, q_smem)
         fence_async_shared()
         thread_barrier()
-        _store_parts(dq_descs, start, q_smem)
+        store_boxes(dq_descs, start, q_smem)
         tma.store_wait(0)
 
 

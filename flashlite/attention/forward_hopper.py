@@ -83,9 +83,9 @@ from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, descriptor_parts, gluon, issue_kv_load,
-    load_boxes, part_descriptors, part_start, part_templates, query_program, rebind_parts, register_operands,
-    ring_slots, slot_boxes, store_rows, sum_of_products, thread_barrier, tile_boxes, tma_store, wait_kv,
-    wait_products, zero_accumulators, zero_rows_past,
+    load_boxes, part_descriptors, part_templates, query_program, rebind_parts, register_operands, ring_slots,
+    slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier, tile_boxes, wait_kv, wait_products,
+    zero_accumulators, zero_rows_past,
 )
 from .plan import (
     NO_VARIANTS, OutputLayout, column_parts, head_dim_padded, head_dim_parts, packed_schedule, variant_args,
@@ -263,14 +263,12 @@ if gluon is not None:
     def _store_by_tma(outs, o_descs, o_boxes, start):
         """Each column part of O's tile, ``outs`` (registers), through its shared-memory box of ``o_boxes`` by TMA
         into its tile at ``start = (b, h, row)`` of ``o_descs``."""
-        b, h, row = start
         o_tiles = box_views(o_boxes)
         for i in gl.static_range(len(outs)):
             o_tiles[i].store(outs[i])
         fence_async_shared()
         thread_barrier()  # every warp's part of O is written before the copies start
-        for i in gl.static_range(len(outs)):
-            tma_store(o_descs[i], [b, h, row, part_start(o_descs, i)], o_boxes[i])
+        store_boxes(o_descs, start, o_boxes)
         tma.store_wait(0)
 
     @gluon.jit

@@ -113,6 +113,15 @@ if gluon is not None:
             views = views + (boxes[i].reshape([boxes[i].type.shape[2], boxes[i].type.shape[3]]),)
         return views
 
+    @gluon.jit
+    def store_boxes(descs, start, boxes):
+        """Start the TMA stores of ``boxes`` (shared memory, one a column part, written and fenced by the caller)
+        at ``start = (b, h, row)`` of ``descs``' tensor, each part at its own first column, clipped to L and the
+        head dim by the copies; the caller waits for them (``tma.store_wait``)."""
+        b, h, row = start
+        for i in gl.static_range(len(descs)):
+            tma_store(descs[i], [b, h, row, part_start(descs, i)], boxes[i])
+
     # ---------------------------------------------- packed batches: one flattened schedule of every sequence's tiles
 
     @gluon.jit
