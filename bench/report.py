@@ -159,9 +159,13 @@ def varlen_table(data: dict) -> str:
 
 
 def paged_table(data: dict) -> str:
+    fa4 = any(r.get("fa4_paged_gbs") for r in data["rows"])
     rows = [[r["B"], r["Lk"], r["page"], r["paged_gbs"], r["contiguous_gbs"], f"{r['x_contiguous']:.2f}"]
+            + ([r.get("fa4_paged_gbs"), r.get("fa4_contiguous_gbs"),
+                f"{r['x_fa4_paged']:.2f}" if r.get("x_fa4_paged") else "—"] if fa4 else [])
             for r in data["rows"]]
-    return _table(["B", "Lk", "page", "paged GB/s", "contiguous GB/s", "× contiguous"], rows)
+    return _table(["B", "Lk", "page", "paged GB/s", "contiguous GB/s", "× contiguous"]
+                  + (["FA4 paged GB/s", "FA4 contiguous GB/s", "× FA4 paged"] if fa4 else []), rows)
 
 
 def ring_table(data: dict) -> str:

@@ -34,7 +34,7 @@ def headline_commands(gpus: int) -> list[list[str]]:
         [*python, "bench/attention.py", "--backward", "--lengths", "2048", "4096", "8192", "16384"],
         [*python, "bench/masked_softmax.py"],
         [*python, "bench/decode.py", "--quick"],
-        [*python, "bench/varlen.py", "--part", "speed"],
+        [*python, "bench/varlen.py", "--part", "paged", "speed"],
     ]
     if gpus >= 2:
         torchrun = [*python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "bench/ring_attention.py"]

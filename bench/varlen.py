@@ -23,16 +23,22 @@ FlashAttention-4's ``flash_attn_varlen_func`` when ``flash_attn.cute`` imports (
 Paged decoding (``--part paged``): B in {1, 8, 32}, H = 32, H_kv = 8, D = 128, Lq = 1, caches of 4K-128K keys
 (every sequence full), pages of 16, 64 and 256 keys scattered at random over the pool: flashlite's paged call
 against its own contiguous-cache call on the same keys, GB/s of K/V read (``x_contiguous``: paged over
-contiguous speed), and FlashAttention-4's paged call when it imports (``page_table``).
+contiguous speed), and FlashAttention-4's paged and contiguous decoding when it imports (``page_table``, one
+split: "SplitKV not supported on SM 9.0"; ``x_fa4_paged``). ``--part paged-tune``: the split kernel's paged
+variants (``PAGED_VARIANTS``) side by side, with the split kernels' registers, spills and pipeline waits in the
+JSON.
 
 The packed backward's register cap at D = 64 (``--part tune``, ``run_tune``): ``varlen_tune_d64.{json,md}``.
+GPU time by kernel of a packed and a dense forward + backward (``--part kernels``, torch.profiler):
+``varlen_kernels.{json,md}``, and the PyTorch ops (with their Python stacks) of the first packed call,
+``varlen_kernels_ops.txt``.
 
 Host cost (``--part host``): a small packed training call (4 documents of 64 tokens, H = 16, D = 64) in
 microseconds per call, 200 calls back to back, on both kernel families, against SDPA on the same work as a
 (4, 16, 64, 64) batch; ``--profile`` adds each one's cProfile table (``varlen_host_profile.txt``).
 
-    python bench/varlen.py [--out DIR] [--part speed host paged] [--totals 16384 65536] [--profile]
-        # -> DIR/varlen.{json,md}, DIR/varlen_host.{json,md}, DIR/paged_decode.{json,md}
+    python bench/varlen.py [--out DIR] [--part speed host paged paged-tune] [--totals 16384 65536] [--profile]
+        # -> DIR/varlen.{json,md}, DIR/varlen_host.{json,md}, DIR/paged_decode{,_tune}.{json,md}
 """
 
 from __future__ import annotations
@@ -266,41 +272,171 @@ def host_profile(fn, calls: int = 200) -> str:
     return text.getvalue()
 
 
-def run_paged(out: str, command: str) -> None:
+def run_kernels(out: str, totals: list[int], command: str, calls: int = 10) -> None:
+    """Where a packed forward + backward spends its GPU time, beside the dense call of the same visible work:
+    torch.profiler's CUDA time of each kernel, microseconds a call (``calls`` calls after a warm-up), for the
+    default (Hopper) kernels, bf16, causal, D 64 and 128, each mix."""
+    from torch.profiler import ProfilerActivity, profile
+
     device = torch.device("cuda")
+    rows, traced = [], False
+    for total in totals:
+        for head_dim in (64, 128):
+            for mix in MIXES:
+                lengths = document_lengths(mix, total)
+                for name, (make, call) in providers(lengths, head_dim, device).items():
+                    if name not in ("flashlite", "dense", "fa4"):
+                        continue
+                    leaves = [t.requires_grad_() for t in make()]
+                    do = torch.randn_like(call(*leaves))
+                    for _ in range(3):
+                        torch.autograd.grad(call(*leaves), leaves, do)
+                    torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(calls):
+                            torch.autograd.grad(call(*leaves), leaves, do)
+                        torch.cuda.synchronize()
+                    if name == "flashlite" and not traced:  # which PyTorch ops launch the kernels, and from where
+                        traced = True
+                        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as ops:
+                            torch.autograd.grad(call(*leaves), leaves, do)
+                            torch.cuda.synchronize()
+                        with open(os.path.join(out, "varlen_kernels_ops.txt"), "w") as f:
+                            f.write(f"# {command}: {mix}, {total} tokens, D = {head_dim}, one forward + backward\n\n")
+                            f.write(ops.key_averages(group_by_stack_n=8).table(sort_by="self_device_time_total",
+                                                                               row_limit=30, max_name_column_width=60))
+                    for event in prof.key_averages():
+                        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+                        if device_us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+                            rows.append(dict(mix=mix, tokens=total, D=head_dim, provider=name, kernel=event.key[:60],
+                                             launches=event.count // calls, us=device_us / calls))
+                            print(rows[-1], flush=True)
+                    del leaves, do
+    meta = dict(environment(), command=command, heads=HEADS, dtype="bfloat16", causal=True, calls=calls,
+                units="GPU microseconds a forward + backward call, by kernel (torch.profiler)")
+    write_results("varlen_kernels", out, meta, rows, ["mix", "tokens", "D", "provider", "kernel", "launches", "us"],
+                  "Packed forward + backward: GPU time by kernel, beside the dense call of the same work (H200)")
+
+
+# --part paged-tune: the split kernel's stages in a one-wave grid and its tiles under a block table
+# (split_kv.PAGED_ONE_WAVE_STAGES, PAGED_SMALL_BLOCK_N, PAGED_BLOCK_N): 3 stages (as before), 5, and tiles of 64
+# keys forced on every paged call (pages of 64 and more then hold whole tiles: one lookup a tile) on 5 or 7.
+PAGED_VARIANTS = {"s3": (3, 128, None), "s5": (5, 128, None), "n64s5": (5, 128, 64), "n64s7": (7, 128, 64)}
+
+
+def fa4_paged():
+    """FlashAttention-4's decoding on (B, L, H, D) queries and a (num_blocks, page_size, H_kv, D) cache or a
+    contiguous (B, L, H_kv, D) one (``page_table`` None), in one split (its Hopper path has no split-K/V); None
+    when it does not import."""
+    varlen = fa4_varlen()
+    if varlen is None:
+        return None
+
+    def call(q, k, v, seqlens, table=None):
+        return varlen(q, k, v, seqused_k=seqlens, page_table=table, num_splits=1)
+
+    return call
+
+
+def split_kernel_builds() -> list[dict]:
+    """Registers, spills, shared memory and cp.async wait depths of every split kernel compiled in this process."""
+    import re
+
+    from flashlite.attention import split_kv
+
+    builds = []
+    for caches in getattr(split_kv._split_kv_kernel, "device_caches", {}).values():  # (none in the interpreter)
+        for kernel in caches[0].values():
+            ptx = kernel.asm.get("ptx", "")
+            builds.append(dict(num_stages=kernel.metadata.num_stages, shared=kernel.metadata.shared,
+                               registers=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None),
+                               waits=sorted(set(re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)))))
+    return builds
+
+
+def run_paged(out: str, command: str, tune: bool = False, device: str = "cuda", batches=(1, 8, 32),
+              seqlens_k=(4096, 32768, 131072), page_sizes=(16, 64, 256)) -> None:
+    """Paged decoding against the contiguous cache (module docstring); ``tune``: every ``PAGED_VARIANTS`` entry
+    in the same process, with the split kernels' resources (``paged_decode_tune``)."""
+    from flashlite.attention import split_kv
+
     heads, kv_heads, head_dim = 32, 8, 128
-    rows = []
-    for batch in (1, 8, 32):
-        for seqlen_k in (4096, 32768, 131072):
-            if batch * seqlen_k > 32 * 32768:  # K/V of at most 32 x 32K keys (16 GB in bf16)
-                continue
-            k = torch.randn(batch, kv_heads, seqlen_k, head_dim, device=device, dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=torch.bfloat16)
-            seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
-            kv_bytes = 2 * k.numel() * k.element_size()
-            contiguous_ms = try_time_ms(lambda: flashlite.flash_attention(q, k, v, cache_seqlens=seqlens))
-            for page_size in (16, 64, 256):
-                blocks = seqlen_k // page_size
-                table = torch.randperm(batch * blocks, device=device).view(batch, blocks).to(torch.int32)
-                pool = [torch.empty(batch * blocks, kv_heads, page_size, head_dim, device=device, dtype=k.dtype)
-                        for _ in range(2)]
-                for cache, src in zip(pool, (k, v)):  # the same keys, scattered over the pages of the table
-                    cache[table.long().flatten()] = src.view(batch, kv_heads, blocks, page_size, head_dim).transpose(
-                        1, 2).reshape(batch * blocks, kv_heads, page_size, head_dim)
-                paged = lambda: flashlite.flash_attention(q, *pool, cache_seqlens=seqlens, block_table=table)
-                torch.testing.assert_close(paged(), flashlite.flash_attention(q, k, v, cache_seqlens=seqlens),
-                                           atol=2e-2, rtol=2e-2)
-                row = dict(B=batch, Lk=seqlen_k, page=page_size, paged_gbs=gbs(kv_bytes, try_time_ms(paged)),
-                           contiguous_gbs=gbs(kv_bytes, contiguous_ms))
-                row["x_contiguous"] = (row["paged_gbs"] / row["contiguous_gbs"]
-                                       if row["paged_gbs"] and row["contiguous_gbs"] else None)
-                print(row, flush=True)
-                rows.append(row)
-                del pool, table
+    fa4 = fa4_paged()
+    kept = (split_kv.PAGED_ONE_WAVE_STAGES, split_kv.PAGED_SMALL_BLOCK_N, split_kv.PAGED_BLOCK_N)
+    variants = PAGED_VARIANTS if tune else {"paged": kept}
+    rows, fa4_errors = [], {}
+    try:
+        for batch in batches:
+            for seqlen_k in seqlens_k:
+                if batch * seqlen_k > 32 * 32768:  # K/V of at most 32 x 32K keys (16 GB in bf16)
+                    continue
+                k = torch.randn(batch, kv_heads, seqlen_k, head_dim, device=device, dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+                q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=torch.bfloat16)
+                seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+                kv_bytes = 2 * k.numel() * k.element_size()
+                reference = flashlite.flash_attention(q, k, v, cache_seqlens=seqlens)
+                contiguous_ms = try_time_ms(lambda: flashlite.flash_attention(q, k, v, cache_seqlens=seqlens))
+                fa4_contiguous_ms = None
+                if fa4 is not None:  # (B, L, H, D) views of the same tensors
+                    q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
+                    try:
+                        o4 = fa4(q4, k4, v4, seqlens)
+                        torch.testing.assert_close((o4[0] if isinstance(o4, tuple) else o4).transpose(1, 2),
+                                                   reference, atol=2e-2, rtol=2e-2)
+                        fa4_contiguous_ms = try_time_ms(lambda: fa4(q4, k4, v4, seqlens))
+                    except Exception as e:  # noqa: BLE001 - a shape its Hopper path does not take
+                        fa4_errors["contiguous"] = f"{type(e).__name__}: {e}"[:300]
+                for page_size in page_sizes:
+                    blocks = seqlen_k // page_size
+                    table = torch.randperm(batch * blocks, device=device).view(batch, blocks).to(torch.int32)
+                    pool = [torch.empty(batch * blocks, kv_heads, page_size, head_dim, device=device, dtype=k.dtype)
+                            for _ in range(2)]
+                    for cache, src in zip(pool, (k, v)):  # the same keys, scattered over the pages of the table
+                        cache[table.long().flatten()] = src.view(batch, kv_heads, blocks, page_size,
+                                                                 head_dim).transpose(1, 2).reshape(
+                            batch * blocks, kv_heads, page_size, head_dim)
+                    row = dict(B=batch, Lk=seqlen_k, page=page_size, contiguous_gbs=gbs(kv_bytes, contiguous_ms))
+                    for name, (stages, small, block_n) in variants.items():
+                        split_kv.PAGED_ONE_WAVE_STAGES, split_kv.PAGED_SMALL_BLOCK_N, split_kv.PAGED_BLOCK_N = (
+                            stages, small, block_n)
+                        flashlite.attention.api.clear_routes()
+                        paged = lambda: flashlite.flash_attention(q, *pool, cache_seqlens=seqlens, block_table=table)
+                        torch.testing.assert_close(paged(), reference, atol=2e-2, rtol=2e-2)
+                        row[f"{name}_gbs"] = gbs(kv_bytes, try_time_ms(paged))
+                        ratio = "x_contiguous" if name == "paged" else f"{name}_x_contiguous"
+                        row[ratio] = (row[f"{name}_gbs"] / row["contiguous_gbs"]
+                                      if row[f"{name}_gbs"] and row["contiguous_gbs"] else None)
+                    if fa4 is not None:  # its own layout, (num_blocks, page_size, H_kv, D), a copy of the pages
+                        pages4 = [c.transpose(1, 2).contiguous() for c in pool]
+                        q4 = q.transpose(1, 2)
+                        try:
+                            o4 = fa4(q4, *pages4, seqlens, table)
+                            o4 = o4[0] if isinstance(o4, tuple) else o4
+                            torch.testing.assert_close(o4.transpose(1, 2), reference, atol=2e-2, rtol=2e-2)
+                            row["fa4_paged_gbs"] = gbs(kv_bytes, try_time_ms(lambda: fa4(q4, *pages4, seqlens, table)))
+                        except Exception as e:  # noqa: BLE001 - a page size its Hopper path does not take
+                            row["fa4_paged_gbs"], fa4_errors[page_size] = None, f"{type(e).__name__}: {e}"[:300]
+                        row["fa4_contiguous_gbs"] = gbs(kv_bytes, fa4_contiguous_ms)
+                        best = max(variants, key=lambda name: row[f"{name}_gbs"] or 0)
+                        row["x_fa4_paged"] = (row[f"{best}_gbs"] / row["fa4_paged_gbs"]
+                                              if row[f"{best}_gbs"] and row["fa4_paged_gbs"] else None)
+                        del pages4
+                    print({key: (round(val, 3) if isinstance(val, float) else val) for key, val in row.items()},
+                          flush=True)
+                    rows.append(row)
+                    del pool, table
+    finally:
+        split_kv.PAGED_ONE_WAVE_STAGES, split_kv.PAGED_SMALL_BLOCK_N, split_kv.PAGED_BLOCK_N = kept
+        flashlite.attention.api.clear_routes()
     meta = dict(environment(), command=command, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seqlen_q=1,
-                dtype="bfloat16", units="GB/s of K/V read")
-    write_results("paged_decode", out, meta, rows, ["B", "Lk", "page", "paged_gbs", "contiguous_gbs", "x_contiguous"],
+                dtype="bfloat16", units="GB/s of K/V read", fa4="measured" if fa4 else "not importable",
+                fa4_errors=fa4_errors,
+                variants={name: dict(one_wave_stages=stages, small_block_n=small, block_n=block_n)
+                          for name, (stages, small, block_n) in variants.items()},
+                split_kernels=split_kernel_builds())
+    columns = list(rows[0]) if rows else []
+    write_results("paged_decode_tune" if tune else "paged_decode", out, meta, rows, columns,
                   "Paged decoding: flash_attention with a block table against the contiguous cache (H200)")
 
 
@@ -347,7 +483,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
     parser.add_argument("--part", nargs="+", default=["speed", "host", "paged"],
-                        choices=["speed", "host", "paged", "tune"])
+                        choices=["speed", "host", "paged", "paged-tune", "tune", "kernels"])
     parser.add_argument("--totals", nargs="+", type=int, default=[16384, 65536])
     parser.add_argument("--profile", action="store_true", help="--part host: also cProfile each provider's calls")
     args = parser.parse_args(argv)
@@ -360,10 +496,14 @@ def main(argv=None) -> None:
         run_host(out, command, args.profile)
     if "paged" in args.part:
         run_paged(out, command)
+    if "paged-tune" in args.part:
+        run_paged(out, command, tune=True)
     if "speed" in args.part:
         run_speed(out, args.totals, command)
     if "tune" in args.part:
         run_tune(out, args.totals, command)
+    if "kernels" in args.part:
+        run_kernels(out, args.totals, command)
 
 
 if __name__ == "__main__":

@@ -259,7 +259,7 @@ def block_attention(
     if block.docs is None:
         return flash_attention(q, k, v, causal=block.causal, scale=scale, return_lse=True)
     rows, keys = block.docs
-    o, lse = flash_attention_varlen(*(t[0].transpose(0, 1) for t in (q, k, v)), rows.cu, keys.cu, rows.longest,
+    o, lse = flash_attention_varlen(*(t.squeeze(0).transpose(0, 1) for t in (q, k, v)), rows.cu, keys.cu, rows.longest,
                                     keys.longest, causal=block.causal, scale=scale, return_lse=True)
     return o.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
 
@@ -635,7 +635,7 @@ class PackedShards:
 
     def from_ring(self, o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ring's (1, H, rows, D) output and (1, H, rows) LSE in the shard's layout: (rows, H, D), (H, rows)."""
-        o, lse = o[0].transpose(0, 1), lse[0]
+        o, lse = o.squeeze(0).transpose(0, 1), lse.squeeze(0)  # (a select's gradient would copy the whole)
         if self.inverse is not None:
             o = _Regroup.apply(o, 0, self.inverse, self.order)
             lse = _Regroup.apply(lse, 1, self.inverse, self.order)

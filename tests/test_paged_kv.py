@@ -68,6 +68,19 @@ def test_paging_mode():
     assert split_kv.paging_mode(64, 128) == split_kv.PAGED_ROWS
 
 
+def test_paged_config_deepens_the_pipeline_of_a_one_wave_grid():
+    from flashlite.attention import split_kv
+    from flashlite.attention.tuning import AttentionConfig
+
+    bf16, fp32 = AttentionConfig(16, 128, 4, 3), AttentionConfig(16, 32, 4, 1)
+    one_wave = split_kv.paged_config(bf16, 256, 132, 132)
+    assert (one_wave.num_stages, one_wave.block_n) == (split_kv.PAGED_ONE_WAVE_STAGES, 128)
+    assert split_kv.paged_config(bf16, 64, 8, 132).block_n == split_kv.PAGED_SMALL_BLOCK_N  # a lookup a tile
+    assert split_kv.paged_config(bf16, 16, 8, 132).block_n == 128  # pages under a small tile: a lookup a row
+    assert split_kv.paged_config(bf16, 64, 133, 132) == bf16  # a second wave: other programs hide the latency
+    assert split_kv.paged_config(fp32, 64, 8, 132) == fp32  # one stage: IEEE dots on the FMA units
+
+
 @pytest.mark.parametrize("variant", [dict(window_size=(20, 0), causal=True), dict(softcap=5.0),
                                      dict(alibi_slopes="heads"), dict(sinks=True), dict(num_splits=3)])
 def test_paged_variants(small_attention_tiles, variant):

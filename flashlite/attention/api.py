@@ -649,5 +649,6 @@ def flash_attention_varlen(
             o, lse = _Attention.apply(route, q4, k4, v4, None, None, None, alibi, sinks, seqs)
         else:
             o, lse, _ = route.forward(q4, k4, v4, None, None, alibi, sinks, seqs)
-    o = o[0].transpose(0, 1)
-    return (o, lse[0]) if return_lse else o
+    # squeeze, not o[0]: a select's gradient is a zero-filled copy of the whole (1, H, total, Dv) tensor
+    o = o.squeeze(0).transpose(0, 1)
+    return (o, lse.squeeze(0)) if return_lse else o

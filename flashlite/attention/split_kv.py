@@ -63,6 +63,7 @@ with the batch, heads or the cache length are 64-bit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -281,6 +282,23 @@ SPLIT_MAX = 128
 MAX_GRID_SPLITS = 65535
 
 
+# Paged caches (``paged_config``), in a grid of one wave (at most a program a multiprocessor, none to hide another's
+# latency). Triton's software pipeliner makes the block table's load a pipelined load of its own, ahead of the K/V
+# tile whose address it gives, and splits ``num_stages`` between the two: PAGED_ONE_WAVE_STAGES = 5 keep two K/V
+# tiles in flight, as a contiguous cache's 3 do. Pages that hold whole tiles of PAGED_SMALL_BLOCK_N keys but not
+# whole tiles of the config's (pages of 64 against tiles of 128) take the smaller tiles: one lookup a tile instead
+# of one a row. In a grid of several waves both measured slower and the config stays. H200 2026-12-01,
+# `python bench/varlen.py --part paged-tune`; bench/results/h200/TUNING.md#paged-kv.
+PAGED_ONE_WAVE_STAGES = 5
+
+
+PAGED_SMALL_BLOCK_N = 64
+
+
+# Keys a tile of every paged call (None: the rule above); bench/varlen.py's tune forces it.
+PAGED_BLOCK_N = None
+
+
 def split_config(n_rows: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> AttentionConfig:
     """Tiles of the split kernel for row tiles of ``n_rows`` packed rows (the interpreter: the forward's config).
 
@@ -375,6 +393,20 @@ def check_split_args(
             raise ValueError(f"cache_seqlens must lie in [0, Lk] = [0, {k.shape[2]}], got values from {low} to {high}")
 
 
+def paged_config(config: AttentionConfig, page_size: int, programs: int, n_sms: int) -> AttentionConfig:
+    """``config`` (fp16/bf16, head dims up to 128: K/V tiles of 128 keys) for a cache of pages of ``page_size``
+    keys on CUDA, whose split grid has ``programs`` programs. When they fit in one wave (at most one a
+    multiprocessor): ``PAGED_ONE_WAVE_STAGES`` stages, and tiles of ``PAGED_SMALL_BLOCK_N`` keys where the pages
+    hold whole tiles of those but not of ``config``'s (unless ``PAGED_BLOCK_N`` forces the tiles). Else, and for
+    fp32's single stage (IEEE dots on the FMA units), ``config`` itself."""
+    if programs > n_sms or config.num_stages == 1:
+        return config
+    block_n = config.block_n
+    if PAGED_BLOCK_N is None and page_size % block_n and page_size % PAGED_SMALL_BLOCK_N == 0:
+        block_n = PAGED_SMALL_BLOCK_N
+    return dataclasses.replace(config, num_stages=PAGED_ONE_WAVE_STAGES, block_n=block_n)
+
+
 def paging_mode(page_size: int | None, block_n: int) -> int:
     """``attend_kv_tiles``' ``PAGED`` for pages of ``page_size`` keys (None: a contiguous cache) and key tiles of
     ``block_n``: one lookup a tile where a tile fits a page, else one a row. H200, bench/varlen.py --part paged
@@ -418,7 +450,13 @@ class SplitLaunch:
         pack, default, programs = _plan(q, k, mask, head_dim_v)
         if config is not None:
             programs = triton.cdiv(pack * seqlen_q, config.block_m) * batch * (n_heads // pack)
+        forced = config is not None
         config = config or default
+        if paged is not None and not forced and PAGED_BLOCK_N is not None:
+            config = dataclasses.replace(config, block_n=PAGED_BLOCK_N)
+        if paged is not None and not forced and q.is_cuda and max(head_dim, head_dim_v) <= 128:
+            splits = max(1, min(num_splits, triton.cdiv(seqlen_k, config.block_n), MAX_GRID_SPLITS))
+            config = paged_config(config, self.page_size, programs * splits, device_info(q.device).num_sms)
         self.num_splits = max(1, min(num_splits, triton.cdiv(seqlen_k, config.block_n), MAX_GRID_SPLITS))
         n_out_rows = batch * n_heads * seqlen_q
         additive = mask is not None and not mask_is_bool
