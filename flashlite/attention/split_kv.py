@@ -54,10 +54,12 @@ Paged caches. K/V may live in pages of ``page_size`` keys, (num_blocks, H_kv, pa
 max_blocks) block table: key ``j`` of element ``b`` is row ``j % page_size`` of page ``block_table[b, j //
 page_size]`` (vLLM's and FlashAttention's ``block_table``). A key tile inside one page finds it with one
 lookup; with pages smaller than a tile each row finds its own (``core.tiles.load_paged_tile``), so the tiles stay
-as wide as a contiguous cache's (``paging_mode``). Page numbers are clamped to the cache.
+as wide as a contiguous cache's (``paging_mode``). Page numbers are clamped to the cache. The table's load is
+one more level of Triton's software pipeline, so a one-wave grid runs paged calls on more stages, and pages of 64
+keys on tiles of 64 (``paged_config``).
 
 Limits: K/V through pointer loads (no TMA descriptors yet), one fixed tile
-config per head dim (``split_config``), no backward pass. Offsets that scale
+config per head dim (``split_config``; paged caches ``paged_config``), no backward pass. Offsets that scale
 with the batch, heads or the cache length are 64-bit.
 """
 
