@@ -35,7 +35,8 @@ GPU time by kernel of a packed and a dense forward + backward (``--part kernels`
 
 Host cost (``--part host``): a small packed training call (4 documents of 64 tokens, H = 16, D = 64) in
 microseconds per call, 200 calls back to back, on both kernel families, against SDPA on the same work as a
-(4, 16, 64, 64) batch; ``--profile`` adds each one's cProfile table (``varlen_host_profile.txt``).
+(4, 16, 64, 64) batch, and a small paged decoding step against the contiguous-cache call and SDPA
+(``paged_host_row``); ``--profile`` adds each packed call's cProfile table (``varlen_host_profile.txt``).
 
     python bench/varlen.py [--out DIR] [--part speed host paged paged-tune] [--totals 16384 65536] [--profile]
         # -> DIR/varlen.{json,md}, DIR/varlen_host.{json,md}, DIR/paged_decode{,_tune}.{json,md}
@@ -243,10 +244,33 @@ def run_host(out: str, command: str, profile: bool = False) -> None:
         print(row, flush=True)
         rows.append(row)
     hopper_switch(lambda: None, True)()
-    meta = dict(environment(), command=command, shape="4 documents x 64 tokens, H = 16, D = 64, causal, bf16")
+    rows.append(paged_host_row(device))
+    meta = dict(environment(), command=command, shape="4 documents x 64 tokens, H = 16, D = 64, causal, bf16",
+                paged_shape="decoding: B = 1, H = 32, H_kv = 8, D = 128, 4096 keys in pages of 64, bf16 (tl: the "
+                            "contiguous cache's call)")
     write_results("varlen_host", out, meta, rows,
                   ["part", "docs", "flashlite_loop_us", "tl_loop_us", "sdpa_loop_us", "x_sdpa", "tl_x_sdpa"],
-                  "Packed batches: host cost of a small training call (H200)")
+                  "Packed batches and paged decoding: host cost of a small eager call (H200)")
+
+
+def paged_host_row(device) -> dict:
+    """A small decoding step (B = 1, 4096 keys in pages of 64): the paged call's microseconds a call, 200 back to
+    back, beside flashlite's contiguous-cache call (in the ``tl_loop_us`` column) and SDPA's on the same keys."""
+    q = torch.randn(1, 32, 1, 128, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8, 4096, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.full((1,), 4096, dtype=torch.int32, device=device)
+    table = torch.arange(64, dtype=torch.int32, device=device).view(1, 64)
+    pages = [t[0].view(8, 64, 64, 128).transpose(0, 1).contiguous() for t in (k, v)]  # page i holds keys 64i..
+    row = dict(part="paged_decode", docs=1,
+               flashlite_loop_us=loop_us(lambda: flashlite.flash_attention(q, *pages, cache_seqlens=seqlens,
+                                                                           block_table=table)),
+               tl_loop_us=loop_us(lambda: flashlite.flash_attention(q, k, v, cache_seqlens=seqlens)),
+               sdpa_loop_us=loop_us(lambda: torch.nn.functional.scaled_dot_product_attention(
+                   q, k, v, enable_gqa=True)))
+    row["x_sdpa"] = row["flashlite_loop_us"] / row["sdpa_loop_us"]
+    row["tl_x_sdpa"] = row["tl_loop_us"] / row["sdpa_loop_us"]
+    print(row, flush=True)
+    return row
     if profiles:
         with open(os.path.join(out, "varlen_host_profile.txt"), "w") as f:
             f.write(f"# {command}\n\n" + "\n".join(profiles))
@@ -333,9 +357,21 @@ def fa4_paged():
         return None
 
     def call(q, k, v, seqlens, table=None):
-        return varlen(q, k, v, seqused_k=seqlens, page_table=table, num_splits=1)
+        o = varlen(q, k, v, seqused_k=seqlens, page_table=table, num_splits=1)
+        return o[0] if isinstance(o, tuple) else o
 
     return call
+
+
+def checked_ms(call, reference: torch.Tensor, errors: dict, key) -> float | None:
+    """Milliseconds of a peer's ``call`` once its (B, L, H, D) output matches ``reference`` (B, H, L, D), or None
+    with the reason under ``errors[key]`` when it refuses the shape or differs."""
+    try:
+        torch.testing.assert_close(call().transpose(1, 2), reference, atol=2e-2, rtol=2e-2)
+        return try_time_ms(call)
+    except Exception as e:  # noqa: BLE001 - a shape its Hopper path does not take
+        errors[key] = f"{type(e).__name__}: {e}"[:300]
+        return None
 
 
 def split_kernel_builds() -> list[dict]:
@@ -377,16 +413,9 @@ def run_paged(out: str, command: str, tune: bool = False, device: str = "cuda", 
                 kv_bytes = 2 * k.numel() * k.element_size()
                 reference = flashlite.flash_attention(q, k, v, cache_seqlens=seqlens)
                 contiguous_ms = try_time_ms(lambda: flashlite.flash_attention(q, k, v, cache_seqlens=seqlens))
-                fa4_contiguous_ms = None
-                if fa4 is not None:  # (B, L, H, D) views of the same tensors
-                    q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
-                    try:
-                        o4 = fa4(q4, k4, v4, seqlens)
-                        torch.testing.assert_close((o4[0] if isinstance(o4, tuple) else o4).transpose(1, 2),
-                                                   reference, atol=2e-2, rtol=2e-2)
-                        fa4_contiguous_ms = try_time_ms(lambda: fa4(q4, k4, v4, seqlens))
-                    except Exception as e:  # noqa: BLE001 - a shape its Hopper path does not take
-                        fa4_errors["contiguous"] = f"{type(e).__name__}: {e}"[:300]
+                q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))  # FA4's (B, L, H, D): views of the same tensors
+                fa4_contiguous_ms = (checked_ms(lambda: fa4(q4, k4, v4, seqlens), reference, fa4_errors, "contiguous")
+                                     if fa4 is not None else None)
                 for page_size in page_sizes:
                     blocks = seqlen_k // page_size
                     table = torch.randperm(batch * blocks, device=device).view(batch, blocks).to(torch.int32)
@@ -409,14 +438,8 @@ def run_paged(out: str, command: str, tune: bool = False, device: str = "cuda", 
                                       if row[f"{name}_gbs"] and row["contiguous_gbs"] else None)
                     if fa4 is not None:  # its own layout, (num_blocks, page_size, H_kv, D), a copy of the pages
                         pages4 = [c.transpose(1, 2).contiguous() for c in pool]
-                        q4 = q.transpose(1, 2)
-                        try:
-                            o4 = fa4(q4, *pages4, seqlens, table)
-                            o4 = o4[0] if isinstance(o4, tuple) else o4
-                            torch.testing.assert_close(o4.transpose(1, 2), reference, atol=2e-2, rtol=2e-2)
-                            row["fa4_paged_gbs"] = gbs(kv_bytes, try_time_ms(lambda: fa4(q4, *pages4, seqlens, table)))
-                        except Exception as e:  # noqa: BLE001 - a page size its Hopper path does not take
-                            row["fa4_paged_gbs"], fa4_errors[page_size] = None, f"{type(e).__name__}: {e}"[:300]
+                        row["fa4_paged_gbs"] = gbs(kv_bytes, checked_ms(lambda: fa4(q4, *pages4, seqlens, table),
+                                                                        reference, fa4_errors, page_size))
                         row["fa4_contiguous_gbs"] = gbs(kv_bytes, fa4_contiguous_ms)
                         best = max(variants, key=lambda name: row[f"{name}_gbs"] or 0)
                         row["x_fa4_paged"] = (row[f"{best}_gbs"] / row["fa4_paged_gbs"]

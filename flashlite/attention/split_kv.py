@@ -297,7 +297,7 @@ PAGED_ONE_WAVE_STAGES = 5
 PAGED_SMALL_BLOCK_N = 64
 
 
-# Keys a tile of every paged call (None: the rule above); bench/varlen.py's tune forces it.
+# Keys a tile of every paged call on CUDA (None: the rule above); bench/varlen.py's tune forces it.
 PAGED_BLOCK_N = None
 
 
@@ -400,10 +400,10 @@ def paged_config(config: AttentionConfig, page_size: int, programs: int, n_sms: 
     keys on CUDA, whose split grid has ``programs`` programs. When they fit in one wave (at most one a
     multiprocessor): ``PAGED_ONE_WAVE_STAGES`` stages, and tiles of ``PAGED_SMALL_BLOCK_N`` keys where the pages
     hold whole tiles of those but not of ``config``'s (unless ``PAGED_BLOCK_N`` forces the tiles). Else, and for
-    fp32's single stage (IEEE dots on the FMA units), ``config`` itself."""
+    fp32's single stage (IEEE dots on the FMA units), ``config`` itself (with ``PAGED_BLOCK_N``'s tiles if set)."""
+    block_n = PAGED_BLOCK_N or config.block_n
     if programs > n_sms or config.num_stages == 1:
-        return config
-    block_n = config.block_n
+        return dataclasses.replace(config, block_n=block_n)
     if PAGED_BLOCK_N is None and page_size % block_n and page_size % PAGED_SMALL_BLOCK_N == 0:
         block_n = PAGED_SMALL_BLOCK_N
     return dataclasses.replace(config, num_stages=PAGED_ONE_WAVE_STAGES, block_n=block_n)
@@ -452,14 +452,14 @@ class SplitLaunch:
         pack, default, programs = _plan(q, k, mask, head_dim_v)
         if config is not None:
             programs = triton.cdiv(pack * seqlen_q, config.block_m) * batch * (n_heads // pack)
-        forced = config is not None
+        def clamped_splits(block_n: int) -> int:
+            return max(1, min(num_splits, triton.cdiv(seqlen_k, block_n), MAX_GRID_SPLITS))
+
+        if config is None and paged is not None and q.is_cuda and max(head_dim, head_dim_v) <= 128:
+            config = paged_config(default, self.page_size, programs * clamped_splits(default.block_n),
+                                  device_info(q.device).num_sms)
         config = config or default
-        if paged is not None and not forced and PAGED_BLOCK_N is not None:
-            config = dataclasses.replace(config, block_n=PAGED_BLOCK_N)
-        if paged is not None and not forced and q.is_cuda and max(head_dim, head_dim_v) <= 128:
-            splits = max(1, min(num_splits, triton.cdiv(seqlen_k, config.block_n), MAX_GRID_SPLITS))
-            config = paged_config(config, self.page_size, programs * splits, device_info(q.device).num_sms)
-        self.num_splits = max(1, min(num_splits, triton.cdiv(seqlen_k, config.block_n), MAX_GRID_SPLITS))
+        self.num_splits = clamped_splits(config.block_n)
         n_out_rows = batch * n_heads * seqlen_q
         additive = mask is not None and not mask_is_bool
         self.head_dim_v = head_dim_v
