@@ -16,6 +16,7 @@ calls exceed when the host's launch cost shows. Modes:
     python bench/attention.py --tune-wgmma   # time the Hopper (Gluon) kernel's tile configs
     python bench/attention.py --backward # bwd and fwd+bwd TFLOP/s vs SDPA flash/cuDNN -> attention_backward.*
     python bench/attention.py --backward --head-dims 96 192 256 --lengths 4096 --name attention_backward_head_dims
+    python bench/attention.py --backward --one-pass --lengths 2048 8192 --name attention_backward_one_pass
     python bench/attention.py --head-split --head-dims 96 192 160 --lengths 4096   # padded and split: attention_head_split
 
 GPU correctness (float64 references, poisoned memory, every head dim and kernel) is pytest's
@@ -283,21 +284,47 @@ def backward_inputs(length: int, head_dim: int, causal: bool) -> tuple:
     return q, k, v, do, fwd, bwd, {"D": head_dim, "causal": causal, "L": length, "B": batch}
 
 
-def measure_backward(length: int, head_dim: int, causal: bool, ceiling: float) -> dict:
-    """bwd and fwd+bwd TFLOP/s of flashlite and each peer; bwd alone re-runs autograd on one retained graph."""
+def set_switch(variable: str, on: bool) -> None:
+    """One of flashlite's switches (``FLASHLITE_HEAD_SPLIT``, ``FLASHLITE_BACKWARD_ONE_PASS``) on or off for the
+    calls that follow (routes planned under the other setting forgotten)."""
+    os.environ[variable] = "1" if on else "0"
+    clear_routes()
+
+
+def set_head_split(on: bool) -> None:
+    """FLASHLITE_HEAD_SPLIT on or off for the calls that follow."""
+    set_switch("FLASHLITE_HEAD_SPLIT", on)
+
+
+def measure_backward(length: int, head_dim: int, causal: bool, ceiling: float, one_pass: bool = False) -> dict:
+    """bwd and fwd+bwd TFLOP/s of flashlite and each peer, and with ``one_pass`` of flashlite's one-pass backward
+    (``FLASHLITE_BACKWARD_ONE_PASS=1``); bwd alone re-runs autograd on one retained graph. ``one_pass_max_diff``:
+    the largest |one pass - two passes| of the gradients (a sanity line: float64 checks are
+    tests/test_gpu_backward.py's)."""
     q, k, v, do, fwd, bwd, row = backward_inputs(length, head_dim, causal)
     provs = providers(causal)
-    for name in ("flashlite",) + BACKWARD_PEERS:
-        def fwd_bwd(fn=provs[name], inputs=(q, k, v), do=do):
+    grads = {}
+    for name in ("flashlite",) + (("one_pass",) if one_pass else ()) + BACKWARD_PEERS:
+        set_switch("FLASHLITE_BACKWARD_ONE_PASS", name == "one_pass")
+        fn = provs["flashlite" if name == "one_pass" else name]
+
+        def fwd_bwd(fn=fn, inputs=(q, k, v), do=do):
             return torch.autograd.grad(fn(*inputs), inputs, do)
         try:
-            out = provs[name](q, k, v)
+            out = fn(q, k, v)
         except RuntimeError:  # backend unavailable for this shape
             row[f"{name}_bwd"] = row[f"{name}_fwdbwd"] = None
             continue
         row[f"{name}_bwd"] = tflops(bwd, measure_ms(functools.partial(torch.autograd.grad, out, (q, k, v), do, retain_graph=True)))
         row[f"{name}_fwdbwd"] = tflops(fwd + bwd, measure_ms(fwd_bwd))
+        if name in ("flashlite", "one_pass"):
+            grads[name] = torch.autograd.grad(out, (q, k, v), do)
         del out
+    set_switch("FLASHLITE_BACKWARD_ONE_PASS", False)  # (the default again)
+    if one_pass:
+        row["one_pass_max_diff"] = max((a.float() - b.float()).abs().max().item()
+                                       for a, b in zip(grads["flashlite"], grads["one_pass"]))
+        row["x_one_pass_bwd"] = row["one_pass_bwd"] / row["flashlite_bwd"]
     mine = row["flashlite_bwd"]
     row["frac_matmul_bwd"] = mine / ceiling if mine else None
     for peer in BACKWARD_PEERS:
@@ -309,14 +336,14 @@ def measure_backward(length: int, head_dim: int, causal: bool, ceiling: float) -
 
 def run_backward(args) -> None:
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
-    names = ("flashlite",) + BACKWARD_PEERS
+    names = ("flashlite",) + (("one_pass",) if args.one_pass else ()) + BACKWARD_PEERS
     ceiling = matmul_tflops()
     print(f"bf16 matmul: {ceiling:.0f} TFLOP/s", flush=True)
     rows = []
     for head_dim in args.head_dims:
         for causal in (False, True):
             for length in lengths:
-                row = measure_backward(length, head_dim, causal, ceiling)
+                row = measure_backward(length, head_dim, causal, ceiling, args.one_pass)
                 rows.append(row)
                 print(f"D={head_dim} causal={causal!s:5} L={length:6} bwd: " + "  ".join(
                     f"{n} {row[f'{n}_bwd']:.0f}" if row[f"{n}_bwd"] else f"{n} —" for n in names), flush=True)
@@ -326,6 +353,8 @@ def run_backward(args) -> None:
                             "flash_attn_4": FA4_VERSION}
     cols = ["D", "causal", "L", "B", *(f"{n}_bwd" for n in names), *(f"{n}_fwdbwd" for n in names),
             "frac_matmul_bwd", *(f"x_{p}_bwd" for p in BACKWARD_PEERS)]
+    if args.one_pass:  # (one pass over the default's two)
+        cols += ["x_one_pass_bwd", "one_pass_max_diff"]
     name = args.name or "attention_backward"
     write_results(name, out, meta, rows, cols, "Attention backward, TFLOP/s (bf16, H = 16)")
     panels = []
@@ -341,10 +370,6 @@ def run_backward(args) -> None:
 # ----------------------------------------------------------------------------- --head-split
 
 
-def set_head_split(on: bool) -> None:
-    """FLASHLITE_HEAD_SPLIT on or off for the calls that follow (routes planned under the other setting forgotten)."""
-    os.environ["FLASHLITE_HEAD_SPLIT"] = "1" if on else "0"
-    clear_routes()
 
 
 def measure_head_split(length: int, head_dim: int, causal: bool) -> dict:
@@ -541,6 +566,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tune-length", type=int, default=4096, help="sequence length of --tune (default 4096)")
     parser.add_argument("--tune-wgmma", action="store_true", help="time the Hopper kernel's tile configs")
     parser.add_argument("--backward", action="store_true", help="time bwd and fwd+bwd instead of the forward")
+    parser.add_argument("--one-pass", action="store_true",
+                        help="--backward: also time the one-pass backward (FLASHLITE_BACKWARD_ONE_PASS=1)")
     parser.add_argument("--head-split", action="store_true", help="time head dims padded and in column parts (FLASHLITE_HEAD_SPLIT)")
     parser.add_argument("--name", help="results' file stem (default attention, or attention_backward)")
     args = parser.parse_args(argv)

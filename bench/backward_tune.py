@@ -9,6 +9,7 @@ bf16, H = 16, B = 16384 // L, causal and not. For each head dim:
 * ``two_pass``: the backward's dK/dV kernel's candidates (dQ on the table's tiles), then its
   dQ kernel's (dK/dV on the best);
 * ``hopper_two_pass``: the Hopper (Gluon) backward's candidates (its dK/dV kernel, then its dQ kernel);
+* ``hopper_one_pass``: its one pass's candidates; ``hopper_table``: the table's tiles in two passes;
 * ``tl_table``: the ``triton.language`` kernels' two passes on the table's tiles;
 * ``fwd_tl`` / ``fwd_hopper``: the ``triton.language`` forward's candidates and the Hopper (Gluon) forward's,
   whose boxes are padded to the next power of two (head dims 96 and 192 read 128 and 256 columns);
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -40,7 +42,9 @@ from flashlite.attention.api import attention_forward  # noqa: E402
 from flashlite.attention.backward import attention_backward  # noqa: E402
 from flashlite.attention.forward_hopper import attention_forward_hopper  # noqa: E402
 from flashlite.attention.plan import default_backward_config, head_dim_padded  # noqa: E402
-from flashlite.attention.tuning import AttentionConfig, BackwardConfig, WgmmaBackwardConfig, WgmmaConfig  # noqa: E402
+from flashlite.attention.tuning import (  # noqa: E402
+    WGMMA_BACKWARD_CONFIGS, AttentionConfig, BackwardConfig, WgmmaBackwardConfig, WgmmaConfig,
+)
 from common import environment, markdown_table, results_dir, tflops, time_ms, write_results  # noqa: E402
 
 HEADS = 16
@@ -74,6 +78,12 @@ HOPPER = {
           Tiles(64, 64, 2, dq_block_m=128), Tiles(64, 64, 3)],
     256: [Tiles(64, 64, 2, split=2), Tiles(64, 64, 2, split=2, dq_block_n=32), Tiles(64, 64, 1, split=2, dq_block_n=32),
           Tiles(64, 64, 2, split=2, dq_block_n=32, dq_stages=3)],
+}
+# The Hopper backward's one pass (two key tiles of 64 a program on two compute warpgroups, dQ by TMA reductions)
+# by padded head dim: the table's tiles, then more Q/dO buffers and taller query tiles where shared memory allows.
+HOPPER_ONE_PASS = {
+    64: [Tiles(64, 64, 2, one_pass=True), Tiles(64, 64, 3, one_pass=True), Tiles(128, 64, 2, one_pass=True)],
+    128: [Tiles(64, 64, 2, one_pass=True)],
 }
 FWD_TL = {
     256: [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2), (128, 64, 8, 1)],
@@ -132,7 +142,8 @@ class Case:
         return fwd, lambda: torch.autograd.grad(out, inputs, self.do, retain_graph=True)
 
 
-KINDS = ("two_pass_dkdv", "two_pass_dq", "fwd_tl", "fwd_hopper", "hopper_two_pass", "tl_table")
+KINDS = ("two_pass_dkdv", "two_pass_dq", "fwd_tl", "fwd_hopper", "hopper_two_pass", "hopper_one_pass", "hopper_table",
+         "tl_table")
 
 
 def variants(head_dim: int, dkdv_best: tuple | None = None, kinds=KINDS) -> list[tuple[str, object]]:
@@ -145,6 +156,9 @@ def variants(head_dim: int, dkdv_best: tuple | None = None, kinds=KINDS) -> list
     out += [("fwd_tl", tile(t, tma=True)) for t in FWD_TL.get(pad, [])]
     out += [("fwd_hopper", c) for c in FWD_HOPPER.get(pad, [])]
     out += [("hopper_two_pass", c) for c in HOPPER.get(pad, [])]
+    out += [("hopper_one_pass", c) for c in HOPPER_ONE_PASS.get(pad, [])]
+    if pad in WGMMA_BACKWARD_CONFIGS:  # the table's two passes
+        out += [("hopper_table", dataclasses.replace(WGMMA_BACKWARD_CONFIGS[pad], one_pass=False))]
     out += [("tl_table", table)]
     return [(kind, config) for kind, config in out if kind in kinds]
 
@@ -174,7 +188,8 @@ def describe(kind: str, config) -> str:
     if kind.startswith("hopper"):
         return (f"{config.block_m}x{config.block_n} s{config.stages}"
                 + (f" split{config.split}" if config.split > 1 else "")
-                + (f" maxnreg {config.max_registers}" if config.max_registers else "")
+                + (f" maxnreg {config.max_registers}" if config.max_registers and not config.one_pass else "")
+                + (" one pass" if config.one_pass else "")
                 + f" dq {config.dq_block_m}x{config.dq_block_n} s{config.dq_stages}")
     if kind == "fwd_hopper":
         return f"{config.block_m}x{config.block_n} w{config.num_warps} s{config.kv_stages}" + (
@@ -192,7 +207,7 @@ def rel_err(got, want) -> float:
 
 def time_case(case: Case, items: list, peers: bool = True) -> list[dict]:
     rows = []
-    ref_bwd = case.backward(default_backward_config(case.head_dim, torch.bfloat16, torch.device("cuda")), True)
+    ref_bwd = case.backward(default_backward_config(case.head_dim, torch.bfloat16, torch.device("cuda")))
     ref_fwd = case.o
     bwd_flops = flops(case.batch, case.length, case.head_dim, case.causal, True)
     fwd_flops = flops(case.batch, case.length, case.head_dim, case.causal, False)
@@ -227,11 +242,11 @@ def profile(head_dims: list, length: int, out_dir: str | None) -> None:
     for d in head_dims:
         for causal in (False, True):
             case = Case(d, causal, length)
-            case.backward(None, False)
+            case.backward(None)
             torch.cuda.synchronize()
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    case.backward(None, False)
+                    case.backward(None)
                 torch.cuda.synchronize()
             events = [e for e in prof.key_averages() if e.device_time_total > 0]
             total = sum(e.device_time_total for e in events)

@@ -68,6 +68,14 @@ def backward_table(data: dict) -> str:
                    "× FA4", "× flash", "× cuDNN"], rows)
 
 
+def one_pass_table(data: dict) -> str:
+    rows = [[r["D"], "yes" if r["causal"] else "no", r["L"], r["flashlite_bwd"], r["one_pass_bwd"],
+             f"{r['x_one_pass_bwd']:.2f}", r.get("fa4_bwd"), r["cudnn_bwd"], _ratio(r.get("x_fa4_bwd")),
+             f"{r['x_cudnn_bwd']:.2f}"] for r in data["rows"]]
+    return _table(["D", "causal", "L", "two passes (default)", "one pass", "one / two", "FA4", "SDPA cuDNN",
+                   "default × FA4", "default × cuDNN"], rows)
+
+
 def variants_table(data: dict) -> str:
     rows = [[r["variant"], r["D"], r["L"], r["plain_fwd"], r["fwd"], _ratio(r["x_plain_fwd"]), _ratio(r.get("x_flex_fwd")),
              r["plain_fwdbwd"], r["fwdbwd"], _ratio(r["x_plain_fwdbwd"]), _ratio(r.get("x_flex_fwdbwd"))]
@@ -183,6 +191,9 @@ SECTIONS = [
      backward_table),
     ("attention_backward_fa4", "Attention backward beside FlashAttention-4 (`bench/attention.py --backward "
      "--lengths 2048 8192 --name attention_backward_fa4`): TFLOP/s", backward_table),
+    ("attention_backward_one_pass", "The one-pass backward (`FLASHLITE_BACKWARD_ONE_PASS=1`, off by default) beside "
+     "the two passes, FA4 and cuDNN (`bench/attention.py --backward --one-pass --lengths 2048 8192 --name "
+     "attention_backward_one_pass`): TFLOP/s; TUNING.md#one-pass-ws", one_pass_table),
     ("attention_head_dims", "Attention forward at other head dims (`bench/attention.py --head-dims 96 192 256 "
      "--lengths 4096`): TFLOP/s; D 96/192 measured padded, before column parts became the default (next table)",
      attention_table),

@@ -86,14 +86,17 @@ def hopper(monkeypatch):
     monkeypatch.delenv("FLASHLITE_WGMMA_BACKWARD", raising=False)
 
 
-@pytest.fixture(params=["default", "triton"])
+@pytest.fixture(params=["default", "one_pass", "triton"])
 def backward_path(request, monkeypatch):
-    """Both kernel families of the attention backward (each two passes: dK/dV, then dQ): ``default``, on Hopper the
-    Gluon kernels where they apply, else the tl kernels (the interpreter), and ``triton``: the tl kernels with the
-    Gluon backward switched off (skipped on CPU, where it is the default case)."""
+    """Every path of the attention backward: ``default``, on Hopper the Gluon kernels' two passes where they apply,
+    else the tl kernels (the interpreter); ``one_pass``: the Gluon kernels' one pass where it applies (dense, head
+    dims up to 128: ``FLASHLITE_BACKWARD_ONE_PASS=1``), else as the default; ``triton``: the tl kernels with the
+    Gluon backward switched off. The last two are skipped on CPU, where they are the default case."""
+    if request.param != "default" and not torch.cuda.is_available():
+        pytest.skip("off a GPU the default case runs the tl kernels")
+    if request.param == "one_pass":
+        monkeypatch.setenv("FLASHLITE_BACKWARD_ONE_PASS", "1")
     if request.param == "triton":
-        if not torch.cuda.is_available():
-            pytest.skip("off a GPU the default case runs the tl kernels")
         monkeypatch.setenv("FLASHLITE_WGMMA_BACKWARD", "0")
     return request.param
 

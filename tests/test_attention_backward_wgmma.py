@@ -9,6 +9,7 @@ default; ``FLASHLITE_HEAD_SPLIT=0`` pads them): the switch, the descriptors a sp
 both split kernels built for sm_90 (one product a part, one accumulator a part of dK/dV/dQ, one TMA store a part).
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -101,11 +102,15 @@ def _build_report(cases: list) -> dict:
     report = {}
     for kernel_name, head_dim, causal, variants in cases:
         config = tuning.WGMMA_BACKWARD_CONFIGS[head_dim]
+        if kernel_name == "one_pass":
+            config = dataclasses.replace(config, one_pass=True)
         switches = dict(HAS_SOFTCAP=True, FAST_TANH=True, HAS_ALIBI=True, HAS_WINDOW=True) if variants else {}
         ptx = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, switches).asm["ptx"]
         name = f"{kernel_name}-{head_dim}-{causal}" + ("-variants" if variants else "")
         report[name] = dict(
             wgmma="wgmma.mma_async" in ptx, tma_load="cp.async.bulk.tensor" in ptx,
+            tma_reduce=len(re.findall(r"cp\.reduce\.async\.bulk\.tensor[\w.:]*\.add", ptx)),
+            registers=sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
             atomics=len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx)), tanh="tanh.approx.f32" in ptx,
             waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}))
     return report
@@ -120,7 +125,21 @@ def test_kernels_build_with_products_in_flight():
     for case, built in report.items():
         assert built["wgmma"] and built["tma_load"], case
         assert 1 in built["waits"], f"{case}: no product left in flight (waits {built['waits']})"
-        assert built["atomics"] == 0, case  # dQ is summed by its own kernel, in a fixed order
+        assert built["atomics"] == 0 and built["tma_reduce"] == 0, case  # dQ is summed by its own kernel, in order
+        assert built["tanh"] == ("variants" in case), case
+
+
+def test_one_pass_kernel_builds_with_products_in_flight():
+    """The one-pass kernel (two compute warpgroups and a load warp) built for sm_90: its products in flight, dQ by
+    TMA reductions (one a compute warpgroup in the source), no atomic adds, the compute warpgroups at their
+    registers."""
+    cases = [("one_pass", 64, False, False), ("one_pass", 128, True, False), ("one_pass", 64, True, True)]
+    report = fresh_process_report("tests.test_attention_backward_wgmma", "_build_report", cases)
+    for case, built in report.items():
+        assert built["wgmma"] and built["tma_load"], case
+        assert 1 in built["waits"], f"{case}: no product left in flight (waits {built['waits']})"
+        assert built["tma_reduce"] == 2 and built["atomics"] == 0, case
+        assert tuning.ONE_PASS_COMPUTE_REGISTERS in built["registers"], (case, built["registers"])
         assert built["tanh"] == ("variants" in case), case
 
 

@@ -138,14 +138,68 @@ def test_backward_through_lse():
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("hopper", [True, False])
 def test_backward_is_bitwise_repeatable(head_dim, hopper, monkeypatch):
-    # Two passes, no atomic adds: runs give the same bits, on the Hopper kernels and on the tl ones.
+    # Under torch.use_deterministic_algorithms the backward runs two passes, no atomic adds, even where the Hopper
+    # kernels' one pass (dQ by TMA reductions) is asked for: runs give the same bits, on the Hopper kernels and on
+    # the tl ones.
+    monkeypatch.setenv("FLASHLITE_BACKWARD_ONE_PASS", "1")
     if not hopper:
         monkeypatch.setenv("FLASHLITE_WGMMA_BACKWARD", "0")
     q = torch.randn(2, 8, 1500, head_dim, device="cuda", dtype=BF16, requires_grad=True)
     k, v = (torch.randn(2, 2, 1700, head_dim, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
     do = torch.randn_like(q)
-    first, *others = [torch.autograd.grad(flashlite.flash_attention(q, k, v, causal=True), (q, k, v), do)
-                      for _ in range(3)]
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, *others = [torch.autograd.grad(flashlite.flash_attention(q, k, v, causal=True), (q, k, v), do)
+                          for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
     for other in others:
         for name, a, b in zip(("dq", "dk", "dv"), first, other):
             assert torch.equal(a, b), f"{name} differs between runs"
+
+
+# The Hopper backward's one pass (FLASHLITE_BACKWARD_ONE_PASS=1: two key tiles a program, dQ added by TMA
+# reductions): lengths that cut the
+# program's second key tile and the last query tile, GQA, Dv != D, and each variant; the kernel that ran is recorded
+# (``KernelLaunch`` spied on as the plans build it).
+ONE_PASS_CASES = [
+    dict(lq=1000, lk=1100, h=(8, 2), d=(64, 64), kw=dict(causal=False)),
+    dict(lq=1000, lk=1100, h=(8, 2), d=(128, 128), kw=dict(causal=True)),
+    dict(lq=333, lk=197, h=(4, 4), d=(128, 64), kw=dict(causal=True)),
+    dict(lq=700, lk=700, h=(6, 1), d=(96, 96), kw=dict(causal=False, window_size=(100, 37))),
+    dict(lq=513, lk=700, h=(4, 2), d=(64, 64), kw=dict(causal=True, softcap=20.0)),
+    dict(lq=640, lk=640, h=(4, 4), d=(128, 128), kw=dict(causal=False, alibi=True)),
+    dict(lq=64, lk=65, h=(2, 2), d=(32, 32), kw=dict(causal=False)),
+]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("case", ONE_PASS_CASES, ids=lambda c: f"{c['lq']}x{c['lk']}-d{c['d']}-{sorted(c['kw'])}")
+def test_one_pass_backward_on_the_gpu(case, dtype, monkeypatch):
+    from flashlite.attention import api, backward_hopper
+
+    from .test_gpu_attention import check_output_and_grads, make
+    from .test_gpu_decode import require_hopper
+
+    require_hopper()
+    ran = []
+
+    class Spy(backward_hopper.KernelLaunch):
+        def __call__(self, *args):
+            ran.append(self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else str(self.kernel))
+            super().__call__(*args)
+
+    monkeypatch.setattr(backward_hopper, "KernelLaunch", Spy)
+    monkeypatch.setenv("FLASHLITE_BACKWARD_ONE_PASS", "1")
+    api.clear_routes()
+    (h, h_kv), (d, dv) = case["h"], case["d"]
+    kw = dict(case["kw"])
+    if kw.pop("alibi", False):
+        from flashlite.nn import alibi_slopes
+
+        kw["alibi_slopes"] = alibi_slopes(h).cuda()
+    q = make(2, h, case["lq"], d, dtype, True)
+    k, v = make(2, h_kv, case["lk"], d, dtype, True), make(2, h_kv, case["lk"], dv, dtype, True)
+    check_output_and_grads(q, k, v, dtype, **kw)
+    assert any("one_pass" in name for name in ran), f"the one-pass kernel did not run: {ran}"
+    assert not any("dq_wgmma" in name for name in ran), f"the dQ pass ran: {ran}"

@@ -25,6 +25,15 @@ out ``dS_{j+1}`` while the last of them runs. It sums dQ in a fixed order, so th
 run to run. (A one-pass variant, the dK/dV kernel adding dQ by atomic adds, measured 0.67-0.76x this
 two-pass path on the H200 and was removed: TUNING.md#backward-hopper.)
 
+The one pass (``_attention_bwd_one_pass_kernel``, ``FLASHLITE_BACKWARD_ONE_PASS=1`` or forced tiles; off by
+default: 0.81-0.97x the two passes on the H200, TUNING.md#one-pass-ws). Warp-specialized, FlashAttention-3's
+plan: a program is two key tiles of 64 on two compute warpgroups (``gl.warp_specialize``) and a load warp that
+streams the Q/dO tiles both share; each warpgroup runs the dK/dV turn above plus a fifth product, its key tile's
+share of dQ = dS K (dSᵀ through shared memory, read transposed); the two shares are summed on chip (the
+warpgroups take turns) and added to an fp32 workspace by one TMA reduction a query tile, then copied into dq.
+Not deterministic (the reductions' order varies): under ``torch.use_deterministic_algorithms(True)`` the two
+passes run.
+
 The notation and the P, δ, ``(m, d)`` conventions are ``backward``'s: P is recomputed from the forward's LSE
 (base-2 units: the row's final state is ``(LSE · log2 e, 1)``, ``core.online_softmax.safe_max`` for empty
 rows), δ comes from ``backward``'s preprocess kernel, the masks from ``core.masking`` (``query_ranges`` and
@@ -50,6 +59,7 @@ on one warpgroup dK and dV would take 96 + 96 accumulator registers a thread: 25
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -59,15 +69,15 @@ from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.runtime import KernelLaunch, device_info
 from ..core.tiles import tma_usable
-from ..core.triton_compat import gluon_source, mangle_type
+from ..core.triton_compat import descriptor_template, gluon_source, mangle_type, rebind_descriptor
 from . import tuning
 from .forward import alibi_slope
 from . import plan
 from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, boxes_nbytes, copy_boxes, descriptor_parts,
-    gluon, issue_kv_load, packed_program, part_descriptors, part_templates, query_program, rebind_parts,
-    register_operands, ring_slots, slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier, tile_boxes,
-    tile_bounds, wait_kv, zero_accumulators, zero_rows_past,
+    gluon, gluon_descriptor, issue_kv_load, packed_program, part_descriptors, part_templates, query_program,
+    rebind_parts, register_operands, ring_slots, slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier, tile_boxes,
+    tile_bounds, tma_add, wait_kv, zero_accumulators, zero_rows_past,
 )
 from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, packed_schedule
 
@@ -312,6 +322,239 @@ if gluon is not None:
         store_boxes(dk_descs, start, k_smem)
         store_boxes(dv_descs, start, v_smem)
         tma.store_wait(0)
+
+    @gluon.jit
+    def _one_pass_load_partition(kv, q_ring, q_free, items):
+        """The one-pass kernel's load warp: K and V of both key tiles (``kv = (k_descs, v_descs, k_slots,
+        v_slots, kv_bar, kv_start)``, one slot a compute warpgroup, on one barrier), then each work item's Q and
+        dO tiles (``_load_query_tile``) into ring slot ``it % STAGES`` once both compute warpgroups have released
+        it (``q_free``; a fresh mbarrier counts as released)."""
+        k_descs, v_descs, k_slots, v_slots, kv_bar, kv_start = kv
+        b, h_kv, row = kv_start
+        BLOCK_N: gl.constexpr = k_descs[0].block_type.shape[2]
+        STAGES: gl.constexpr = q_ring[2][0].type.shape[0]
+        mbarrier.expect(kv_bar, 2 * (boxes_nbytes(k_descs) + boxes_nbytes(v_descs)))
+        for wg in gl.static_range(2):
+            copy_boxes(k_descs, (b, h_kv, row + wg * BLOCK_N), kv_bar, slot_boxes(k_slots, wg))
+            copy_boxes(v_descs, (b, h_kv, row + wg * BLOCK_N), kv_bar, slot_boxes(v_slots, wg))
+        for it in range(items[4]):
+            slot = it % STAGES
+            mbarrier.wait(q_free.index(slot), ((it // STAGES) & 1) ^ 1)
+            _load_query_tile(q_ring, it, items)
+
+    @gluon.jit
+    def _one_pass_compute_partition(kv, outs, q_ring, q_free, dq_out, items, rows, stats, scalars, mods,
+                                    IS_CAUSAL: gl.constexpr, MODS: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                                    HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, WARPGROUP: gl.constexpr):
+        """One compute warpgroup of the one-pass kernel: key tile ``WARPGROUP`` of the program's two (its K and V
+        in slot ``WARPGROUP`` of ``kv``'s), every work item of ``items`` (the Q/dO ring's, shared with the other
+        warpgroup), Sᵀ, dPᵀ, dV and dK as ``_attention_bwd_wgmma_kernel`` works them out, and a fifth product,
+        this key tile's share of the query tile's dQ = dS K (dSᵀ through shared memory, read transposed), summed
+        with the other warpgroup's and added in fp32 to the workspace's tile by one TMA reduction: ``dq_out =
+        (dq_desc, stages, ds_smem, share_ready, share_free)``, the workspace's descriptor, both warpgroups' [1, 1,
+        BLOCK_M, HEAD_DIM] fp32 stages, this one's dSᵀ buffer, and a barrier of each warpgroup's for a share
+        handed over and one for its read. ``outs = (dk_descs, dv_descs)``; ``rows = (seqlen_q, seqlen_k, n_start)``
+        (the program's first key); ``stats = (lse_ptr, delta_ptr, stats_row0, stats_head_stride, alibi_ptr,
+        stride_alibi_b)``; ``scalars = (qk_scale, scale)``; ``mods`` as ``core.masking.modify_scores`` takes them
+        without the ALiBi slope (the head's, looked up here). (``HAS_SOFTCAP``, ``HAS_ALIBI`` and ``HAS_WINDOW``
+        are ``MODS``' own, passed apart: unpacked from the tuple, Triton 3.9 takes them for run-time values.)"""
+        k_descs, v_descs, k_slots, v_slots, kv_bar, kv_start = kv
+        q_descs, do_descs, q_smem, do_smem, q_ready = q_ring
+        dq_desc, stages, ds_smem, share_ready, share_free = dq_out
+        own_stage = stages[WARPGROUP]
+        own_view = own_stage.reshape([own_stage.type.shape[2], own_stage.type.shape[3]])
+        other_view = stages[1 - WARPGROUP].reshape([own_stage.type.shape[2], own_stage.type.shape[3]])
+        b, h_first, query_start, n_query_tiles, n_items = items
+        seqlen_q, seqlen_k, n_start = rows
+        lse_ptr, delta_ptr, stats_row0, stats_head_stride, alibi_ptr, stride_alibi_b = stats
+        qk_scale, scale = scalars
+        softcap, window_left, window_right = mods
+        dtype: gl.constexpr = q_descs[0].dtype
+        BLOCK_M: gl.constexpr = q_descs[0].block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_descs[0].block_type.shape[2]
+        STAGES: gl.constexpr = q_smem[0].type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+        key_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        query_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        # This warpgroup's keys see the query tiles [full_start, full_end) whole; the program's other tiles
+        # (the other key tile's) are masked here, as a ragged last key tile is whole.
+        n_start = n_start + WARPGROUP * BLOCK_N
+        _, full_start, full_end, query_end = query_ranges(
+            n_start, n_start + BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left=window_left,
+            window_right=window_right, HAS_WINDOW=HAS_WINDOW)
+        if n_start + BLOCK_N > seqlen_k:
+            full_start = query_end
+            full_end = query_end
+
+        dks = zero_accumulators(k_descs, BLOCK_N, 4)
+        dvs = zero_accumulators(v_descs, BLOCK_N, 4)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        k_idx = n_start + gl.arange(0, BLOCK_N, layout=key_rows)
+        cols = gl.arange(0, BLOCK_M, layout=query_cols)
+        stat_offsets = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        mbarrier.wait(kv_bar, 0)
+        k_tiles = box_views(slot_boxes(k_slots, WARPGROUP))
+        v_tiles = box_views(slot_boxes(v_slots, WARPGROUP))
+        for it in range(n_items):
+            slot = it % STAGES
+            g = it // n_query_tiles
+            start = query_start + (it % n_query_tiles) * BLOCK_M
+            h = h_first + g
+            stats_row = stats_row0 + h.to(gl.int64) * stats_head_stride
+            q_idx = start + cols
+            mbarrier.wait(q_ready.index(slot), (it // STAGES) & 1)
+            q_tiles = box_views(slot_boxes(q_smem, slot))
+            do_tiles = box_views(slot_boxes(do_smem, slot))
+            s_token = sum_of_products(k_tiles, q_tiles, s_zero)
+            dp_token = sum_of_products(v_tiles, do_tiles, s_zero)
+            stat_rows = start + stat_offsets
+            in_q = stat_rows < seqlen_q
+            row_m = safe_max(gl.load(lse_ptr + stats_row + stat_rows, mask=in_q, other=0.0) * LOG2E)
+            row_m = gl.convert_layout(row_m, query_cols)
+            delta = gl.convert_layout(gl.load(delta_ptr + stats_row + stat_rows, mask=in_q, other=0.0),
+                                      query_cols)
+            head_mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
+                         window_left, window_right)
+
+            s = warpgroup_mma_wait(1, deps=(s_token,))  # dPᵀ may still run
+            masked = (start < full_start) | (start >= full_end)
+            if HAS_SOFTCAP or HAS_ALIBI:
+                s, tanh = modify_scores(s * qk_scale, k_idx, start, cols, seqlen_q, seqlen_k, head_mods, MODS,
+                                        KEYS_ON_ROWS=True)
+                if masked:
+                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
+                                    stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
+                                    BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
+                                    window_right=window_right, HAS_WINDOW=HAS_WINDOW)
+                p = gl.exp2(s - row_m[None, :])
+            else:
+                if masked:
+                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
+                                    stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
+                                    BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
+                                    window_right=window_right, HAS_WINDOW=HAS_WINDOW)
+                p = gl.exp2(s * qk_scale - row_m[None, :])
+            p_ops = register_operands(p.to(dtype), dvs)
+            dv_tokens = accumulate_products(p_ops, do_tiles, dvs)
+            dp = warpgroup_mma_wait(len(dvs), deps=(dp_token,))  # dV may still run
+            ds = p * (dp - delta[None, :])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - tanh * tanh)
+            # dSᵀ through shared memory: dK's products read it as it is, dQ's transposed.
+            ds_smem.store(ds.to(dtype))
+            fence_async_shared()
+            thread_barrier()  # (this warpgroup's warps)
+            dk_tokens = accumulate_products((ds_smem,) * len(dks), q_tiles, dks)
+            # dV done (Pᵀ's registers free) before dQ's accumulator is taken; dK may still run.
+            dvs = warpgroup_mma_wait(len(dks), deps=dv_tokens + p_ops)[:len(dvs)]
+            dq_token = warpgroup_mma(ds_smem.permute((1, 0)), k_tiles[0], zero_accumulators(q_descs, BLOCK_M, 4)[0],
+                                     use_acc=False, is_async=True)
+            done = warpgroup_mma_wait(0, deps=dk_tokens + (dq_token,))
+            dks = done[:len(dks)]
+            dq = done[len(dks)]
+            mbarrier.arrive(q_free.index(slot))  # the Q/dO slot is read (the load warp waits for both)
+            # The query tile's dQ: both key tiles' shares summed on chip, then one TMA reduction (times the scale)
+            # into the workspace's tile. The warpgroups take turns to sum (item parity); the other hands its share
+            # over through its stage. Before a stage is written, its last reduction has read it (store_wait) and
+            # the other warpgroup its last share (``share_free``: fresh barriers count as read).
+            turn = it // 2
+            if it % 2 == WARPGROUP:
+                mbarrier.wait(share_ready.index(1 - WARPGROUP), turn & 1)
+                dq = dq + other_view.load(dq.type.layout)
+                thread_barrier()
+                mbarrier.arrive(share_free.index(1 - WARPGROUP))
+                tma.store_wait(0)
+                mbarrier.wait(share_free.index(WARPGROUP), (turn & 1) ^ (1 - WARPGROUP))
+                own_view.store(dq * scale)
+                fence_async_shared()
+                thread_barrier()
+                tma_add(dq_desc, [b, h, start, 0], own_stage)
+            else:
+                tma.store_wait(0)
+                mbarrier.wait(share_free.index(WARPGROUP), (turn & 1) ^ 1)
+                own_view.store(dq)
+                thread_barrier()
+                mbarrier.arrive(share_ready.index(WARPGROUP))
+
+        tma.store_wait(0)
+        # dK and dV leave through this warpgroup's K and V slots (no product reads them any more).
+        b_row, h_kv, kv_row = kv_start
+        _store_key_tile(dks, dvs, scale, outs, (slot_boxes(k_slots, WARPGROUP), slot_boxes(v_slots, WARPGROUP)),
+                        (b_row, h_kv, kv_row + WARPGROUP * BLOCK_N))
+
+    @gluon.jit
+    def _attention_bwd_one_pass_kernel(
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, alibi_ptr,
+        n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+        STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, COMPUTE_REGISTERS: gl.constexpr,
+        LOAD_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # A program is two key tiles of BLOCK_N keys of one (batch, K/V head), one a compute warpgroup (the
+        # default partition and a worker), sharing the Q/dO tiles a load warp streams in; each query tile's dQ
+        # (both warpgroups' shares, summed on chip) goes to an fp32 workspace (``dq_desc``: (B, H, Lq rounded up
+        # to BLOCK_M, HEAD_DIM)) by a TMA reduction. Dense batches, one column part.
+        q_descs = (q_desc,)
+        k_descs = (k_desc,)
+        v_descs = (v_desc,)
+        do_descs = (do_desc,)
+        b, h_kv, n_start, _, lengths, stats = _key_program(
+            gl.program_id(0), None, n_heads, kv_group, seqlen_q, seqlen_k, 2 * BLOCK_N, 0, num_warps)
+        seqlen_q, seqlen_k = lengths
+        stats_row0, stats_head_stride = stats
+        h_first = h_kv * kv_group
+        MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
+        query_start, _, _, query_end = query_ranges(
+            n_start, n_start + 2 * BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left=window_left,
+            window_right=window_right, HAS_WINDOW=HAS_WINDOW)
+        n_query_tiles = gl.cdiv(query_end - query_start, BLOCK_M) * (n_start < seqlen_k).to(gl.int32)
+        n_items = n_query_tiles * kv_group
+
+        k_slots = ring_slots(k_descs, 2)  # a key tile a compute warpgroup
+        v_slots = ring_slots(v_descs, 2)
+        q_smem = ring_slots(q_descs, STAGES)
+        do_smem = ring_slots(do_descs, STAGES)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
+        ds_smem0 = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        ds_smem1 = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        stages = (gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout),
+                  gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout))
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        share_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        share_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_free.index(i), count=2)
+        for wg in gl.static_range(2):
+            mbarrier.init(share_ready.index(wg), count=1)
+            mbarrier.init(share_free.index(wg), count=1)
+
+        kv_start = (b, h_kv, n_start)  # (dense: positions are the tensors' coordinates)
+        kv = (k_descs, v_descs, k_slots, v_slots, kv_bar, kv_start)
+        outs = ((dk_desc,), (dv_desc,))
+        q_ring = (q_descs, do_descs, q_smem, do_smem, q_ready)
+        items = (b, h_first, query_start, n_query_tiles, n_items)
+        rows = (seqlen_q, seqlen_k, n_start)
+        stats = (lse_ptr, delta_ptr, stats_row0, stats_head_stride, alibi_ptr, stride_alibi_b)
+        scalars = (qk_scale, scale)
+        mods = (softcap, window_left, window_right)
+        gl.warp_specialize(
+            [(_one_pass_compute_partition,  # key tile 0: the default partition
+              (kv, outs, q_ring, q_free, (dq_desc, stages, ds_smem0, share_ready, share_free), items, rows, stats,
+               scalars, mods, IS_CAUSAL,
+               MODS, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW, 0)),
+             (_one_pass_compute_partition,  # key tile 1
+              (kv, outs, q_ring, q_free, (dq_desc, stages, ds_smem1, share_ready, share_free), items, rows, stats,
+               scalars, mods, IS_CAUSAL,
+               MODS, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW, 1)),
+             (_one_pass_load_partition, (kv, q_ring, q_free, items))],
+            [4, 1], [COMPUTE_REGISTERS, LOAD_REGISTERS])
 
     @gluon.jit
     def _key_program(pid, packed, n_heads, kv_group, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr,
@@ -579,6 +822,16 @@ def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: i
     return meta
 
 
+def one_pass_kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
+                         variant_meta: dict | None = None) -> dict:
+    """The one-pass kernel's launch keywords on ``config``'s tiles (as ``kernel_meta``): its partitions'
+    registers (``tuning.ONE_PASS_*_REGISTERS``) and the launch's cap."""
+    return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                STAGES=config.stages, IS_CAUSAL=causal, COMPUTE_REGISTERS=tuning.ONE_PASS_COMPUTE_REGISTERS,
+                LOAD_REGISTERS=tuning.ONE_PASS_LOAD_REGISTERS, num_warps=4, maxnreg=tuning.ONE_PASS_LAUNCH_REGISTERS,
+                **_variant_switches(variant_meta))
+
+
 # The backward splits only head dims padded to this width (129 to 192: the two-warpgroup tiles of D = 256); its
 # kernels were not built for D = 128's tiles in parts (96 = 64 + 32), which stay padded.
 SPLIT_PADDED_HEAD_DIM = 256
@@ -655,6 +908,22 @@ class HopperBackwardLaunch:
                      (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,))
         self.dkdv = KernelLaunch(_attention_bwd_wgmma_kernel, grids[0], **dkdv_meta)
         self.dq = KernelLaunch(_attention_bwd_dq_wgmma_kernel, grids[1], **dq_meta)
+        # One pass where the tiles (or FLASHLITE_BACKWARD_ONE_PASS=1) ask for it and the kernel serves the call:
+        # dense, one column part each, a warpgroup's 64 keys a key tile; deterministic calls keep the two passes
+        # (``__call__``).
+        self.one_pass = None
+        if ((config.one_pass or plan.backward_one_pass_enabled()) and varlen is None
+                and len(q_parts) == len(v_parts) == 1 and config.block_n == 64 and config.split == 1):
+            config = dataclasses.replace(config, one_pass=True)
+            # dQ's fp32 workspace: whole query tiles (a TMA reduction adds a tile), the padded head dim.
+            rows_padded = triton.cdiv(seqlen_q, config.block_m) * config.block_m
+            self.workspace = (batch, n_heads, rows_padded, q_parts[0])
+            self.workspace_descriptor = descriptor_template(gluon_descriptor(
+                torch.empty(self.workspace, dtype=torch.float32, device="meta"), config.block_m, q_parts[0]))
+            self.one_pass = KernelLaunch(
+                _attention_bwd_one_pass_kernel,
+                (triton.cdiv(seqlen_k, 2 * config.block_n) * batch * k.shape[1],),
+                **one_pass_kernel_meta(config, *widths, causal, variant_meta))
 
     def __call__(
         self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
@@ -670,6 +939,12 @@ class HopperBackwardLaunch:
             dkdv_packed = (*seqs, n_seqs, dk, *dk_layout, dv, *dv_layout)
             dq_packed = (*seqs, n_seqs, dq, *dq_layout)
         descs = rebind_parts(self.dkdv_descriptors, (q, k, v, do, dk, dv))
+        if self.one_pass is not None and not torch.are_deterministic_algorithms_enabled():
+            workspace = torch.zeros(self.workspace, dtype=torch.float32, device=q.device)
+            self.one_pass(*descs[:6], rebind_descriptor(self.workspace_descriptor, workspace), lse, delta, alibi,
+                          *self.sizes, stride_alibi, *self.scalars)
+            dq.copy_(workspace[:, :, :q.shape[2], :q.shape[3]])
+            return dq, dk, dv
         self.dkdv(*descs, lse, delta, alibi, dkdv_packed, *self.sizes, stride_alibi, *self.scalars)
         descs = rebind_parts(self.dq_descriptors, (q, k, v, do, dq))
         self.dq(*descs, lse, delta, alibi, dq_packed, *self.sizes, stride_alibi, *self.scalars)
@@ -689,7 +964,8 @@ def attention_backward_hopper(
 def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_dim: int, causal: bool,
                    variant_meta: dict | None = None, head_dim_v: int | None = None, split: bool = False,
                    dtype: torch.dtype = torch.bfloat16, packed: bool = False) -> "triton.compiler.CompiledKernel":
-    """One of the two kernels (``kernel_name`` "dkdv" or "dq") built for sm_90 on any machine, no GPU needed, with
+    """One of the kernels (``kernel_name`` "dkdv", "dq" or "one_pass") built for sm_90 on any machine, no GPU needed,
+    with
     the argument types a launch on Hopper gives (``dtype``, bf16 by default; head dim ``head_dim`` for q and k,
     ``head_dim_v`` (default: the same) for v and dO; ``split``: in column parts as ``FLASHLITE_HEAD_SPLIT=1``
     plans them, else padded; ``packed``: a packed batch's kernel, ``SEQ_BLOCK`` 256): Triton's compiled kernel,
@@ -702,21 +978,30 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
     dq = kernel_name == "dq"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
     q_like, v_like = (torch.empty(1, 1, 256, d, dtype=dtype) for d in (head_dim, head_dim_v))
-    kernel = _attention_bwd_dq_wgmma_kernel if dq else _attention_bwd_wgmma_kernel
+    one_pass = kernel_name == "one_pass"
+    kernel = (_attention_bwd_dq_wgmma_kernel if dq else _attention_bwd_one_pass_kernel if one_pass
+              else _attention_bwd_wgmma_kernel)
     specs = (((q_like, rows, q_parts), (q_like, keys, q_parts), (v_like, keys, v_parts), (v_like, rows, v_parts),
               (q_like, rows, q_parts)) if dq else
              ((q_like, rows, q_parts), (q_like, keys, q_parts), (v_like, keys, v_parts), (v_like, rows, v_parts),
               (q_like, keys, q_parts), (v_like, keys, v_parts)))
-    descs = dict(zip(kernel.arg_names, part_descriptors(specs)))  # (a launch's first arguments)
+    descs = part_descriptors(specs)
+    if one_pass:  # the six first parts and dQ's fp32 workspace
+        descs = descs[:len(specs)] + (gluon_descriptor(torch.empty(1, 1, 256, q_parts[0]), rows, q_parts[0]),)
+    descs = dict(zip(kernel.arg_names, descs))  # (a launch's first arguments)
     seq_block = 256 if packed else 0
-    meta = (dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block) if dq
-            else kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block))
+    if one_pass:
+        meta = one_pass_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta)
+    elif dq:
+        meta = dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block)
+    else:
+        meta = kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block)
     options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
     constants = dict(meta, num_warps=options["num_warps"])  # (the kernels read num_warps as a constexpr)
     constants.update({name: None for name, desc in descs.items() if desc is None})
     if not meta["HAS_ALIBI"]:
         constants["alibi_ptr"] = None
-    if not packed:
+    if not packed and not one_pass:
         constants["packed"] = None
     # (cu_seqlens_q, cu_seqlens_k, sequences, then each gradient, its H and L strides and head dim):
     # HopperBackwardLaunch's ``packed`` tuples

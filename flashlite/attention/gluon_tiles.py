@@ -35,6 +35,9 @@ try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     # A barrier of the program's threads: thread_barrier in 3.6, barrier in 3.9.
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    # TMA reductions (cp.reduce.async.bulk.tensor .add): 3.9 names them async_atomic_add; 3.6's Gluon has the
+    # op but no function for it (defined below).
+    tma_add = getattr(tma, "async_atomic_add", None)
 except ImportError:  # pragma: no cover - older Triton: the triton.language kernel serves every call
     gluon = None
 
@@ -52,6 +55,19 @@ ZERO_ROWS = tl.constexpr(16)
 
 
 if gluon is not None:
+
+    if tma_add is None:
+        from triton._C.libtriton import ir as triton_ir
+        from triton.experimental.gluon.language._core import builtin as gluon_builtin
+
+        @gluon_builtin
+        def tma_add(tensor_desc, coord, src, _semantic=None):
+            """Add the shared-memory box ``src`` to the tile at ``coord`` of ``tensor_desc``'s tensor by one TMA
+            reduction (asynchronous: ``tma.store_wait`` waits for its read of ``src``); Triton 3.9's
+            ``tma.async_atomic_add``, built from 3.6's op."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
 
     # (Compile-time sums: a value assigned in a jit function becomes a run-time one, and mbarrier.expect takes a
     # constant.)
@@ -340,7 +356,8 @@ def wgmma_available() -> bool:
 @functools.lru_cache(maxsize=None)
 def box_layout(box: tuple, dtype: torch.dtype):
     """The shared-memory layout (swizzled for TMA and wgmma) of one [1, 1, rows, head_dim] box."""
-    return gl.NVMMASharedLayout.get_default_for(list(box), gl.float16 if dtype == torch.float16 else gl.bfloat16)
+    element = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(box), element)
 
 
 def gluon_descriptor(t: torch.Tensor, block_rows: int, head_dim: int):

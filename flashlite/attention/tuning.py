@@ -220,6 +220,11 @@ class WgmmaBackwardConfig:
     dq_block_m: int = 64  # the dQ kernel (two passes): query rows a program (64 a warpgroup)
     dq_block_n: int = 64  # keys a K/V tile
     dq_stages: int = 2  # K/V buffers
+    # One pass (``backward_hopper._attention_bwd_one_pass_kernel``): a program is two key tiles of ``block_n``
+    # on two compute warpgroups and a load warp; dQ summed on chip and added to an fp32 workspace by TMA
+    # reductions (not deterministic: deterministic calls keep the two passes). Forced tiles or
+    # FLASHLITE_BACKWARD_ONE_PASS=1 (plan.backward_one_pass_enabled) ask for it; TUNING.md#one-pass-ws.
+    one_pass: bool = False
 
     def __post_init__(self):
         # The kernels' shapes: one or two warpgroups, 16 keys a warp; the dQ kernel waits for K/V tile j before
@@ -227,6 +232,9 @@ class WgmmaBackwardConfig:
         if self.block_n % 16 or self.block_n // 16 * self.split not in (4, 8) or self.block_m % (8 * self.split):
             raise ValueError(f"WgmmaBackwardConfig: block_n {self.block_n} and split {self.split} must give 4 or 8 "
                              f"warps, block_m {self.block_m} a multiple of 8 · split")
+        if self.one_pass and (self.block_n != 64 or self.split != 1):
+            raise ValueError(f"WgmmaBackwardConfig: one pass takes block_n 64 (a warpgroup a key tile) and split 1, "
+                             f"not {self.block_n} and {self.split}")
         if self.dq_block_m not in (64, 128) or self.dq_block_n % 16 or self.stages < 1 or self.dq_stages < 2:
             raise ValueError(f"WgmmaBackwardConfig: dq_block_m {self.dq_block_m} must be 64 or 128, dq_block_n "
                              f"{self.dq_block_n} a multiple of 16, stages {self.stages} >= 1, dq_stages "
@@ -245,6 +253,21 @@ WGMMA_BACKWARD_CONFIGS = {
     128: WgmmaBackwardConfig(64, 64, 2),
     256: WgmmaBackwardConfig(64, 64, 2, split=2),
 }
+
+
+# Registers a thread of the one-pass backward's partitions: two compute warpgroups and a load warp, launched as
+# 12 warps (the load warp's warpgroup is padded), as the warp-specialized forward: the launch cap, 168, is 65536 /
+# 384 rounded down to a multiple of 8; the load warp's warpgroup gives most of its share to the compute warpgroups.
+# Not timed: the register file's arithmetic; TUNING.md#backward-hopper
+ONE_PASS_LAUNCH_REGISTERS = 168
+
+
+# Not timed: the register file's arithmetic; TUNING.md#backward-hopper
+ONE_PASS_COMPUTE_REGISTERS = 240
+
+
+# Not timed: the register file's arithmetic; TUNING.md#backward-hopper
+ONE_PASS_LOAD_REGISTERS = 24
 
 
 # fp32: IEEE dots on the FMA units, small tiles (as the forward's fp32 table). Only run through the
