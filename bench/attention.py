@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashlite  # noqa: E402
 from flashlite.attention.api import attention_forward, clear_routes  # noqa: E402
 from flashlite.attention.forward_hopper import attention_forward_hopper  # noqa: E402
-from flashlite.attention.plan import default_config, wgmma_config  # noqa: E402
+from flashlite.attention.plan import column_parts, default_config, wgmma_config  # noqa: E402
 from flashlite.attention.tuning import AttentionConfig, WgmmaConfig  # noqa: E402
 from common import (  # noqa: E402
     attention_flops, backward_flops, environment, fa4_attention, graph_time_ms, markdown_table, matmul_tflops,
@@ -535,7 +535,7 @@ def run_tune_wgmma(args) -> None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 cudnn = tflops(flops, measure_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal)))
             tl_value = tflops(flops, measure_ms(functools.partial(tl_kernel_forward, q, k, v, causal)))
-            chosen = wgmma_config(head_dim, causal, length)
+            chosen = wgmma_config(head_dim, causal, length, sum(column_parts(head_dim)))
             cells = []
             for config in WGMMA_TUNE_CONFIGS[head_dim]:
                 run = functools.partial(attention_forward_hopper, q, k, v, causal, 1 / math.sqrt(head_dim), False, config)

@@ -32,7 +32,8 @@ CASES = [(128, 128, False, False, 4096), (128, 128, True, False, 4096), (64, 64,
 
 
 def row(head_dim: int, head_dim_v: int, causal: bool, variants: bool, seqlen_k: int, packed: bool) -> str:
-    config = plan.wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
+    width = max(sum(plan.head_dim_parts(head_dim)), sum(plan.head_dim_parts(head_dim_v)))  # (split=True below)
+    config = plan.wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k, width)
     compiled = forward_hopper.build_for_sm90(config, head_dim, causal, True, EVERY_VARIANT if variants else None,
                                              head_dim_v, split=True, packed=packed)
     ptx, regs, spills, waits = sm90_resources(compiled)

@@ -592,8 +592,8 @@ class HopperForwardLaunch:
         self.varlen = varlen
         if varlen is not None:
             batch, seqlen_q, seqlen_k = varlen  # the longest sequences'
-        config = config or wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
         q_parts, v_parts = column_parts(head_dim), column_parts(head_dim_v)
+        config = config or wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k, max(sum(q_parts), sum(v_parts)))
         self.descriptors = part_templates(
             descriptor_specs((q, k, v, self.output.meta(q.dtype)), config, q_parts, v_parts))
         variant_scalars, variant_meta = variant_args(q, False, softcap, window, has_alibi, has_sinks,

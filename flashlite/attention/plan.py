@@ -300,10 +300,14 @@ def prune_tune_space(configs, named_args, **kwargs):
             and tma_safe(has_mask, c.kwargs["BLOCK_N"], hd_pad) and tma_safe(has_mask, c.kwargs["BLOCK_N"], dv_pad)]
 
 
-def wgmma_config(head_dim: int, causal: bool, seqlen_k: int) -> WgmmaConfig:
+def wgmma_config(head_dim: int, causal: bool, seqlen_k: int, width: int | None = None) -> WgmmaConfig:
     """The Hopper kernel's tiles for a call, by padded head dim: ``tuning.WGMMA_CONFIGS``; under causal
-    ``tuning.WGMMA_SHORT_CAUSAL``'s with few keys, else ``tuning.WGMMA_CAUSAL_CONFIGS``' where there is one."""
+    ``tuning.WGMMA_SHORT_CAUSAL``'s with few keys, else ``tuning.WGMMA_CAUSAL_CONFIGS``' where there is one.
+    ``width``: the widest head dim on chip (the column parts' sum, ``column_parts``); causal calls of a width in
+    ``tuning.WGMMA_SPLIT_CAUSAL_CONFIGS`` narrower than the padded head dim take its tiles."""
     hd_pad = head_dim_padded(head_dim)
+    if causal and width is not None and width < hd_pad and width in tuning.WGMMA_SPLIT_CAUSAL_CONFIGS:
+        return tuning.WGMMA_SPLIT_CAUSAL_CONFIGS[width]
     if causal:
         max_keys, short = tuning.WGMMA_SHORT_CAUSAL.get(hd_pad, (0, None))
         if seqlen_k <= max_keys:

@@ -153,6 +153,16 @@ WGMMA_CAUSAL_CONFIGS = {
 }
 
 
+# Head dims of 161 to 192 in column parts (plan.head_dim_parts: 192 = 128 + 64), causal: two 128-key K/V buffers
+# beside Q fit (sm_90 build: 221 KB, 223 registers, no spills), where D = 256's causal tiles take 64 keys: 414 ->
+# 445 TFLOP/s. Not kept without causal (488 -> 478 against D = 256's one 128-key buffer) nor for 129 to 160 (160:
+# 552 / 510 -> 468 / 416). Keyed by the width on chip (the parts' sum).
+# H200 2026-12-02, python bench/attention.py --head-split --head-dims 96 192 160 --lengths 4096 with these tiles for every split width (run kept in TUNING.md#head-dim-split) against attention_head_split.json of 2026-11-28; TUNING.md#head-dim-split
+WGMMA_SPLIT_CAUSAL_CONFIGS = {
+    192: WgmmaConfig(64, 128, 4, 2),
+}
+
+
 # Causal with few keys: each query tile has little work, so smaller programs, more of them
 # (by head dim: up to how many keys, and the tiles). D = 128 on the H200: 394 against the warp-specialized
 # kernel's 378 TFLOP/s at 1024 keys, 443 against 468 at 2048.
