@@ -108,6 +108,62 @@ if gluon is not None:
         copy_boxes(do_descs, start, bar, slot_boxes(do_slots, slot), pred=exists)
 
     @gluon.jit
+    def _key_tile_queries(n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          IS_CAUSAL: gl.constexpr, window_left, window_right, HAS_WINDOW: gl.constexpr):
+        """``core.masking.query_ranges`` of the key tile from ``n_start``: ``(query_start, full_start, full_end,
+        query_end)``, with a ragged last key tile masked whole (its rows past Lk are zeros, whose unmasked P could
+        overflow)."""
+        query_start, full_start, full_end, query_end = query_ranges(
+            n_start, n_start + BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left=window_left,
+            window_right=window_right, HAS_WINDOW=HAS_WINDOW)
+        if n_start + BLOCK_N > seqlen_k:
+            full_start = query_end
+            full_end = query_end
+        return query_start, full_start, full_end, query_end
+
+    @gluon.jit
+    def _query_stats(lse_ptr, delta_ptr, stats_row, stat_rows, seqlen_q, QUERY_COLS: gl.constexpr):
+        """The rows' final states (``(LSE · log2 e)``, ``safe_max`` for empty rows) and δ of the queries
+        ``stat_rows`` (a value a thread, loaded while the products run), spread to the columns of Sᵀ
+        (``QUERY_COLS``) through shared memory: loaded there directly, each thread would hold a pointer for each of
+        its 16 columns. Rows past ``seqlen_q`` read 0."""
+        in_q = stat_rows < seqlen_q
+        row_m = safe_max(gl.load(lse_ptr + stats_row + stat_rows, mask=in_q, other=0.0) * LOG2E)
+        row_m = gl.convert_layout(row_m, QUERY_COLS)
+        delta = gl.convert_layout(gl.load(delta_ptr + stats_row + stat_rows, mask=in_q, other=0.0), QUERY_COLS)
+        return row_m, delta
+
+    @gluon.jit
+    def _key_rows_probabilities(s, row_m, masked, rows, qk_scale, mods, IS_CAUSAL: gl.constexpr, MODS: gl.constexpr,
+                                HAS_SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr):
+        """``(Pᵀ, tanh)`` of a tile's scores ``s = Sᵀ`` (keys on rows: ``rows = (k_idx, start, cols, seqlen_q,
+        seqlen_k)``, the keys' positions, the query tile's first position and its columns), the score modifiers
+        (``core.masking.modify_scores``: ``tanh`` is the softcap's, ``s`` where there is none) and, where ``masked``
+        (a tile not every query sees whole), the masks: hidden scores ``-inf`` before the scale (scale > 0), as the
+        forward. (``HAS_SOFTCAP``, ``HAS_ALIBI`` and ``HAS_WINDOW`` are ``MODS``' own, passed apart.)"""
+        k_idx, start, cols, seqlen_q, seqlen_k = rows
+        window_left, window_right = mods[2], mods[3]
+        q_idx = start + cols
+        tanh = s
+        if HAS_SOFTCAP or HAS_ALIBI:
+            s, tanh = modify_scores(s * qk_scale, k_idx, start, cols, seqlen_q, seqlen_k, mods, MODS,
+                                    KEYS_ON_ROWS=True)
+            if masked:
+                s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
+                                stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
+                                BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
+                                window_right=window_right, HAS_WINDOW=HAS_WINDOW)
+            p = gl.exp2(s - row_m[None, :])
+        else:
+            if masked:
+                s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
+                                stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
+                                BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
+                                window_right=window_right, HAS_WINDOW=HAS_WINDOW)
+            p = gl.exp2(s * qk_scale - row_m[None, :])
+        return p, tanh
+
+    @gluon.jit
     def _stage_parts(accs, factor, boxes):
         """Write each column part of a gradient (``accs``, fp32 accumulators, times ``factor``) into its box of
         ``boxes`` (shared memory of the operand the gradient replaces: no product reads it any more), in the
@@ -159,12 +215,8 @@ if gluon is not None:
         # The query tiles this key tile meets (the same for every head of the group): [full_start, full_end)
         # see all its keys; the rest of [query_start, query_end) are masked. A ragged last key tile is masked
         # whole: its rows past Lk are zeros, whose unmasked P could overflow.
-        query_start, full_start, full_end, query_end = query_ranges(
-            n_start, n_start + BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left=window_left,
-            window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-        if n_start + BLOCK_N > seqlen_k:
-            full_start = query_end
-            full_end = query_end
+        query_start, full_start, full_end, query_end = _key_tile_queries(
+            n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
         if SEQ_BLOCK > 0:  # a packed batch: the next sequence's rows follow a ragged last query tile: masked too
             full_end = gl.minimum(full_end, seqlen_q // BLOCK_M * BLOCK_M)
         n_query_tiles = gl.cdiv(query_end - query_start, BLOCK_M) * (n_start < seqlen_k).to(gl.int32)
@@ -213,7 +265,6 @@ if gluon is not None:
             start = query_start + (it % n_query_tiles) * BLOCK_M
             h = h_first + g
             stats_row = stats_row0 + h.to(gl.int64) * stats_head_stride  # this head's LSE and δ
-            q_idx = start + cols
             mbarrier.wait(q_bars.index(slot), (it // STAGES) & 1)
             q_tiles = box_views(slot_boxes(q_smem, slot))
             do_tiles = box_views(slot_boxes(do_smem, slot))
@@ -223,36 +274,14 @@ if gluon is not None:
             # Sᵀ and dPᵀ: one product a column part each, chained on its accumulator.
             s_token = sum_of_products(k_tiles, q_tiles, s_zero)
             dp_token = sum_of_products(v_tiles, do_tiles, s_zero)
-            # The rows' final states and δ load while the products run: a value a thread, then spread to the
-            # columns of Sᵀ through shared memory (loaded there directly, each thread would hold a pointer
-            # for each of its 16 columns).
-            stat_rows = start + stat_offsets
-            in_q = stat_rows < seqlen_q
-            row_m = safe_max(gl.load(lse_ptr + stats_row + stat_rows, mask=in_q, other=0.0) * LOG2E)
-            row_m = gl.convert_layout(row_m, query_cols)
-            delta = gl.convert_layout(gl.load(delta_ptr + stats_row + stat_rows, mask=in_q, other=0.0),
-                                      query_cols)
+            row_m, delta = _query_stats(lse_ptr, delta_ptr, stats_row, start + stat_offsets, seqlen_q, query_cols)
             mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
                     window_left, window_right)
 
             s = warpgroup_mma_wait(len(v_tiles), deps=(s_token,))  # dPᵀ's products may still run
             masked = (start < full_start) | (start >= full_end)
-            if HAS_SOFTCAP or HAS_ALIBI:
-                s, tanh = modify_scores(s * qk_scale, k_idx, start, cols, seqlen_q, seqlen_k, mods, MODS,
-                                        KEYS_ON_ROWS=True)
-                if masked:
-                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
-                                    stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
-                                    BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
-                                    window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-                p = gl.exp2(s - row_m[None, :])
-            else:
-                if masked:  # hidden scores -inf before the scale (scale > 0), as the forward
-                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
-                                    stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
-                                    BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
-                                    window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-                p = gl.exp2(s * qk_scale - row_m[None, :])
+            p, tanh = _key_rows_probabilities(s, row_m, masked, (k_idx, start, cols, seqlen_q, seqlen_k), qk_scale,
+                                              mods, IS_CAUSAL, MODS, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
             # dV += Pᵀ dO, one product a column part of dO.
             if SPLIT > 1:
                 p_smem.store(p.to(dtype))
@@ -381,12 +410,8 @@ if gluon is not None:
         # This warpgroup's keys see the query tiles [full_start, full_end) whole; the program's other tiles
         # (the other key tile's) are masked here, as a ragged last key tile is whole.
         n_start = n_start + WARPGROUP * BLOCK_N
-        _, full_start, full_end, query_end = query_ranges(
-            n_start, n_start + BLOCK_N - 1, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL, window_left=window_left,
-            window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-        if n_start + BLOCK_N > seqlen_k:
-            full_start = query_end
-            full_end = query_end
+        _, full_start, full_end, _ = _key_tile_queries(
+            n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
 
         dks = zero_accumulators(k_descs, BLOCK_N, 4)
         dvs = zero_accumulators(v_descs, BLOCK_N, 4)
@@ -403,39 +428,19 @@ if gluon is not None:
             start = query_start + (it % n_query_tiles) * BLOCK_M
             h = h_first + g
             stats_row = stats_row0 + h.to(gl.int64) * stats_head_stride
-            q_idx = start + cols
             mbarrier.wait(q_ready.index(slot), (it // STAGES) & 1)
             q_tiles = box_views(slot_boxes(q_smem, slot))
             do_tiles = box_views(slot_boxes(do_smem, slot))
             s_token = sum_of_products(k_tiles, q_tiles, s_zero)
             dp_token = sum_of_products(v_tiles, do_tiles, s_zero)
-            stat_rows = start + stat_offsets
-            in_q = stat_rows < seqlen_q
-            row_m = safe_max(gl.load(lse_ptr + stats_row + stat_rows, mask=in_q, other=0.0) * LOG2E)
-            row_m = gl.convert_layout(row_m, query_cols)
-            delta = gl.convert_layout(gl.load(delta_ptr + stats_row + stat_rows, mask=in_q, other=0.0),
-                                      query_cols)
+            row_m, delta = _query_stats(lse_ptr, delta_ptr, stats_row, start + stat_offsets, seqlen_q, query_cols)
             head_mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
                          window_left, window_right)
 
             s = warpgroup_mma_wait(1, deps=(s_token,))  # dPᵀ may still run
             masked = (start < full_start) | (start >= full_end)
-            if HAS_SOFTCAP or HAS_ALIBI:
-                s, tanh = modify_scores(s * qk_scale, k_idx, start, cols, seqlen_q, seqlen_k, head_mods, MODS,
-                                        KEYS_ON_ROWS=True)
-                if masked:
-                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
-                                    stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
-                                    BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
-                                    window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-                p = gl.exp2(s - row_m[None, :])
-            else:
-                if masked:
-                    s = apply_masks(s, q_idx, k_idx, seqlen_q, seqlen_k, mask_ptr=None, stride_mask_q=0,
-                                    stride_mask_k=0, IS_CAUSAL=IS_CAUSAL, HAS_MASK=False, MASK_IS_BOOL=False,
-                                    BIAS_TO_UNITS=LOG2E, KEYS_ON_ROWS=True, window_left=window_left,
-                                    window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-                p = gl.exp2(s * qk_scale - row_m[None, :])
+            p, tanh = _key_rows_probabilities(s, row_m, masked, (k_idx, start, cols, seqlen_q, seqlen_k), qk_scale,
+                                              head_mods, IS_CAUSAL, MODS, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
             p_ops = register_operands(p.to(dtype), dvs)
             dv_tokens = accumulate_products(p_ops, do_tiles, dvs)
             dp = warpgroup_mma_wait(len(dvs), deps=(dp_token,))  # dV may still run
