@@ -304,6 +304,7 @@ def measure_backward(length: int, head_dim: int, causal: bool, ceiling: float, o
     q, k, v, do, fwd, bwd, row = backward_inputs(length, head_dim, causal)
     provs = providers(causal)
     grads = {}
+    previous = os.environ.get("FLASHLITE_BACKWARD_ONE_PASS")
     for name in ("flashlite",) + (("one_pass",) if one_pass else ()) + BACKWARD_PEERS:
         set_switch("FLASHLITE_BACKWARD_ONE_PASS", name == "one_pass")
         fn = provs["flashlite" if name == "one_pass" else name]
@@ -320,8 +321,12 @@ def measure_backward(length: int, head_dim: int, causal: bool, ceiling: float, o
         if name in ("flashlite", "one_pass"):
             grads[name] = torch.autograd.grad(out, (q, k, v), do)
         del out
-    set_switch("FLASHLITE_BACKWARD_ONE_PASS", False)  # (the default again)
-    if one_pass:
+    if previous is None:  # (the caller's setting again)
+        os.environ.pop("FLASHLITE_BACKWARD_ONE_PASS", None)
+    else:
+        os.environ["FLASHLITE_BACKWARD_ONE_PASS"] = previous
+    clear_routes()
+    if one_pass and len(grads) == 2:
         row["one_pass_max_diff"] = max((a.float() - b.float()).abs().max().item()
                                        for a, b in zip(grads["flashlite"], grads["one_pass"]))
         row["x_one_pass_bwd"] = row["one_pass_bwd"] / row["flashlite_bwd"]
@@ -368,8 +373,6 @@ def run_backward(args) -> None:
 
 
 # ----------------------------------------------------------------------------- --head-split
-
-
 
 
 def measure_head_split(length: int, head_dim: int, causal: bool) -> dict:

@@ -143,6 +143,59 @@ def test_one_pass_kernel_builds_with_products_in_flight():
         assert built["tanh"] == ("variants" in case), case
 
 
+@pytest.mark.parametrize("head_dim, head_dim_v, env, forced, packed, expected", [
+    (128, 128, None, None, False, False),  # off by default
+    (128, 128, "1", None, False, True),
+    (64, 128, "1", None, False, True),  # Dv != D: one column part each
+    (32, 32, "1", None, False, True),
+    (256, 256, "1", None, False, False),  # two warpgroups split the columns: two passes
+    (192, 192, "1", None, False, False),  # column parts: two passes
+    (128, 128, "1", None, True, False),  # packed batches: two passes
+    (128, 128, "1", tuning.WgmmaBackwardConfig(64, 64, 2), False, False),  # forced tiles decide
+    (128, 128, None, tuning.WgmmaBackwardConfig(64, 64, 2, one_pass=True), False, True),
+    (128, 128, "1", tuning.WgmmaBackwardConfig(64, 128, 2), False, False),  # 128-key tiles: two passes
+])
+def test_one_pass_planned_where_it_serves(hopper, monkeypatch, head_dim, head_dim_v, env, forced, packed, expected):
+    """Which backward calls plan the one-pass kernel: ``FLASHLITE_BACKWARD_ONE_PASS=1`` with the table's tiles, or
+    forced tiles with ``one_pass``; dense calls of one column part each on 64-key tiles of one warpgroup. A
+    planned call launches it alone, with the workspace's descriptor (fp32, whole query tiles, the padded head
+    dim), unless deterministic algorithms are on (then both passes)."""
+    if env is None:
+        monkeypatch.delenv("FLASHLITE_BACKWARD_ONE_PASS", raising=False)
+    else:
+        monkeypatch.setenv("FLASHLITE_BACKWARD_ONE_PASS", env)
+    q, k, _ = map(on_hopper, hopper_qkv(head_dim, torch.bfloat16, seqlen_q=300, seqlen_k=500, kv_heads=2))
+    v = on_hopper(torch.randn(2, 2, 500, head_dim_v, dtype=torch.bfloat16))
+    do = on_hopper(torch.randn(2, 4, 300, head_dim_v, dtype=torch.bfloat16))
+    varlen = (2, 150, 250) if packed else None
+    launch = backward_hopper.HopperBackwardLaunch(do, q, k, v, True, 0.1, (0.0, 0, 0), {}, forced, varlen)
+    assert (launch.one_pass is not None) == expected
+    if not expected or packed:
+        return
+    launched = []
+    monkeypatch.setattr(backward_hopper.KernelLaunch, "__call__", lambda kl, *args: launched.append((kl, args)))
+    lse = delta = torch.zeros(2, 4, 300)
+    launch(do, q, k, v, lse, delta)
+    assert [kl.kernel for kl, _ in launched] == [backward_hopper._attention_bwd_one_pass_kernel]
+    workspace = launched[0][1][6]
+    assert workspace.block_shape == [1, 1, 64, plan.head_dim_padded(head_dim)]
+    assert tuple(workspace.base.shape) == (2, 4, 320, plan.head_dim_padded(head_dim))
+    assert workspace.base.dtype == torch.float32
+    assert launched[0][0].grid == (triton_cdiv(500, 128) * 2 * 2,)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        launch(do, q, k, v, lse, delta)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert [kl.kernel for kl, _ in launched[1:]] == [backward_hopper._attention_bwd_wgmma_kernel,
+                                                     backward_hopper._attention_bwd_dq_wgmma_kernel]
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 # ----------------------------------------------------------------------------- head dims in column parts (issue 44)
 
 

@@ -104,6 +104,15 @@ def test_config_rules():
     assert plan.wgmma_config(96, True, 100) == plan.wgmma_config(128, True, 100) == tuning.WGMMA_SHORT_CAUSAL[128][1]
     assert plan.wgmma_config(192, False, 4096) == tuning.WGMMA_CONFIGS[256]
     assert plan.wgmma_config(192, True, 100) == plan.wgmma_config(256, True, 8192) == tuning.WGMMA_CAUSAL_CONFIGS[256]
+    # In column parts (the width on chip): causal 161-192 on two 128-key buffers; 129-160, non-causal and a width
+    # as wide as the padded head dim keep the padded head dim's tiles.
+    split_causal = tuning.WGMMA_SPLIT_CAUSAL_CONFIGS[192]
+    assert (split_causal.block_n, split_causal.kv_stages) == (128, 2)
+    assert plan.wgmma_config(192, True, 8192, 192) == plan.wgmma_config(176, True, 8192, 192) == split_causal
+    assert plan.wgmma_config(192, False, 8192, 192) == tuning.WGMMA_CONFIGS[256]
+    assert plan.wgmma_config(160, True, 8192, 160) == tuning.WGMMA_CAUSAL_CONFIGS[256]
+    assert plan.wgmma_config(256, True, 8192, 256) == tuning.WGMMA_CAUSAL_CONFIGS[256]
+    assert plan.wgmma_config(192, True, 8192, 256) == tuning.WGMMA_CAUSAL_CONFIGS[256]  # (Dv = 256 beside)
     ws = tuning.WGMMA_CONFIGS[128]
     assert ws.warp_specialized and ws.num_warps == 4 and ws.rows_per_program == 2 * ws.block_m
     assert tuning.WGMMA_CONFIGS[64].rows_per_program == tuning.WGMMA_CONFIGS[64].block_m
@@ -228,13 +237,13 @@ def test_head_split_dispatch(hopper, monkeypatch, head_dim, head_dim_v, causal):
     monkeypatch.setattr(fw.KernelLaunch, "__call__", lambda launch, *args: launched.append((launch, args)))
     q, k, _ = map(on_hopper, hopper_qkv(head_dim, torch.bfloat16, seqlen_k=3000, kv_heads=2))  # GQA
     v = on_hopper(torch.randn(2, 2, 3000, head_dim_v, dtype=torch.bfloat16))
-    config = plan.wgmma_config(max(head_dim, head_dim_v), causal, 3000)
     for split in (False, True):
         monkeypatch.setenv("FLASHLITE_HEAD_SPLIT", "1" if split else "0")
         o, _ = api.attention_forward(q, k, v, causal, 0.1, None, False, True)
         launch, args = launched[-1]
         parts = plan.head_dim_parts if split else (lambda d: (plan.head_dim_padded(d),))
         q_parts, v_parts = parts(head_dim), parts(head_dim_v)
+        config = plan.wgmma_config(max(head_dim, head_dim_v), causal, 3000, max(sum(q_parts), sum(v_parts)))
         assert (launch.options["HEAD_DIM"], launch.options["HEAD_DIM_V"]) == (sum(q_parts), sum(v_parts))
         n_descs = 4 * gluon_tiles.MAX_COLUMN_PARTS
         assert launch.kernel is (fw._attention_fwd_ws_kernel if config.warp_specialized
@@ -257,7 +266,8 @@ def _split_build_report(cases: list) -> dict:
     widths (N of each m64nNk16), wait depths, the bytes each mbarrier expects, its TMA stores and register moves."""
     report = {}
     for head_dim, head_dim_v, causal, variants, dtype, seqlen_k in cases:
-        config = plan.wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k)
+        width = max(sum(plan.head_dim_parts(head_dim)), sum(plan.head_dim_parts(head_dim_v)))
+        config = plan.wgmma_config(max(head_dim, head_dim_v), causal, seqlen_k, width)
         compiled = _compile_for_hopper(config, head_dim, causal, write_lse=not causal,
                                        variants=ALL_VARIANTS if variants else None, head_dim_v=head_dim_v,
                                        split=True, dtype=getattr(torch, dtype))
@@ -385,7 +395,8 @@ def _packed_build_report(cases: list) -> dict:
     parts): its wgmma wait depths, TMA stores and whether O's last tiles have pointer stores."""
     report = {}
     for head_dim, head_dim_v, causal in cases:
-        config = plan.wgmma_config(max(head_dim, head_dim_v), causal, 4096)
+        width = max(sum(plan.head_dim_parts(head_dim)), sum(plan.head_dim_parts(head_dim_v)))
+        config = plan.wgmma_config(max(head_dim, head_dim_v), causal, 4096, width)
         compiled = _compile_for_hopper(config, head_dim, causal, write_lse=True, head_dim_v=head_dim_v, split=True,
                                        packed=True)
         ptx = compiled.asm["ptx"]

@@ -85,3 +85,14 @@ def test_run_compiled_calls_the_compiled_kernels_run(monkeypatch):
     assert calls == [(3, 1, 1, "stream", compiled.function, compiled.packed_metadata, None, None, None, 1, 2)]
     assert triton_compat.is_reusable(compiled) and not triton_compat.is_reusable(object())
     assert triton_compat.load_compiled(compiled) is compiled
+
+
+def test_gluon_tma_add_exists_where_gluon_does():
+    # 3.9's tma.async_atomic_add, or the 3.6 builtin over the IR builder (its lowering is checked by the one-pass
+    # backward's sm_90 build: tests/test_attention_backward_wgmma.py counts its cp.reduce.async.bulk.tensor).
+    from flashlite.attention import gluon_tiles
+
+    add = triton_compat.gluon_tma_add()
+    assert (add is None) == (not gluon_tiles.wgmma_available())
+    if add is not None:
+        assert callable(add)

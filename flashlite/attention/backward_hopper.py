@@ -26,7 +26,7 @@ run to run. (A one-pass variant, the dK/dV kernel adding dQ by atomic adds, meas
 two-pass path on the H200 and was removed: TUNING.md#backward-hopper.)
 
 The one pass (``_attention_bwd_one_pass_kernel``, ``FLASHLITE_BACKWARD_ONE_PASS=1`` or forced tiles; off by
-default: 0.81-0.97x the two passes on the H200, TUNING.md#one-pass-ws). Warp-specialized, FlashAttention-3's
+default: 0.78-0.92x the two passes on the H200, TUNING.md#one-pass-ws). Warp-specialized, FlashAttention-3's
 plan: a program is two key tiles of 64 on two compute warpgroups (``gl.warp_specialize``) and a load warp that
 streams the Q/dO tiles both share; each warpgroup runs the dK/dV turn above plus a fifth product, its key tile's
 share of dQ = dS K (dSᵀ through shared memory, read transposed); the two shares are summed on chip (the
@@ -76,8 +76,8 @@ from . import plan
 from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, boxes_nbytes, copy_boxes, descriptor_parts,
     gluon, gluon_descriptor, issue_kv_load, packed_program, part_descriptors, part_templates, query_program,
-    rebind_parts, register_operands, ring_slots, slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier, tile_boxes,
-    tile_bounds, tma_add, wait_kv, zero_accumulators, zero_rows_past,
+    rebind_parts, register_operands, ring_slots, slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier,
+    tile_boxes, tile_bounds, tma_add, wait_kv, zero_accumulators, zero_rows_past,
 )
 from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, packed_schedule
 
@@ -851,13 +851,18 @@ def column_parts(head_dim: int) -> tuple[int, ...]:
 
 
 class HopperBackwardLaunch:
-    """The two Hopper backward kernels for one call signature, planned once: tiles, grids, descriptor templates
+    """The Hopper backward kernels for one call signature, planned once: tiles, grids, descriptor templates
     (a call rebinds them to its tensors), constexprs and scalars.
 
     Built from (B, H, L, D) tensors ``wgmma_backward_eligible`` accepted (v and dO of head dim Dv). A call takes
     the forward's natural-log ``lse`` and ``backward``'s ``delta`` (both (B, H, Lq) fp32, contiguous) and
     returns ``(dq, dk, dv)``: the dK/dV kernel, then the dQ kernel, which sums each query tile's dQ in a fixed
-    order (two runs give bitwise-equal gradients); dq in q's dtype and memory order.
+    order (two runs give bitwise-equal gradients); dq in q's dtype and memory order. One pass instead
+    (``one_pass``, the launch or None) where forced tiles say ``one_pass`` or, with the table's,
+    ``plan.backward_one_pass_enabled``, for dense calls of one column part on 64-key tiles: the one-pass kernel
+    and a copy of its fp32 workspace ((B, H, Lq rounded up to the tile, padded D): a memset and a copy a call)
+    into dq; not bitwise repeatable, so calls under ``torch.use_deterministic_algorithms(True)`` take the two
+    passes.
     ``variant_scalars``/``variant_meta``: ``plan.variant_args``' (the softcap in base-2 units); ``has_alibi``:
     calls bring the (B, H) slopes.
 
@@ -881,6 +886,7 @@ class HopperBackwardLaunch:
         batch, n_heads, seqlen_q, head_dim = q.shape
         seqlen_k, head_dim_v = k.shape[2], v.shape[3]
         hd_pad, dv_pad = head_dim_padded(head_dim), head_dim_padded(head_dim_v)
+        one_pass = config.one_pass if config is not None else plan.backward_one_pass_enabled()  # (forced tiles decide)
         config = config or tuning.WGMMA_BACKWARD_CONFIGS[max(hd_pad, dv_pad)]
         q_parts, v_parts = column_parts(head_dim), column_parts(head_dim_v)
         self.parts = (q_parts, v_parts)
@@ -917,8 +923,8 @@ class HopperBackwardLaunch:
         # dense, one column part each, a warpgroup's 64 keys a key tile; deterministic calls keep the two passes
         # (``__call__``).
         self.one_pass = None
-        if ((config.one_pass or plan.backward_one_pass_enabled()) and varlen is None
-                and len(q_parts) == len(v_parts) == 1 and config.block_n == 64 and config.split == 1):
+        if (one_pass and varlen is None and len(q_parts) == len(v_parts) == 1 and config.block_n == 64
+                and config.split == 1):
             config = dataclasses.replace(config, one_pass=True)
             # dQ's fp32 workspace: whole query tiles (a TMA reduction adds a tile), the padded head dim.
             rows_padded = triton.cdiv(seqlen_q, config.block_m) * config.block_m
@@ -970,8 +976,7 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
                    variant_meta: dict | None = None, head_dim_v: int | None = None, split: bool = False,
                    dtype: torch.dtype = torch.bfloat16, packed: bool = False) -> "triton.compiler.CompiledKernel":
     """One of the kernels (``kernel_name`` "dkdv", "dq" or "one_pass") built for sm_90 on any machine, no GPU needed,
-    with
-    the argument types a launch on Hopper gives (``dtype``, bf16 by default; head dim ``head_dim`` for q and k,
+    with the argument types a launch on Hopper gives (``dtype``, bf16 by default; head dim ``head_dim`` for q and k,
     ``head_dim_v`` (default: the same) for v and dO; ``split``: in column parts as ``FLASHLITE_HEAD_SPLIT=1``
     plans them, else padded; ``packed``: a packed batch's kernel, ``SEQ_BLOCK`` 256): Triton's compiled kernel,
     whose ``asm["ptx"]`` the CPU build test and bench/backward_resources.py read."""

@@ -35,17 +35,16 @@ try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6)
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     # A barrier of the program's threads: thread_barrier in 3.6, barrier in 3.9.
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    # TMA reductions (cp.reduce.async.bulk.tensor .add): 3.9 names them async_atomic_add; 3.6's Gluon has the
-    # op but no function for it (defined below).
-    tma_add = getattr(tma, "async_atomic_add", None)
 except ImportError:  # pragma: no cover - older Triton: the triton.language kernel serves every call
     gluon = None
 
 from ..core.packed import sequence_bounds
 from ..core.tiles import descriptor_strides
-from ..core.triton_compat import descriptor_template, new_descriptor, rebind_descriptor
+from ..core.triton_compat import descriptor_template, gluon_tma_add, new_descriptor, rebind_descriptor
 from .plan import packed_tile, query_tile
 
+# TMA reductions (cp.reduce.async.bulk.tensor .add): Triton 3.9's async_atomic_add, or 3.6's op (triton_compat).
+tma_add = gluon_tma_add()
 # wgmma is Hopper's own instruction (compute capability 9.0 exactly; Blackwell has tcgen05 instead).
 WGMMA_CAPABILITY = (9, 0)
 # Descriptors the kernels take of each tensor: one a column part (``plan.head_dim_parts``: at most two).
@@ -55,19 +54,6 @@ ZERO_ROWS = tl.constexpr(16)
 
 
 if gluon is not None:
-
-    if tma_add is None:
-        from triton._C.libtriton import ir as triton_ir
-        from triton.experimental.gluon.language._core import builtin as gluon_builtin
-
-        @gluon_builtin
-        def tma_add(tensor_desc, coord, src, _semantic=None):
-            """Add the shared-memory box ``src`` to the tile at ``coord`` of ``tensor_desc``'s tensor by one TMA
-            reduction (asynchronous: ``tma.store_wait`` waits for its read of ``src``); Triton 3.9's
-            ``tma.async_atomic_add``, built from 3.6's op."""
-            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-            _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                      src.handle)
 
     # (Compile-time sums: a value assigned in a jit function becomes a run-time one, and mbarrier.expect takes a
     # constant.)

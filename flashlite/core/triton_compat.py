@@ -13,7 +13,9 @@ one module to check (tests/test_triton_compat.py runs each function on the CPU):
 * ``rebind_descriptor``: a host tensor descriptor of another tensor with the same shape, strides and box,
   without the dataclass's checks (``object.__new__``);
 * ``gluon_source`` and ``mangle_type``: what ``triton.compile`` takes to build a Gluon kernel for a GPU
-  that is not here (the CPU build tests, ``bench/backward_resources.py``).
+  that is not here (the CPU build tests, ``bench/backward_resources.py``);
+* ``gluon_tma_add``: Gluon's TMA reduction (add a shared-memory box into a global tile): 3.9's
+  ``tma.async_atomic_add``; 3.6 has the op but no function for it, built here from its IR builder.
 """
 
 from __future__ import annotations
@@ -102,3 +104,26 @@ def mangle_type(arg) -> str:
     from triton.runtime.jit import mangle_type as mangle
 
     return mangle(arg)
+
+
+def gluon_tma_add():
+    """Gluon's ``tma_add(tensor_desc, coord, src)``: one TMA reduction adding the shared-memory box ``src`` into the
+    tile at ``coord`` of ``tensor_desc``'s tensor (``cp.reduce.async.bulk.tensor .add``; asynchronous, its read of
+    ``src`` waited for by ``tma.store_wait``). Triton 3.9's ``tma.async_atomic_add``; on 3.6 a Gluon builtin over
+    the IR builder's ``create_async_tma_reduce``. None without Gluon."""
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import tma
+    except ImportError:  # pragma: no cover - a Triton without Gluon
+        return None
+    if hasattr(tma, "async_atomic_add"):
+        return tma.async_atomic_add
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
+    @builtin
+    def tma_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+    return tma_add
