@@ -217,10 +217,11 @@ def head_split_enabled() -> bool:
 
 def backward_one_pass_enabled() -> bool:
     """True when ``FLASHLITE_BACKWARD_ONE_PASS=1``: the Hopper backward of dense calls on the table's tiles, where
-    they allow it (head dims up to 128; forced tiles decide for themselves), runs in one pass, dQ added to an fp32 workspace by TMA reductions
-    (``backward_hopper._attention_bwd_one_pass_kernel``), unless ``torch.use_deterministic_algorithms(True)`` is on.
-    Off by default: measured at 0.78-0.92x the two passes on the H200 (bench/results/h200/TUNING.md#one-pass-ws).
-    Read when a call is planned (``api.clear_routes`` after changing it)."""
+    they allow it (head dims up to 128; forced tiles decide for themselves), runs in one pass, dQ added to an fp32
+    workspace by TMA reductions (``backward_hopper._attention_bwd_one_pass_kernel``), unless
+    ``torch.use_deterministic_algorithms(True)`` is on. Off by default: measured at 0.78-0.92x the two passes on
+    the H200 (bench/results/h200/TUNING.md#one-pass-ws). Read when a call is planned (``api.clear_routes`` after
+    changing it)."""
     return os.environ.get("FLASHLITE_BACKWARD_ONE_PASS", "0") == "1"
 
 
