@@ -3,7 +3,7 @@
     python bench/backward_resources.py
 
 The Hopper (Gluon) kernels of ``backward_hopper`` on the table's tiles (and the candidates bench/backward_tune.py
-times), head dims in column parts, a packed batch's kernels (``FLASHLITE_HOPPER_VARLEN=1``), then the
+times), the one pass (``FLASHLITE_BACKWARD_ONE_PASS=1``), head dims in column parts, a packed batch's kernels (``FLASHLITE_HOPPER_VARLEN=1``), then the
 ``triton.language`` dK/dV kernel on its candidates.
 
 For each tile config: registers a thread and spill stores (ptxas -v, Triton's own ptxas), shared memory,
@@ -15,6 +15,7 @@ Unmasked, non-causal bf16.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -81,6 +82,10 @@ HOPPER_CASES += [(128, "dK/dV", Tiles(64, 128, 2)), (128, "dK/dV", Tiles(64, 64,
 HOPPER_SPLIT_CASES = [(d, dv, kernel, tuning.WGMMA_BACKWARD_CONFIGS[256])
                       for d, dv in ((192, 192), (192, 128), (160, 160)) for kernel in ("dK/dV", "dQ")]
 HOPPER_SPLIT_CASES += [(192, 192, "dK/dV", Tiles(64, 64, 2))]
+# The one pass (FLASHLITE_BACKWARD_ONE_PASS=1: two key tiles of 64 a program, TMA reductions of dQ), on the table's
+# tiles: TUNING.md#one-pass-ws.
+ONE_PASS_CASES = [(d, "one pass", dataclasses.replace(tuning.WGMMA_BACKWARD_CONFIGS[d], one_pass=True))
+                  for d in (64, 128)]
 
 
 def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | None = None, split: bool = False,
@@ -89,28 +94,33 @@ def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | Non
     (``head_dim_v``: v's head dim, by default q's); ``packed``: a packed batch's kernel."""
     dq = kernel_name == "dQ"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
-    compiled = backward_hopper.build_for_sm90("dq" if dq else "dkdv", config, head_dim, False,
-                                              head_dim_v=head_dim_v, split=split, packed=packed)
+    if kernel_name == "one pass":
+        keys = 2 * config.block_n  # (a program's two key tiles, one a compute warpgroup)
+    build = {"dQ": "dq", "dK/dV": "dkdv", "one pass": "one_pass"}[kernel_name]
+    compiled = backward_hopper.build_for_sm90(build, config, head_dim, False, head_dim_v=head_dim_v, split=split,
+                                              packed=packed)
     ptx, regs, spills, waits = sm90_resources(compiled)
     atomics = len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx))
+    reductions = len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx))
     split = f", split {config.split}" if config.split > 1 and not dq else ""  # (the warpgroups' column split)
     stages = config.dq_stages if dq else config.stages
     dims = f"{head_dim}/{head_dim_v} in parts" if head_dim_v else head_dim
     dims = f"{dims}, packed" if packed else dims
     return (f"| {dims} | {kernel_name} | {rows} x {keys}{split} | "
             f"{compiled.metadata.num_warps} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
-            f"{ptx.count('wgmma.mma_async')} | {', '.join(waits)} | {atomics} |")
+            f"{ptx.count('wgmma.mma_async')} | {', '.join(waits)} | {atomics} | {reductions} |")
 
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"triton {triton.__version__}, sm_90\n")
     print("Hopper (Gluon) kernels, `backward_hopper`: tiles are query rows x keys (a program's keys for dK/dV, its"
-          " query rows for dQ); atomics = fp32 atomic-add instructions a thread issues per tile\n")
+          " query rows for dQ, both key tiles of the one pass); atomics = fp32 atomic-add instructions a thread"
+          " issues per tile; TMA reductions = cp.reduce.async.bulk.tensor instructions in the PTX\n")
     print("| D | kernel | tiles | warps | buffers | registers | spill stores (B) | shared (B) | wgmma | wait depths |"
-          " atomics |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for case in HOPPER_CASES:
+          " atomics | TMA reductions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for case in HOPPER_CASES + ONE_PASS_CASES:
         print(hopper_report(*case), flush=True)
     for head_dim, head_dim_v, kernel_name, config in HOPPER_SPLIT_CASES:
         print(hopper_report(head_dim, kernel_name, config, head_dim_v, split=True), flush=True)
