@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+import triton
 
 from flashlite.attention import backward, backward_hopper, plan, tuning
 from flashlite.attention import gluon_tiles
@@ -181,7 +182,7 @@ def test_one_pass_planned_where_it_serves(hopper, monkeypatch, head_dim, head_di
     assert workspace.block_shape == [1, 1, 64, plan.head_dim_padded(head_dim)]
     assert tuple(workspace.base.shape) == (2, 4, 320, plan.head_dim_padded(head_dim))
     assert workspace.base.dtype == torch.float32
-    assert launched[0][0].grid == (triton_cdiv(500, 128) * 2 * 2,)
+    assert launched[0][0].grid == (triton.cdiv(500, 128) * 2 * 2,)  # two key tiles of 64 a program
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -190,10 +191,6 @@ def test_one_pass_planned_where_it_serves(hopper, monkeypatch, head_dim, head_di
         torch.use_deterministic_algorithms(previous)
     assert [kl.kernel for kl, _ in launched[1:]] == [backward_hopper._attention_bwd_wgmma_kernel,
                                                      backward_hopper._attention_bwd_dq_wgmma_kernel]
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ----------------------------------------------------------------------------- head dims in column parts (issue 44)

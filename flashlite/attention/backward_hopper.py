@@ -59,7 +59,6 @@ on one warpgroup dK and dV would take 96 + 96 accumulator registers a thread: 25
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -925,7 +924,6 @@ class HopperBackwardLaunch:
         self.one_pass = None
         if (one_pass and varlen is None and len(q_parts) == len(v_parts) == 1 and config.block_n == 64
                 and config.split == 1):
-            config = dataclasses.replace(config, one_pass=True)
             # dQ's fp32 workspace: whole query tiles (a TMA reduction adds a tile), the padded head dim.
             rows_padded = triton.cdiv(seqlen_q, config.block_m) * config.block_m
             self.workspace = (batch, n_heads, rows_padded, q_parts[0])
