@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
 import math
 import multiprocessing
 import os
@@ -157,8 +156,8 @@ def variants(head_dim: int, dkdv_best: tuple | None = None, kinds=KINDS) -> list
     out += [("fwd_hopper", c) for c in FWD_HOPPER.get(pad, [])]
     out += [("hopper_two_pass", c) for c in HOPPER.get(pad, [])]
     out += [("hopper_one_pass", c) for c in HOPPER_ONE_PASS.get(pad, [])]
-    if pad in WGMMA_BACKWARD_CONFIGS:  # the table's two passes
-        out += [("hopper_table", dataclasses.replace(WGMMA_BACKWARD_CONFIGS[pad], one_pass=False))]
+    if pad in WGMMA_BACKWARD_CONFIGS:  # the table's tiles, forced: two passes (forced tiles decide)
+        out += [("hopper_table", WGMMA_BACKWARD_CONFIGS[pad])]
     out += [("tl_table", table)]
     return [(kind, config) for kind, config in out if kind in kinds]
 
