@@ -6,7 +6,7 @@ tensor, timed like the softmax, is the ceiling at its size. Modes:
 
     python bench/softmax.py            # full sweep -> bench/results/<gpu>/softmax.{json,md,png}
     python bench/softmax.py --tune X   # time the heuristic constants' candidates (X: fused, short, online, grid,
-                                       # shared, reread, long or all)
+                                       # shared, reread, long, cluster or all)
     python bench/softmax.py --replot   # redraw softmax.png from the committed softmax.json (no GPU)
 
 GPU correctness (poisoned memory, every regime, > 2^31 elements) is tests/test_gpu_softmax.py's (pytest -m gpu).
@@ -81,7 +81,7 @@ def backward_plan(y: torch.Tensor, algorithm: str = "auto"):
 def providers(compiled) -> dict:
     return {
         "flashlite": lambda x: flashlite.softmax(x),
-        "fused": lambda x: flashlite.softmax(x, algorithm="fused") if _fused_plan(x).algorithm == "fused" else None,
+        "fused": lambda x: flashlite.softmax(x, algorithm="fused") if _fused_plan(x).algorithm != "online" else None,
         "online": lambda x: flashlite.softmax(x, algorithm="online"),
         "torch": lambda x: torch.softmax(x, dim=-1),
         "compile": compiled,
@@ -231,18 +231,12 @@ def tune_reread(cols: list[int] | None = None, rounds: int = 2, warps_tried=(16,
     ``rounds`` alternating rounds, each plan on a fresh copy; ``cols``: only the shapes of those row lengths."""
     print("reread: plan -> GB/s do_bench / CUDA graph (registers/spilled), rounds alternate; compile for reference")
     compiled = _compiled_softmax()
-    saved_max = dict(tuning.FWD_REREAD_MAX_COLS)
     for dtype, shapes in REREAD_SHAPES.items():
         for shape in shapes:
             if cols and shape[1] not in cols:
                 continue
             x = torch.randn(*shape, device="cuda", dtype=dtype)
-            tuning.FWD_REREAD_MAX_COLS.clear()
-            clear_plans()
-            plans = {"no reread": _fused_plan(x)}
-            tuning.FWD_REREAD_MAX_COLS.update(saved_max)
-            clear_plans()
-            plans["auto"] = _fused_plan(x)
+            plans = _plans_with_and_without(x, tuning.FWD_REREAD_MAX_COLS, "no reread")
             vec_cols = max(row_vectors(x, dtype), 1)
             block_n = triton.next_power_of_2(shape[1])
             for warps in warps_tried:
@@ -294,6 +288,34 @@ def _pipelined_fused(x: torch.Tensor, programs: int, warps: int, stages: int):
     return run
 
 
+def _plans_with_and_without(x: torch.Tensor, table: dict, label: str) -> dict:
+    """``{label: the plan for x with the tuning table ``table`` emptied, "auto": the plan with it}``."""
+    saved = dict(table)
+    table.clear()
+    clear_plans()
+    plans = {label: _fused_plan(x)}
+    table.update(saved)
+    clear_plans()
+    plans["auto"] = _fused_plan(x)
+    return plans
+
+
+def _round_line(x: torch.Tensor, plans: dict, peers: dict, r: int) -> list[str]:
+    """One round of a tune: 'name:GB/s' of each plan (softmax_forward, checked against float64; in reverse order on
+    odd rounds) and of each peer, every one on a fresh copy of ``x``."""
+    line = []
+    for name, plan in (plans.items() if r % 2 == 0 else reversed(plans.items())):
+        xc = fresh_copy(x)
+        line.append(f"{name}:{_time_plan(xc, plan, graph=False)}")
+        del xc
+    for name, fn in peers.items():
+        xc = fresh_copy(x)
+        ms = try_time_ms(functools.partial(fn, xc)) if fn(xc) is not None else None
+        line.append(f"{name}:{gbs(tensor_softmax_bytes(x), ms) or 0:.0f}")
+        del xc
+    return line
+
+
 def tune_long(rounds: int = 2, dtypes=(torch.bfloat16, torch.float32), shapes=LONG_TUNE_SHAPES) -> None:
     """Long rows (the shapes where quack led): flashlite's plan against rows shared by resident programs holding
     LONG_TUNE_PARTS columns each (no heads; the next part into L2 or not), and against quack, torch.compile and a
@@ -326,21 +348,41 @@ def tune_long(rounds: int = 2, dtypes=(torch.bfloat16, torch.float32), shapes=LO
             peers = {"quack": quack, "compile": compiled, "copy": lambda t: t.clone()}
             for r in range(rounds):
                 line = []
-                for name, plan in (plans.items() if r % 2 == 0 else reversed(plans.items())):
-                    xc = fresh_copy(x)
-                    line.append(f"{name}:{_time_plan(xc, plan, graph=False)}")
-                    del xc
                 for name, (run, err) in pipelined.items():  # on x itself: the kernel was built for it
                     line.append(f"{name}:{gbs(nbytes, time_ms(run)):.0f}" if _softmax_close(err, dtype)
                                 else f"{name}:WRONG({err:.1e})")
-                for name, fn in peers.items():
-                    xc = fresh_copy(x)
-                    ms = try_time_ms(functools.partial(fn, xc)) if fn(xc) is not None else None
-                    line.append(f"{name}:{gbs(nbytes, ms) or 0:.0f}")
-                    del xc
+                line += _round_line(x, plans, peers, r)
                 print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + "  ".join(line), flush=True)
             del x
             torch.cuda.empty_cache()
+
+
+CLUSTER_TUNE_SHAPES = {torch.bfloat16: ((4096, 16384), (4096, 32768), (4096, 65536), (1024, 131072), (128, 131072)),
+                       torch.float32: ((4096, 32768), (4096, 65536), (1024, 131072), (128, 131072))}
+
+
+def tune_cluster(rounds: int = 2) -> None:
+    """Rows over a thread-block cluster (tuning.CLUSTER_CTAS): flashlite's plan, its plan without clusters, and the
+    cluster kernel on 2/4/8 CTAs of 4/8 warps, against quack and a copy; do_bench GB/s, each plan checked against
+    float64, ``rounds`` rounds in alternating order."""
+    quack = quack_provider()
+    print(f"cluster rows: plan -> GB/s do_bench (CTAs x warps, columns a CTA); quack {quack_softmax()[1]}")
+    for dtype, shapes in CLUSTER_TUNE_SHAPES.items():
+        for shape in shapes:
+            x = torch.randn(*shape, device="cuda", dtype=dtype)
+            plans = _plans_with_and_without(x, tuning.CLUSTER_CTAS, "no-cluster")
+            for ctas in (2, 4, 8):
+                for warps in (4, 8):
+                    part = triton.next_power_of_2(shape[1]) // ctas
+                    if 16 <= part // (32 * warps) <= 128:
+                        plans[f"c{ctas}w{warps}({part})"] = SoftmaxPlan("cluster", 1, part, warps, ctas, part)
+            peers = {"quack": quack, "copy": lambda t: t.clone()}
+            for r in range(rounds):
+                print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + "  ".join(_round_line(x, plans, peers, r)),
+                      flush=True)
+            del x
+            torch.cuda.empty_cache()
+    clear_plans()
 
 
 def run_tune(args) -> None:
@@ -469,6 +511,8 @@ def run_tune(args) -> None:
         tune_reread(args.cols)
     if args.tune in ("all", "long"):
         tune_long()
+    if args.tune in ("all", "cluster"):
+        tune_cluster()
     print("host cost per call (us), 4096 x 256 fp32:")
     x = torch.randn(4096, 256, device="cuda")
     for name, fn in (("flashlite", lambda: flashlite.softmax(x)), ("torch", lambda: torch.softmax(x, -1))):
@@ -487,7 +531,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     parser.add_argument("--quick", action="store_true", help="three shapes only")
     parser.add_argument("--replot", action="store_true", help="redraw softmax.png from the results folder's JSON")
-    parser.add_argument("--tune", choices=["all", "fused", "short", "online", "grid", "shared", "reread", "long"], help="time heuristic candidates instead of the sweep")
+    parser.add_argument("--tune", choices=["all", "fused", "short", "online", "grid", "shared", "reread", "long", "cluster"],
+                        help="time heuristic candidates instead of the sweep")
     parser.add_argument("--cols", nargs="+", type=int, help="--tune reread: only the shapes of these row lengths")
     args = parser.parse_args(argv)
     if args.replot:

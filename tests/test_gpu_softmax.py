@@ -3,8 +3,9 @@
 Fresh random inputs, references in float64, outputs allocated from memory filled
 with NaN first (``poison``), so an element a kernel forgets to write fails. The
 regimes (``flashlite.softmax.plan``): fused tiles of several rows or one, rows
-read twice (REREAD), rows shared by resident programs (cooperative launches: a
-GPU alone runs them), with streamed heads, online whole and split, rows of odd
+read twice (REREAD), rows over a thread-block cluster (Hopper), rows shared by
+resident programs (cooperative launches: a GPU alone runs them), with streamed
+heads, online whole and split, rows of odd
 length read in frames; the backward's own (tiles kept, read twice, shared,
 online). Where a test forces a regime it checks with the plan functions that the
 plan is that regime, and with ``launched`` that its kernel ran (no silent
@@ -21,7 +22,7 @@ import torch
 import flashlite
 from flashlite.core import runtime
 from flashlite.core.partials import BOTH_PASSES, FINAL_PASS, PARTIAL_PASS
-from flashlite.softmax import api, backward, fused, online, plan as softmax_plan, shared_rows
+from flashlite.softmax import api, backward, cluster, fused, online, plan as softmax_plan, shared_rows
 
 from .utils import need_memory, poison
 
@@ -65,10 +66,10 @@ def check_logsumexp(x: torch.Tensor, what: str = "") -> None:
 
 
 def regime(p: softmax_plan.SoftmaxPlan) -> str:
-    """A plan's regime: fused (tiles held on chip), reread, shared (rows over resident programs), shared heads
-    (parts that stream a head too), online, online split."""
-    if p.algorithm == "online":
-        return "online split" if p.n_splits > 1 else "online"
+    """A plan's regime: fused (tiles held on chip), reread, cluster (rows over a thread-block cluster), shared
+    (rows over resident programs), shared heads (parts that stream a head too), online, online split."""
+    if p.algorithm in ("cluster", "online"):
+        return "online split" if p.algorithm == "online" and p.n_splits > 1 else p.algorithm
     if p.shares_rows:
         return "shared heads" if p.head_cols else "shared"
     return "reread" if p.reread else "fused"
@@ -97,7 +98,7 @@ def launched(monkeypatch):
         calls.append((kernel, options))
         return real(kernel, grid, args, **options)
 
-    for module in (runtime, api, shared_rows, online, backward):  # each calls the launch it imported
+    for module in (runtime, api, cluster, shared_rows, online, backward):  # each calls the launch it imported
         monkeypatch.setattr(module, "launch", spy)
     return calls
 
@@ -110,6 +111,9 @@ def assert_launched(calls: list, label: str, forward: bool) -> None:
         kernel = fused.softmax_fused_kernel if forward else backward.softmax_bwd_fused_kernel
         assert kernels == {kernel}, f"{label}: launched {kernels}"
         assert all(o["REREAD"] == (name == "reread") for _, o in calls)
+    elif name == "cluster":
+        assert forward and kernels == {cluster.softmax_cluster_kernel}, f"{label}: launched {kernels}"
+        assert all(o["num_ctas"] == o["CTAS"] > 1 for _, o in calls)
     elif name.startswith("shared"):
         kernel = shared_rows.softmax_shared_rows_kernel if forward else backward.softmax_bwd_shared_rows_kernel
         assert kernels == {kernel}, f"{label}: launched {kernels} (the row's programs could not all be resident?)"
@@ -132,7 +136,9 @@ REGIMES = [
     ((64, 3001), torch.bfloat16, "auto", "fused framed", "fused framed"),  # a row a tile, odd: read in frames
     ((3, 16384), torch.float16, "auto", "fused", "reread"),  # the backward loads y and dy twice past 8192 columns
     ((5, 16385), torch.float32, "auto", "fused framed", "reread framed"),
-    ((1100, 65536), torch.bfloat16, "auto", "reread", "reread"),  # many 16-bit rows of 65536: read twice
+    ((1100, 65536), torch.bfloat16, "auto", "cluster", "reread"),  # many rows of 65536: a cluster a row
+    ((600, 30000), torch.float16, "auto", "cluster", "reread"),  # columns past the row's end, in the last CTA
+    ((540, 100_000), torch.float32, "auto", "cluster", "shared"),  # 8 CTAs, the last one past the row's end
     ((5, 200_000), torch.float32, "auto", "shared", "shared"),  # longer than a program holds: shared rows
     ((3, 100_003), torch.bfloat16, "auto", "shared framed", "shared framed"),
     ((300, 65536), torch.float32, "auto", "shared heads", "shared"),  # fp32 waves: each part streams a head
@@ -237,9 +243,12 @@ def test_logsumexp(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("n_cols", [65536, 40000])
-def test_read_twice_special_rows(n_cols, dtype):
+def test_read_twice_special_rows(n_cols, dtype, monkeypatch):
     # Many 16-bit rows of up to 65536 read twice, a program a row (65536; 40000 fills too little of the tile
-    # and is shared instead): special rows and large magnitudes; errors relative to each row's largest value.
+    # and is shared instead), as on a GPU without clusters: special rows and large magnitudes; errors relative
+    # to each row's largest value.
+    monkeypatch.setattr(softmax_plan, "clusters_supported", lambda device: False)
+    api.clear_plans()
     x = torch.randn(1100, n_cols, device="cuda", dtype=dtype) * 3
     assert forward_label(x, dtype, "auto") == ("reread" if n_cols == 65536 else "shared")
     x[0] = float("-inf")  # NaN, as torch
@@ -253,6 +262,38 @@ def test_read_twice_special_rows(n_cols, dtype):
     rel = (y - ref).nan_to_num(0.0).abs().amax(-1) / ref.nan_to_num(0.0).abs().amax(-1).clamp_min(1e-30)
     assert rel.max().item() <= 8e-3
     check_logsumexp(x[5:] * 10, "read twice")
+
+
+@pytest.mark.parametrize("shape,dtype", [((1100, 65536), torch.bfloat16), ((600, 30000), torch.float16),
+                                         ((540, 131072), torch.float32), ((540, 100_000), torch.float32)],
+                         ids=["1100x65536-bf16", "600x30000-fp16", "540x131072-fp32", "540x100000-fp32"])
+def test_cluster_special_rows(shape, dtype):
+    # Rows over a thread-block cluster: a CTA's part wholly -inf (its weights 0, not NaN), a row of -inf (NaN, as
+    # torch), NaN in one part and +inf in another (NaN rows), the maximum in the last column, rows far from 0 and
+    # of large magnitude, an output dtype of its own, the log-sum-exp; poisoned outputs.
+    n_rows, n_cols = shape
+    x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype) * 3
+    assert forward_label(x, dtype, "auto") == "cluster"
+    part = softmax_plan.plan_rows(x, dtype).block_n
+    x[0, :part] = float("-inf")  # the first CTA's part
+    x[1, part:] = float("-inf")  # every part but the first
+    x[2] = float("-inf")
+    x[3, 50] = float("nan")
+    x[4, -1] = float("inf")
+    x[5, -1] = 60.0
+    x[6] = x[6] * 3000
+    x[7] = x[7] - 300
+    ref = torch.softmax(x.double(), -1)
+    for out_dtype in (dtype, torch.float32):
+        poison()
+        y = flashlite.softmax(x, dtype=out_dtype)
+        assert y.dtype == out_dtype
+        y = y.double()
+        assert torch.equal(y.isnan(), ref.isnan())
+        rel = (y - ref).nan_to_num(0.0).abs().amax(-1) / ref.nan_to_num(0.0).abs().amax(-1).clamp_min(1e-30)
+        assert rel.max().item() <= (8e-3 if out_dtype != torch.float32 else 2e-5), out_dtype
+        assert (y[0, :part] == 0).all() and (y[1, part:] == 0).all()
+    check_logsumexp(x[8:] * 10, "cluster")
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2], ids=lambda d: str(d)[6:])
@@ -312,7 +353,8 @@ def test_repeated_calls_take_the_fast_path():
              (base[4:4 + 4096 * 256].view(4096, 256), None),
              (torch.randn(3, 100_003, device="cuda"), None),  # shared rows, the last part ragged
              (torch.randn(16, 1 << 20, device="cuda", dtype=torch.bfloat16), None),  # one wave with heads
-             (torch.randn(1100, 57344, device="cuda", dtype=torch.bfloat16), None),  # a program a row, read twice
+             (torch.randn(1100, 57344, device="cuda", dtype=torch.bfloat16), None),  # over clusters, part past the end
+             (torch.randn(1100, 65536, device="cuda", dtype=torch.bfloat16), torch.float32),  # over clusters
              (torch.randn(1, 1 << 24, device="cuda"), None)]  # a row longer than the resident programs hold
     for x, out_dtype in cases:
         ref = torch.softmax(x.double(), -1)
@@ -384,12 +426,12 @@ HUGE = [
     ((2**31 // 8192 + 1, 8192), "auto", torch.bfloat16),  # fused, a row a tile; backward read twice
     ((2**31 // 4095 + 1, 4095), "auto", torch.bfloat16),  # fused in frames; the backward keeps its tiles
     ((2**31 // 30001 + 1, 30001), "auto", torch.bfloat16),  # fused in frames; backward read twice, in frames
-    ((2**31 // 32768 + 1, 32768), "auto", torch.bfloat16),
+    ((2**31 // 32768 + 1, 32768), "auto", torch.bfloat16),  # over clusters of 4 CTAs
     ((2**31 // 50257 + 1, 50257), "online", torch.bfloat16),  # streamed whole rows, in frames
     ((2**31 // 50257 + 1, 50257), "auto", torch.bfloat16),  # shared rows in frames
-    ((2**31 // 65536 + 1, 65536), "auto", torch.bfloat16),  # read twice (reread), forward and backward
+    ((2**31 // 65536 + 1, 65536), "auto", torch.bfloat16),  # over clusters; the backward read twice
     ((2**31 // 2**24 + 1, 2**24), "auto", torch.bfloat16),  # shared rows with heads; backward online split
-    ((2**31 // 65536 + 1, 65536), "auto", torch.float32),  # shared rows (wave heads), backward shared: 8.6 GB each
+    ((2**31 // 65536 + 1, 65536), "auto", torch.float32),  # over clusters, backward shared: 8.6 GB each
 ]
 
 

@@ -468,10 +468,12 @@ def test_shared_rows_plan(monkeypatch):
     # On a (stand-in) GPU, rows past FUSED_MAX_COLS stay fused across programs, tiles by element size;
     # rows longer than the resident programs hold add a head, streamed twice, to every part; so do
     # few rows that would take several waves, while one wave's heads fit half of L2. Many rows go in
-    # waves of SHARED_WAVE_TILES parts (fp32 ones stream a head as long as they hold, unless framed).
+    # waves of SHARED_WAVE_TILES parts (fp32 ones stream a head as long as they hold, unless framed). A GPU
+    # without thread-block clusters: Hopper's take many long rows over clusters (test_softmax_cluster.py).
     gpu = torch.device("cuda", 0)
     l2_bytes = H100.l2_bytes
     monkeypatch.setattr(softmax_plan, "shares_rows_on_chip", lambda device: device.type == "cuda")
+    monkeypatch.setattr(softmax_plan, "clusters_supported", lambda device: False)
     monkeypatch.setattr(softmax_plan, "device_info", lambda device: H100)
     clear_plans()
     try:

@@ -16,8 +16,10 @@ CPU = torch.device("cpu")
 
 def test_read_twice_plans(monkeypatch):
     # Aligned 16-bit rows of 32769..65536 columns that fill at least FWD_REREAD_MIN_FILL of their tile, in at
-    # least FWD_REREAD_MIN_WAVES waves of one program a multiprocessor; everything else keeps its plan.
+    # least FWD_REREAD_MIN_WAVES waves of one program a multiprocessor; everything else keeps its plan. On a GPU
+    # without thread-block clusters: Hopper's take such rows over clusters (test_softmax_cluster.py).
     monkeypatch.setattr(softmax_plan, "shares_rows_on_chip", lambda device: device.type == "cuda")
+    monkeypatch.setattr(softmax_plan, "clusters_supported", lambda device: False)
     monkeypatch.setattr(softmax_plan, "device_info", lambda device: H100)
     api.clear_plans()
     try:

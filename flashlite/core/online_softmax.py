@@ -174,15 +174,16 @@ def _merge_base2(m_a, d_a, m_b, d_b):
 
 
 @triton.jit
-def merge_partial_states(part_m, part_d, LOG2_PER_UNIT: tl.constexpr):
-    """Merge the partial states ``[ROWS, PARTS]`` of each row into one state ``[ROWS]``.
+def merge_partial_states(part_m, part_d, LOG2_PER_UNIT: tl.constexpr, AXIS: tl.constexpr = 1):
+    """Merge the partial states ``[ROWS, PARTS]`` of each row into one state ``[ROWS]`` (``AXIS``: the parts'
+    axis; 0 merges a row's ``[PARTS]`` into one scalar state).
 
     Empty parts (``-inf``, 0) are neutral, so padded slots may be loaded that way.
     """
     if LOG2_PER_UNIT == 1.0:
-        m, d = tl.reduce((part_m, part_d), 1, _merge_base2)
+        m, d = tl.reduce((part_m, part_d), AXIS, _merge_base2)
     else:
-        m, d = tl.reduce((part_m, part_d), 1, _merge_natural)
+        m, d = tl.reduce((part_m, part_d), AXIS, _merge_natural)
     return m, d
 
 

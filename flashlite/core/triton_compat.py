@@ -14,11 +14,14 @@ one module to check (tests/test_triton_compat.py runs each function on the CPU):
   without the dataclass's checks (``object.__new__``);
 * ``gluon_source`` and ``mangle_type``: what ``triton.compile`` takes to build a Gluon kernel for a GPU
   that is not here (the CPU build tests, ``bench/backward_resources.py``);
+* ``gluon_available``: whether this Triton has Gluon's Hopper API at all;
 * ``gluon_tma_add``: Gluon's TMA reduction (add a shared-memory box into a global tile): 3.9's
   ``tma.async_atomic_add``; 3.6 has the op but no function for it, built here from its IR builder.
 """
 
 from __future__ import annotations
+
+import functools
 
 import triton
 
@@ -92,11 +95,13 @@ def new_descriptor(cls, **fields):
     return desc
 
 
-def gluon_source(kernel, signature: dict, constants: dict):
-    """The source ``triton.compile`` takes to build Gluon ``kernel`` ahead of time (``GluonASTSource``)."""
+def gluon_source(kernel, signature: dict, constants: dict, aligned: tuple = ()):
+    """The source ``triton.compile`` takes to build Gluon ``kernel`` ahead of time (``GluonASTSource``); ``aligned``:
+    the indices of the parameters a launch would find divisible by 16 (pointers 16-byte aligned, ints)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    return GluonASTSource(kernel, signature, constants)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    return GluonASTSource(kernel, signature, constants, attrs or None)
 
 
 def mangle_type(arg) -> str:
@@ -104,6 +109,17 @@ def mangle_type(arg) -> str:
     from triton.runtime.jit import mangle_type as mangle
 
     return mangle(arg)
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_available() -> bool:
+    """True when this Triton has Gluon's Hopper API (``triton.experimental.gluon``: the GPU image's 3.6 and CI's 3.9
+    do)."""
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:  # pragma: no cover - a Triton without Gluon
+        return False
+    return True
 
 
 def gluon_tma_add():

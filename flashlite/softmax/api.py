@@ -15,6 +15,7 @@ from ..core.checks import check_dim, check_float_dtype
 from ..core.partials import SLOTS_ALIGN, zeroed_slots
 from ..core.runtime import compiled_launcher, is_compiling, launch, record_residency, runs_kernels
 from .backward import softmax_backward
+from .cluster import cluster_launch, launch_cluster, softmax_cluster_kernel
 from .frames import aligned_frame, frame_in_storage, rows_output
 from .fused import fused_launch, softmax_fused_kernel
 from .online import launch_online, softmax_online_kernel
@@ -83,7 +84,9 @@ def softmax_forward(
             return y, lse
         # The row's parts cannot all be resident: stream the rows, in the same frames.
         plan = plan_softmax(n_rows, n_cols, x2d.device, "online", vec_cols=plan.vec_cols)
-    if plan.algorithm == "fused":
+    if plan.algorithm == "cluster":
+        launch_cluster(x2d, y_arg, lse_arg, plan, write_y, write_lse)
+    elif plan.algorithm == "fused":
         grid, args, meta, residency_key = fused_launch(x2d, y_arg, lse_arg, out_dtype, plan, write_y, write_lse)
         compiled = launch(softmax_fused_kernel, grid, args, **meta)
         if residency_key is not None:
@@ -329,7 +332,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
 
 # Repeated calls: a second call with the same shape, strides, dtypes, dim, algorithm, device and
 # address of x modulo 16 repeats the first one's launch directly, when that was one launch of the
-# fused or the shared-row kernel on a contiguous x over its last dim: the host cost decides small
+# fused, cluster or shared-row kernel on a contiguous x over its last dim: the host cost decides small
 # softmaxes, whose kernels run for microseconds, and the general path's checks and planning cost
 # about twice the host time of the repeated launch (TUNING.md#repeat-launch). None: the general
 # path serves the call.
@@ -383,6 +386,10 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
         kernel = softmax_fused_kernel
         grid, args, meta, _ = fused_launch(x2d, y_like, x2d, out_dtype, plan, True, False)
         sizes = args[3:]
+    elif plan.algorithm == "cluster":
+        kernel = softmax_cluster_kernel
+        grid, args, meta = cluster_launch(x2d, y_like, x2d, plan, True, False)
+        states, sizes = args[3], args[4:]  # the rows' states: a fresh buffer a call
     else:
         return None
     run = compiled_launcher(kernel, grid, args, **meta)
@@ -402,6 +409,8 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
         if n_slots:
             zeroed_slots(x.device, n_slots,
                          lambda slots, clear, n_clear: run((x_arg, y_arg, x, slots, clear, n_clear, *sizes)))
+        elif kernel is softmax_cluster_kernel:
+            run((x_arg, y_arg, x, torch.empty_like(states), *sizes))
         else:
             run((x_arg, y_arg, x, *sizes))
         return y

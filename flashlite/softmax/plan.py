@@ -3,6 +3,8 @@
 * fused: a tile of rows held on chip; rows longer than one program holds are
   shared by resident programs (``shares_rows``), or read twice by a program each
   (``reread``); past what the resident programs hold, each part streams a head.
+* cluster (Hopper): many long rows, each over the CTAs of a thread-block
+  cluster that hold its parts (``flashlite.softmax.cluster``).
 * online: rows streamed in blocks; split across programs when rows are few.
 
 Plans are pure functions of shapes, the device's properties and the tables, and
@@ -21,6 +23,7 @@ import torch
 import triton
 
 from ..core.runtime import cooperative_launch_supported, device_info
+from ..core.triton_compat import gluon_available
 from . import tuning
 from .frames import aligned_frame, frame_lead, row_vectors
 from .tuning import SharedRowTile
@@ -33,11 +36,11 @@ ALGORITHMS = ("auto", "fused", "online")
 class SoftmaxPlan:
     """How one softmax call runs: the regime and its tile sizes."""
 
-    algorithm: str  # "fused" or "online"
+    algorithm: str  # "fused", "online" or "cluster" (a fused row over a thread-block cluster: n_splits CTAs)
     block_m: int
     block_n: int
     num_warps: int
-    n_splits: int = 1  # programs sharing one row: online chunks, or (fused) parts held at once
+    n_splits: int = 1  # programs sharing one row: online chunks, (fused) parts held at once, (cluster) CTAs
     cols_per_split: int = 0
     head_cols: int = 0  # fused with shared rows: columns of each part streamed twice before the block_n held
     prefetch: int = 0  # fused with shared rows: PREFETCH_NONE or PREFETCH_L2 (the next part into L2)
@@ -63,6 +66,12 @@ def shares_rows_on_chip(device: torch.device) -> bool:
     return device.type == "cuda" and cooperative_launch_supported()
 
 
+def clusters_supported(device: torch.device) -> bool:
+    """True if ``device`` launches thread-block clusters from Gluon (``flashlite.softmax.cluster``): a Hopper or later
+    GPU and a Triton with Gluon; never the interpreter, whose device is the CPU."""
+    return device.type == "cuda" and device_info(device).capability >= (9, 0) and gluon_available()
+
+
 def fused_warps(tile_elems: int, elems_per_thread: int | None = None) -> int:
     """Warps of a fused program holding ``tile_elems`` elements, ``elems_per_thread`` a thread (default
     ``tuning.FUSED_ELEMS_PER_THREAD``, read at the call: bench/softmax.py --tune sets it): 4 to 16."""
@@ -84,6 +93,10 @@ def plan_softmax(
     host cost of a call decides small softmaxes, which run for microseconds.
     """
     shared = shared_rows is not None and algorithm in ("auto", "fused") and shares_rows_on_chip(device)
+    if shared and block_n is None and n_splits is None:
+        cluster = _plan_cluster(n_rows, n_cols, device, shared_rows.itemsize, vec_cols)
+        if cluster is not None:
+            return cluster
     if n_cols > tuning.FUSED_MAX_COLS and shared:
         reread = _plan_reread(n_rows, n_cols, device, shared_rows.itemsize, n_splits, vec_cols)
         if reread is not None:
@@ -121,6 +134,18 @@ def plan_rows(x2d: torch.Tensor, out_dtype: torch.dtype, algorithm: str = "auto"
     for how the kernel reads them (``row_vectors``)."""
     return plan_softmax(x2d.shape[0], x2d.shape[1], x2d.device, algorithm, shared_rows=x2d.dtype,
                         vec_cols=row_vectors(x2d, out_dtype))
+
+
+def _plan_cluster(n_rows: int, n_cols: int, device: torch.device, itemsize: int, vec_cols: int) -> SoftmaxPlan | None:
+    """A row over a thread-block cluster (``tuning.CLUSTER_CTAS``: its CTAs, each holding ``block_n`` columns) for
+    many aligned rows (``vec_cols`` 1) that fill most of their tile, where ``device`` launches clusters; else None."""
+    block_n = triton.next_power_of_2(n_cols)
+    ctas = tuning.CLUSTER_CTAS.get(itemsize, {}).get(block_n)
+    if ctas is None or vec_cols != 1 or n_cols < tuning.CLUSTER_MIN_FILL * block_n or not clusters_supported(device):
+        return None
+    if n_rows < tuning.CLUSTER_MIN_ROWS_PER_SM * device_info(device).num_sms:
+        return None
+    return SoftmaxPlan("cluster", 1, block_n // ctas, tuning.CLUSTER_NUM_WARPS, ctas, block_n // ctas)
 
 
 def _plan_reread(

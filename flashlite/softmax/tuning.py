@@ -168,6 +168,30 @@ FWD_REREAD_MIN_WAVES = 5  # ... while the rows make at least this many waves of 
 FWD_REREAD_MIN_FILL = 0.75  # ... and fill at least this much of the tile
 
 
+# Rows over a thread-block cluster (Hopper, flashlite.softmax.cluster): by element size, then the row's length
+# rounded up to a power of two, the CTAs of the cluster that holds one row (each of CLUSTER_NUM_WARPS warps,
+# holding length / CTAS columns: 64-128 a thread). They take many aligned rows that fill at least
+# CLUSTER_MIN_FILL of the tile (as REREAD's), at least CLUSTER_MIN_ROWS_PER_SM a multiprocessor, before the
+# fused, read-twice and shared-row plans. GB/s without -> with: bf16 4096 x 32768 3185 -> 3400, 4096 x 65536
+# 3208 -> 3304, 1024 x 131072 2834 -> 3115; fp32 4096 x 65536 3530 -> 3960, 1024 x 131072 3336 -> 3775. Not
+# taken where one program held the row faster: bf16 16384 columns (3663 against 3255 on 2 CTAs), fp32 32768
+# (4069 against 3971). 128 rows of 131072 stay off: their figures swung between runs (TUNING.md).
+# H200 2026-12-02, python bench/softmax.py --tune cluster (h200/softmax_cluster_tune.log); TUNING.md#cluster-rows
+CLUSTER_CTAS = {2: {32768: 4, 65536: 4, 131072: 8}, 4: {65536: 4, 131072: 8}}
+
+
+# H200 2026-12-02, python bench/softmax.py --tune cluster; TUNING.md#cluster-rows
+CLUSTER_NUM_WARPS = 4  # 8 warps: within 2% or slower at the shapes the table takes
+
+
+# H200 2026-12-02, python bench/softmax.py --tune cluster; TUNING.md#cluster-rows
+CLUSTER_MIN_ROWS_PER_SM = 4  # 1024 rows (7.8 a multiprocessor) gained; 128 (1.0) not reliably
+
+
+# Not measured apart: REREAD's bound, taken for the same reason (a tile filled that little wastes CTAs).
+CLUSTER_MIN_FILL = 0.75
+
+
 # Slots each program of a shared-row launch zeroes in one turn of clear_slots.
 # Not measured: set with the slot buffers, 2026-11-24; TUNING.md#zeroed-slots
 SLOTS_CLEAR_BLOCK = 256

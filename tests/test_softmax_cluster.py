@@ -1,0 +1,121 @@
+"""Long rows over a thread-block cluster (``flashlite.softmax.cluster``): the plans on a stand-in H100, and the
+kernel built for sm_90 on the CPU (a cluster launch, its barrier, one exponential an element). Its answers are
+checked on the GPU (tests/test_gpu_softmax.py): the interpreter runs no Gluon kernel."""
+
+import re
+
+import pytest
+import torch
+
+from flashlite.core import triton_compat
+from flashlite.softmax import api, cluster, plan as softmax_plan, tuning
+
+from .utils import H100, fresh_process_report
+
+GPU = torch.device("cuda", 0)  # a stand-in: only plans are made for it
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Plans made for a stand-in H100 with clusters (Gluon present or not)."""
+    monkeypatch.setattr(softmax_plan, "shares_rows_on_chip", lambda device: device.type == "cuda")
+    monkeypatch.setattr(softmax_plan, "device_info", lambda device: H100)
+    monkeypatch.setattr(softmax_plan, "gluon_available", lambda: True)
+    api.clear_plans()
+    yield
+    api.clear_plans()
+
+
+def cluster_plan(ctas: int, part: int) -> softmax_plan.SoftmaxPlan:
+    return softmax_plan.SoftmaxPlan("cluster", 1, part, tuning.CLUSTER_NUM_WARPS, ctas, part)
+
+
+def test_cluster_plans(hopper):
+    # Many aligned rows of CLUSTER_CTAS's lengths that fill at least CLUSTER_MIN_FILL of their tile: a cluster a
+    # row, each CTA holding length / CTAS columns. The table's entries as it stands:
+    plan = softmax_plan.plan_softmax
+    for dtype in (torch.bfloat16, torch.float16):
+        assert plan(4096, 32768, GPU, shared_rows=dtype) == cluster_plan(4, 8192)
+        assert plan(4096, 32768, GPU, "fused", shared_rows=dtype) == cluster_plan(4, 8192)
+    assert plan(4096, 65536, GPU, shared_rows=torch.bfloat16) == cluster_plan(4, 16384)
+    assert plan(1024, 131072, GPU, shared_rows=torch.bfloat16) == cluster_plan(8, 16384)
+    assert plan(4096, 65536, GPU, shared_rows=torch.float32) == cluster_plan(4, 16384)
+    assert plan(1024, 131072, GPU, shared_rows=torch.float32) == cluster_plan(8, 16384)
+    assert plan(4096, 24576, GPU, shared_rows=torch.bfloat16) == cluster_plan(4, 8192)  # 75% of the tile
+    min_rows = tuning.CLUSTER_MIN_ROWS_PER_SM * H100.num_sms
+    assert plan(min_rows, 65536, GPU, shared_rows=torch.bfloat16) == cluster_plan(4, 16384)
+    others = [
+        plan(4096, 16384, GPU, shared_rows=torch.bfloat16),  # one program holds it faster
+        plan(4096, 32768, GPU, shared_rows=torch.float32),
+        plan(4096, 24560, GPU, shared_rows=torch.bfloat16),  # under 75% of the tile
+        plan(min_rows - 1, 65536, GPU, shared_rows=torch.bfloat16),  # too few rows
+        plan(128, 131072, GPU, shared_rows=torch.float32),
+        plan(4096, 65536, GPU, shared_rows=torch.bfloat16, vec_cols=8),  # rows in frames
+        plan(4096, 65536, GPU, shared_rows=torch.bfloat16, vec_cols=0),  # one element a load
+        plan(4096, 65536, GPU, shared_rows=torch.bfloat16, n_splits=4),  # parts forced
+        plan(4096, 32768, GPU, shared_rows=torch.bfloat16, block_n=8192),
+        plan(4096, 65536, GPU, "online", shared_rows=torch.bfloat16),
+        plan(4096, 65536, GPU),  # masked softmax: no such regime
+        plan(4096, 65536, CPU, shared_rows=torch.bfloat16),  # the interpreter
+        plan(1024, 262144, GPU, shared_rows=torch.bfloat16),  # longer than 8 CTAs hold
+    ]
+    assert all(p.algorithm != "cluster" for p in others)
+    # Its backward: as after the plans it replaces (y and dy read twice, or shared rows).
+    assert softmax_plan.plan_backward(cluster_plan(4, 16384), 4096, 65536, 2, GPU) == softmax_plan.SoftmaxPlan(
+        "fused", 1, 65536, tuning.BWD_REREAD_WARPS, reread=True)
+    assert softmax_plan.plan_backward(cluster_plan(4, 16384), 4096, 65536, 4, GPU).shares_rows
+
+
+def test_no_cluster_plans_without_hopper_or_gluon(hopper, monkeypatch):
+    ampere = H100.__class__(**{**H100.__dict__, "capability": (8, 0)})
+    monkeypatch.setattr(softmax_plan, "device_info", lambda device: ampere)
+    api.clear_plans()
+    assert softmax_plan.plan_softmax(4096, 65536, GPU, shared_rows=torch.bfloat16).reread
+    monkeypatch.setattr(softmax_plan, "device_info", lambda device: H100)
+    monkeypatch.setattr(softmax_plan, "gluon_available", lambda: False)
+    api.clear_plans()
+    assert softmax_plan.plan_softmax(4096, 65536, GPU, shared_rows=torch.bfloat16).reread
+
+
+gluon = pytest.mark.skipif(not triton_compat.gluon_available(), reason="this Triton has no Gluon")
+
+
+BUILDS = [  # (CTAs, columns a CTA, dtype, even, write_y, write_lse)
+    (4, 8192, "bfloat16", True, True, False),
+    (8, 16384, "float32", False, True, True),  # masked columns, y and the log-sum-exp
+    (2, 8192, "float16", True, False, True),  # the log-sum-exp alone: no store of y
+]
+
+
+def _build_report(cases: list) -> list:
+    """What the CPU build test checks in the sm_90 PTX of each case of BUILDS (run in a fresh process: the
+    interpreter's functions cannot be built for a GPU)."""
+    report = []
+    for ctas, part, dtype, even, write_y, write_lse in cases:
+        ptx = cluster.build_for_sm90(ctas, part, tuning.CLUSTER_NUM_WARPS, getattr(torch, dtype), even, write_y,
+                                     write_lse).asm["ptx"]
+        report.append({
+            "cluster": f".reqnctapercluster {ctas}" in ptx,
+            "barrier": all(f"barrier.cluster.{step}.aligned" in ptx for step in ("arrive.release", "wait.acquire")),
+            "states_from_l2": ptx.count("ld.global.cg"),
+            "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
+            "vector_stores": len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)),
+            "exponentials": ptx.count("ex2.approx"),
+        })
+    return report
+
+
+@gluon
+def test_cluster_kernel_builds_for_sm90():
+    # A cluster launch of CTAS CTAs meeting at one barrier; the part loaded once in 16-byte vectors, the states
+    # from L2; one exponential a held element (the weights are kept and rescaled), a few for the states.
+    report = fresh_process_report("tests.test_softmax_cluster", "_build_report", BUILDS)
+    for (ctas, part, dtype, even, write_y, write_lse), built in zip(BUILDS, report):
+        held = part // (32 * tuning.CLUSTER_NUM_WARPS)  # columns a thread holds
+        vectors = held * getattr(torch, dtype).itemsize // 16
+        assert built["cluster"] and built["barrier"], built
+        assert built["states_from_l2"] == 2, built
+        assert built["vector_loads"] == vectors, built
+        assert built["vector_stores"] == (vectors if write_y else 0), built
+        assert held <= built["exponentials"] <= held + 2 * ctas + 4, built
