@@ -364,7 +364,8 @@ CLUSTER_TUNE_SHAPES = {torch.bfloat16: ((4096, 16384), (4096, 32768), (4096, 655
 def tune_cluster(cols: list[int] | None = None, rounds: int = 2) -> None:
     """Rows over a thread-block cluster (tuning.CLUSTER_CTAS): flashlite's plan, its plan without clusters, and the
     cluster kernel on 2/4/8 CTAs of 4/8 warps, against quack and a copy; do_bench GB/s, each plan checked against
-    float64, ``rounds`` rounds in alternating order; then persistent clusters; ``cols``: only rows that long."""
+    float64, ``rounds`` rounds in alternating order; ``cols``: only rows that long. (Persistent clusters were
+    timed by this function at commit 7be9022: TUNING.md#cluster-rows.)"""
     quack = quack_provider()
     print(f"cluster rows: plan -> GB/s do_bench (CTAs x warps, columns a CTA); quack {quack_softmax()[1]}")
     for dtype, shapes in CLUSTER_TUNE_SHAPES.items():
@@ -382,16 +383,6 @@ def tune_cluster(cols: list[int] | None = None, rounds: int = 2) -> None:
             for r in range(rounds):
                 print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + "  ".join(_round_line(x, plans, peers, r)),
                       flush=True)
-            if plans["auto"].algorithm == "cluster":  # persistent clusters: CTAs a multiprocessor, prefetch or not
-                line = []
-                for per_sm, prefetch in ((2, False), (4, False), (6, False), (2, True), (3, True)):
-                    tuning.CLUSTER_PERSISTENT_PER_SM, tuning.CLUSTER_PREFETCH = per_sm, prefetch
-                    for _ in range(rounds):
-                        xc = fresh_copy(x)
-                        line.append(f"p{per_sm}{'+next' if prefetch else ''}:{_time_plan(xc, plans['auto'], graph=False)}")
-                        del xc
-                tuning.CLUSTER_PERSISTENT_PER_SM, tuning.CLUSTER_PREFETCH = 0, False
-                print(f"  {str(dtype)[6:]:9} {str(shape):16} persistent " + "  ".join(line), flush=True)
             del x
             torch.cuda.empty_cache()
     clear_plans()
@@ -545,7 +536,8 @@ def main(argv=None) -> None:
     parser.add_argument("--replot", action="store_true", help="redraw softmax.png from the results folder's JSON")
     parser.add_argument("--tune", choices=["all", "fused", "short", "online", "grid", "shared", "reread", "long", "cluster"],
                         help="time heuristic candidates instead of the sweep")
-    parser.add_argument("--cols", nargs="+", type=int, help="--tune reread, cluster: only the shapes of these row lengths")
+    parser.add_argument("--cols", nargs="+", type=int,
+                        help="--tune reread, cluster: only the shapes of these row lengths")
     args = parser.parse_args(argv)
     if args.replot:
         replot(args)

@@ -22,8 +22,7 @@ import functools
 import torch
 
 from ..core.online_softmax import LOG2E, merge_partial_states, normalize, online_update, rescale_factor, state_logsumexp
-from ..core.runtime import device_info, launch
-from . import tuning
+from ..core.runtime import launch
 from .plan import SoftmaxPlan
 
 try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6, CI 3.9)
@@ -45,23 +44,22 @@ if gluon is not None:
             "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _load_part(x_ptr, row, cols, n_rows, n_cols, stride_xm, EVEN: gl.constexpr, ROW_MASK: gl.constexpr):
-        """This CTA's part of row ``row`` in fp32 (-inf past the row's end; with ``ROW_MASK``, none past the last
-        row: a persistent cluster's prefetch)."""
-        ptrs = x_ptr + row * stride_xm + cols
-        ok = cols < n_cols
-        if ROW_MASK:
-            ok = ok & (row < n_rows)
-        if EVEN and not ROW_MASK:
-            return gl.load(ptrs).to(gl.float32)
-        return gl.load(ptrs, mask=ok, other=float("-inf")).to(gl.float32)
-
-    @gluon.jit
-    def _cluster_row(x, row, part, cols, y_ptr, lse_ptr, states_ptr, n_cols, stride_ym,
-                     CTAS: gl.constexpr, STATE_LAYOUT: gl.constexpr, EVEN: gl.constexpr,
-                     WRITE_Y: gl.constexpr, WRITE_LSE: gl.constexpr):
-        """Row ``row``'s softmax from this CTA's part ``x``: its state, the cluster's exchange, its weights."""
-        m_empty = gl.full([CTAS], float("-inf"), gl.float32, layout=part.type.layout)
+    def softmax_cluster_kernel(
+        x_ptr, y_ptr, lse_ptr, states_ptr, n_cols, stride_xm, stride_ym,
+        PART: gl.constexpr, CTAS: gl.constexpr, ROW_LAYOUT: gl.constexpr, STATE_LAYOUT: gl.constexpr,
+        EVEN: gl.constexpr, WRITE_Y: gl.constexpr, WRITE_LSE: gl.constexpr,
+    ):
+        # A cluster a row. ROW_LAYOUT spreads a [CTAS, PART] tile over the cluster, CTA i holding part i (its
+        # CTA bases split dim 0); STATE_LAYOUT gives every CTA all CTAS states. states_ptr: (rows, 2, CTAS) fp32.
+        row = gl.program_id(0).to(gl.int64)
+        part = gl.arange(0, CTAS, layout=gl.SliceLayout(1, ROW_LAYOUT))
+        cols = part[:, None] * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, ROW_LAYOUT))[None, :]
+        x_row = x_ptr + row * stride_xm
+        if EVEN:
+            x = gl.load(x_row + cols).to(gl.float32)
+        else:
+            x = gl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(gl.float32)
+        m_empty = gl.full([CTAS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ROW_LAYOUT))
         m, d, p, _ = online_update(m_empty, gl.zeros_like(m_empty), x, LOG2E)
         states = states_ptr + row * (2 * CTAS)
         gl.store(states + part, m)
@@ -79,37 +77,6 @@ if gluon is not None:
                 gl.store(y_row + cols, y.to(y_ptr.dtype.element_ty))
             else:
                 gl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=cols < n_cols)
-
-    @gluon.jit
-    def softmax_cluster_kernel(
-        x_ptr, y_ptr, lse_ptr, states_ptr, n_rows, n_cols, stride_xm, stride_ym, n_programs,
-        PART: gl.constexpr, CTAS: gl.constexpr, ROW_LAYOUT: gl.constexpr, STATE_LAYOUT: gl.constexpr,
-        EVEN: gl.constexpr, WRITE_Y: gl.constexpr, WRITE_LSE: gl.constexpr, PERSISTENT: gl.constexpr,
-    ):
-        # A cluster a row, or (PERSISTENT 1) rows pid, pid + n_programs, ..., (2) each row's part loaded while the
-        # one before it is exchanged. ROW_LAYOUT spreads a [CTAS, PART] tile over the cluster, CTA i holding part i (its
-        # CTA bases split dim 0); STATE_LAYOUT gives every CTA all CTAS states. states_ptr: (rows, 2, CTAS) fp32.
-        pid = gl.program_id(0).to(gl.int64)
-        part = gl.arange(0, CTAS, layout=gl.SliceLayout(1, ROW_LAYOUT))
-        cols = part[:, None] * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, ROW_LAYOUT))[None, :]
-        if PERSISTENT == 2:  # the next row's part in flight across this one's exchange
-            x = _load_part(x_ptr, pid, cols, n_rows, n_cols, stride_xm, EVEN, True)
-            for turn in range(0, gl.cdiv(n_rows - pid, n_programs)):
-                row = pid + turn * n_programs
-                x_next = _load_part(x_ptr, row + n_programs, cols, n_rows, n_cols, stride_xm, EVEN, True)
-                _cluster_row(x, row, part, cols, y_ptr, lse_ptr, states_ptr, n_cols, stride_ym, CTAS, STATE_LAYOUT,
-                             EVEN, WRITE_Y, WRITE_LSE)
-                x = x_next
-        elif PERSISTENT == 1:
-            for turn in range(0, gl.cdiv(n_rows - pid, n_programs)):
-                row = pid + turn * n_programs
-                x = _load_part(x_ptr, row, cols, n_rows, n_cols, stride_xm, EVEN, False)
-                _cluster_row(x, row, part, cols, y_ptr, lse_ptr, states_ptr, n_cols, stride_ym, CTAS, STATE_LAYOUT,
-                             EVEN, WRITE_Y, WRITE_LSE)
-        else:
-            x = _load_part(x_ptr, pid, cols, n_rows, n_cols, stride_xm, EVEN, False)
-            _cluster_row(x, pid, part, cols, y_ptr, lse_ptr, states_ptr, n_cols, stride_ym, CTAS, STATE_LAYOUT, EVEN,
-                         WRITE_Y, WRITE_LSE)
 
 else:  # pragma: no cover
     softmax_cluster_kernel = None
@@ -134,14 +101,11 @@ def cluster_launch(
     ctas = plan.n_splits
     states = torch.empty((n_rows, 2, ctas), dtype=torch.float32, device=x2d.device)
     row_layout, state_layout = cluster_layouts(ctas, plan.num_warps, 16 // x2d.element_size())
-    per_sm = tuning.CLUSTER_PERSISTENT_PER_SM
-    n_programs = min(n_rows, device_info(x2d.device).num_sms * per_sm // ctas) if per_sm else n_rows
-    args = (x2d, y_arg, lse_arg, states, n_rows, n_cols, x2d.stride(0), n_cols, n_programs)
+    args = (x2d, y_arg, lse_arg, states, n_cols, x2d.stride(0), n_cols)
     meta = dict(PART=plan.block_n, CTAS=ctas, ROW_LAYOUT=row_layout, STATE_LAYOUT=state_layout,
-                EVEN=n_cols == ctas * plan.block_n, WRITE_Y=write_y, WRITE_LSE=write_lse,
-                PERSISTENT=(1 + tuning.CLUSTER_PREFETCH) if per_sm else 0,
-                num_warps=plan.num_warps, num_ctas=ctas)
-    return (n_programs,), args, meta
+                EVEN=n_cols == ctas * plan.block_n, WRITE_Y=write_y, WRITE_LSE=write_lse, num_warps=plan.num_warps,
+                num_ctas=ctas)
+    return (n_rows,), args, meta
 
 
 def launch_cluster(
@@ -153,8 +117,7 @@ def launch_cluster(
 
 
 def build_for_sm90(ctas: int, part: int, num_warps: int, dtype: torch.dtype = torch.bfloat16, even: bool = True,
-                   write_y: bool = True, write_lse: bool = False, persistent: int = 0,
-                   ) -> "triton.compiler.CompiledKernel":
+                   write_y: bool = True, write_lse: bool = False) -> "triton.compiler.CompiledKernel":
     """The cluster kernel for rows of ``ctas * part`` columns of ``dtype`` (``even``: exactly that many), built for
     sm_90 on any machine, no GPU needed, with the argument types and alignments a launch on aligned rows gives:
     Triton's compiled kernel, whose ``asm["ptx"]`` the CPU build tests read."""
@@ -165,7 +128,7 @@ def build_for_sm90(ctas: int, part: int, num_warps: int, dtype: torch.dtype = to
 
     row_layout, state_layout = cluster_layouts(ctas, num_warps, 16 // dtype.itemsize)
     constants = dict(PART=part, CTAS=ctas, ROW_LAYOUT=row_layout, STATE_LAYOUT=state_layout, EVEN=even,
-                     WRITE_Y=write_y, WRITE_LSE=write_lse, PERSISTENT=persistent)
+                     WRITE_Y=write_y, WRITE_LSE=write_lse)
     types = {"x_ptr": mangle_type(torch.empty(1, dtype=dtype)), "y_ptr": mangle_type(torch.empty(1, dtype=dtype)),
              "lse_ptr": "*fp32", "states_ptr": "*fp32"}
     names = softmax_cluster_kernel.arg_names

@@ -192,14 +192,6 @@ CLUSTER_MIN_ROWS_PER_SM = 4  # 1024 rows (7.8 a multiprocessor) gained; 128 (1.0
 CLUSTER_MIN_FILL = 0.75
 
 
-# Persistent clusters, this many CTAs a multiprocessor, looping over rows (with CLUSTER_PREFETCH, each loading its
-# next row while it exchanges this one's states); 0: a cluster a row.
-CLUSTER_PERSISTENT_PER_SM = 0
-
-
-CLUSTER_PREFETCH = False
-
-
 # Slots each program of a shared-row launch zeroes in one turn of clear_slots.
 # Not measured: set with the slot buffers, 2026-11-24; TUNING.md#zeroed-slots
 SLOTS_CLEAR_BLOCK = 256
