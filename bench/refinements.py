@@ -6,7 +6,7 @@ Two parts, all in one process on the same inputs:
   then flashlite's kernels with their refinements switched on one after the other,
   as far as each applies to the shape. Softmax: fused tiles of several rows on a
   persistent grid (rows past ``FUSED_MAX_COLS`` streamed whole), + split rows
-  (online), + shared rows, + frames for odd rows, + reread, then the public
+  (online), + shared rows, + frames for odd rows, + reread, + rows over a cluster, then the public
   ``flashlite.softmax`` (its checks, and the repeat-launch cache). A stage whose plan is the previous
   one's is not timed again. Attention (bf16, B·L = 16K, H·D = 2048): the textbook
   kernel, the ``triton.language`` kernel on pointer loads, + TMA, + the Gluon
@@ -274,6 +274,8 @@ def describe(plan: SoftmaxPlan) -> str:
     """A short description of a softmax plan, e.g. ``fused 4x1024/w4``, ``shared 8x16384/w4 head 4096 L2``."""
     if plan.algorithm == "online":
         text = f"online {plan.block_n}/w{plan.num_warps}" + (f" x{plan.n_splits} splits" if plan.n_splits > 1 else "")
+    elif plan.algorithm == "cluster":
+        text = f"cluster {plan.n_splits}x{plan.block_n}/w{plan.num_warps}"
     elif plan.reread:
         text = f"reread {plan.block_n}/w{plan.num_warps}"
     elif plan.shares_rows:
@@ -314,6 +316,15 @@ def plan_pair(shape: Rows, device: torch.device, simpler: SoftmaxPlan, refined: 
     if simpler == refined:
         case.skip = f"same plan both ways ({describe(refined)})"
     return case
+
+
+NO_CLUSTERS = {"CLUSTER_CTAS": {}}  # tuning values of a GPU without thread-block clusters
+
+
+def rows_plan(x: torch.Tensor, **values) -> SoftmaxPlan:
+    """``plan_rows(x, x.dtype)`` with softmax tuning ``values`` and without clusters (``NO_CLUSTERS``): the regimes
+    the shared-row, reread and frame knobs switch, which Hopper's clusters replace for many long rows."""
+    return planned_with(softmax_tuning, {**NO_CLUSTERS, **values}, lambda: plan_rows(x, x.dtype))
 
 
 def knob_rows_per_tile(shape: Rows, device: torch.device) -> Case:
@@ -377,29 +388,28 @@ def knob_online_stages(shape: Rows, device: torch.device) -> Case:
 def knob_shared_rows(shape: Rows, device: torch.device) -> Case:
     """Long rows held by resident programs that merge their states (one read), against the online path."""
     x = softmax_input(shape, device)
-    return plan_pair(shape, device, plan_softmax(shape.rows, shape.cols, device, "online"), plan_rows(x, x.dtype), x)
+    return plan_pair(shape, device, plan_softmax(shape.rows, shape.cols, device, "online"), rows_plan(x), x)
 
 
 def knob_head_waves(shape: Rows, device: torch.device) -> Case:
     """Few rows in at most two waves, each part streaming a head (SHARED_HEADS_L2_FRACTION), against waves of
     held parts."""
     x = softmax_input(shape, device)
-    simpler = planned_with(softmax_tuning, {"SHARED_HEADS_L2_FRACTION": 0.0}, lambda: plan_rows(x, x.dtype))
-    return plan_pair(shape, device, simpler, plan_rows(x, x.dtype), x)
+    simpler = rows_plan(x, SHARED_HEADS_L2_FRACTION=0.0)
+    return plan_pair(shape, device, simpler, rows_plan(x), x)
 
 
 def knob_wave_tiles(shape: Rows, device: torch.device) -> Case:
     """Many long rows in waves of parts on their own tiles (SHARED_WAVE_TILES), against SHARED_TILES."""
     x = softmax_input(shape, device)
-    simpler = planned_with(softmax_tuning, {"SHARED_WAVE_TILES": dict(softmax_tuning.SHARED_TILES)},
-                           lambda: plan_rows(x, x.dtype))
-    return plan_pair(shape, device, simpler, plan_rows(x, x.dtype), x)
+    simpler = rows_plan(x, SHARED_WAVE_TILES=dict(softmax_tuning.SHARED_TILES))
+    return plan_pair(shape, device, simpler, rows_plan(x), x)
 
 
 def knob_prefetch(shape: Rows, device: torch.device) -> Case:
     """Shared rows asking L2 for the next row's part while the parts meet (PREFETCH_L2), against no prefetch."""
     x = softmax_input(shape, device)
-    refined = plan_rows(x, x.dtype)
+    refined = rows_plan(x)
     case = plan_pair(shape, device, dataclasses.replace(refined, prefetch=softmax_tuning.PREFETCH_NONE.value), refined, x)
     if not refined.prefetch:
         case.skip = f"no prefetch in this plan ({describe(refined)})"
@@ -409,14 +419,14 @@ def knob_prefetch(shape: Rows, device: torch.device) -> Case:
 def knob_head_groups(shape: Rows, device: torch.device) -> Case:
     """Head blocks folded in groups of adjacent columns keeping one state (head_group), against a state a lane."""
     x = softmax_input(shape, device)
-    refined = plan_rows(x, x.dtype)
+    refined = rows_plan(x)
     return plan_pair(shape, device, dataclasses.replace(refined, head_group=1), refined, x)
 
 
 def knob_head_eviction(shape: Rows, device: torch.device) -> Case:
     """fp32 wave heads loaded evict_last, against no hint."""
     x = softmax_input(shape, device)
-    refined = plan_rows(x, x.dtype)
+    refined = rows_plan(x)
     return plan_pair(shape, device, dataclasses.replace(refined, head_eviction=""), refined, x,
                      note="evict_last lines outlive do_bench's flush and serve the next call: biased for the hint")
 
@@ -425,7 +435,7 @@ def knob_frames(shape: Rows, device: torch.device) -> Case:
     """Odd rows read in frames of whole 16-byte vectors, against one element a load (shared rows: the unaligned
     tiles, SHARED_TILES_UNALIGNED, the rule before frames)."""
     x = softmax_input(shape, device)
-    refined = plan_rows(x, x.dtype)
+    refined = rows_plan(x)
     if refined.shares_rows:
         simpler = plan_softmax(shape.rows, shape.cols, device, "auto", shared_rows=x.dtype, vec_cols=0)
     else:
@@ -445,8 +455,15 @@ def knob_reread(shape: Rows, device: torch.device) -> Case:
     """Many 16-bit rows of up to 65536 read twice by a program each (FWD_REREAD_MAX_COLS), against the plan
     without that rule (shared rows in waves on a GPU)."""
     x = softmax_input(shape, device)
-    simpler = planned_with(softmax_tuning, {"FWD_REREAD_MAX_COLS": {}}, lambda: plan_rows(x, x.dtype))
+    simpler = rows_plan(x, FWD_REREAD_MAX_COLS={})
     return plan_pair(shape, device, simpler, reread_plan(shape.cols), x)
+
+
+def knob_cluster(shape: Rows, device: torch.device) -> Case:
+    """Many long rows over a thread-block cluster each (Hopper: tuning.CLUSTER_CTAS), against the plan of a GPU
+    without clusters (read twice, or shared rows)."""
+    x = softmax_input(shape, device)
+    return plan_pair(shape, device, rows_plan(x), plan_rows(x, x.dtype), x)
 
 
 def no_launcher(*args, **kwargs) -> None:
@@ -535,14 +552,15 @@ def softmax_chain(shape: Rows, device: torch.device) -> Case:
     base = plan_softmax(n_rows, n_cols, device, "fused") if fused else plan_softmax(n_rows, n_cols, device, "online",
                                                                                    n_splits=1)
     split = base if fused else plan_softmax(n_rows, n_cols, device, "online")
-    no_reread = {"FWD_REREAD_MAX_COLS": {}}
+    no_reread = {"FWD_REREAD_MAX_COLS": {}, **NO_CLUSTERS}
     shared = planned_with(softmax_tuning, no_reread, lambda: plan_softmax(
         n_rows, n_cols, device, "auto", shared_rows=dtype, vec_cols=0 if vec != 1 else 1))
     framed = planned_with(softmax_tuning, no_reread, lambda: plan_softmax(
         n_rows, n_cols, device, "auto", shared_rows=dtype, vec_cols=vec))
     stages = [("flashlite: fused tiles (several rows, persistent) | online whole rows", base),
               ("+ split rows (online)", split), ("+ shared rows", shared), ("+ frames for odd rows", framed),
-              ("+ reread (program a row, read twice)", plan_rows(x, dtype))]
+              ("+ reread (program a row, read twice)", rows_plan(x)),
+              ("+ rows over a cluster (Hopper)", plan_rows(x, dtype))]
     xa, xb = copy_of(x), copy_of(x)
     variants = [Variant("textbook fused (row a program)", lambda: fused_softmax(xa), "fused 1 row/w16",
                         "" if n_cols <= TEXTBOOK_FUSED_MAX_COLS else f"rows past {TEXTBOOK_FUSED_MAX_COLS}"),
@@ -827,6 +845,9 @@ KNOBS = [
          [Rows("fp32", 16, 4095), Rows("bf16", 8, 4095), Rows("fp32", 1, 20001)]),
     Knob("softmax reread", "tuning.FWD_REREAD_MAX_COLS = {} (plan)", knob_reread,
          [Rows("bf16", 4096, 65536), Rows("bf16", 4096, 57344), Rows("bf16", 1024, 65536)], [Rows("bf16", 4, 8192)]),
+    Knob("softmax rows over a cluster", "tuning.CLUSTER_CTAS = {} (plan)", knob_cluster,
+         [Rows("bf16", 4096, 32 * K), Rows("bf16", 4096, 64 * K), Rows("fp32", 4096, 64 * K),
+          Rows("fp32", 1024, 128 * K)], [Rows("bf16", 4, 8192)], gpu_only="Hopper thread-block clusters (Gluon)"),
     Knob("softmax repeat-launch cache", "api.compiled_launcher -> None at a signature's first call",
          knob_repeat_cache,
          [Rows("fp32", 4096, 256), Rows("bf16", 4096, 256), Rows("bf16", 4096, 1024), Rows("bf16", 128, 128 * K)],

@@ -228,9 +228,21 @@ REREAD_SHAPES = {torch.float32: ((4096, 16384), (4096, 32768), (4096, 65536)),
 def tune_reread(cols: list[int] | None = None, rounds: int = 2, warps_tried=(16, 32)) -> None:
     """Rows past FUSED_MAX_COLS (and wide fused rows): flashlite's plan, and its plan without the reread rule
     (FWD_REREAD_MAX_COLS), against a program a row that reads its row twice (REREAD) on several warp counts;
-    ``rounds`` alternating rounds, each plan on a fresh copy; ``cols``: only the shapes of those row lengths."""
+    ``rounds`` alternating rounds, each plan on a fresh copy; ``cols``: only the shapes of those row lengths.
+    Planned as on a GPU without thread-block clusters (CLUSTER_CTAS emptied: on Hopper they take these rows)."""
     print("reread: plan -> GB/s do_bench / CUDA graph (registers/spilled), rounds alternate; compile for reference")
     compiled = _compiled_softmax()
+    clusters = dict(tuning.CLUSTER_CTAS)
+    tuning.CLUSTER_CTAS.clear()
+    try:
+        _tune_reread_shapes(compiled, cols, rounds, warps_tried)
+    finally:
+        tuning.CLUSTER_CTAS.update(clusters)
+        clear_plans()
+
+
+def _tune_reread_shapes(compiled, cols: list[int] | None, rounds: int, warps_tried) -> None:
+    """``tune_reread``'s shapes, timed."""
     for dtype, shapes in REREAD_SHAPES.items():
         for shape in shapes:
             if cols and shape[1] not in cols:
@@ -293,9 +305,11 @@ def _plans_with_and_without(x: torch.Tensor, table: dict, label: str) -> dict:
     saved = dict(table)
     table.clear()
     clear_plans()
-    plans = {label: _fused_plan(x)}
-    table.update(saved)
-    clear_plans()
+    try:
+        plans = {label: _fused_plan(x)}
+    finally:
+        table.update(saved)
+        clear_plans()
     plans["auto"] = _fused_plan(x)
     return plans
 

@@ -5,14 +5,12 @@ with NaN first (``poison``), so an element a kernel forgets to write fails. The
 regimes (``flashlite.softmax.plan``): fused tiles of several rows or one, rows
 read twice (REREAD), rows over a thread-block cluster (Hopper), rows shared by
 resident programs (cooperative launches: a GPU alone runs them), with streamed
-heads, online whole and split, rows of odd
-length read in frames; the backward's own (tiles kept, read twice, shared,
-online). Where a test forces a regime it checks with the plan functions that the
-plan is that regime, and with ``launched`` that its kernel ran (no silent
-fallback to another). Regimes are planned for a GPU of 132 multiprocessors
-(H100, H200). Errors are absolute for outputs at most 1, relative to the
-largest value for gradients and log-sum-exps.
-"""
+heads, online whole and split, rows of odd length read in frames; the backward's
+own (tiles kept, read twice, shared, online). Where a test forces a regime it
+checks with the plan functions that the plan is that regime, and with
+``launched`` that its kernel ran (no silent fallback to another). Regimes are
+planned for a GPU of 132 multiprocessors (H100, H200). Errors are absolute for
+outputs at most 1, relative to the largest value for gradients and log-sum-exps."""
 
 from __future__ import annotations
 
@@ -249,6 +247,13 @@ def test_read_twice_special_rows(n_cols, dtype, monkeypatch):
     # to each row's largest value.
     monkeypatch.setattr(softmax_plan, "clusters_supported", lambda device: False)
     api.clear_plans()
+    try:
+        _check_read_twice_special_rows(n_cols, dtype)
+    finally:
+        api.clear_plans()  # no reread plan left cached for the tests after this one
+
+
+def _check_read_twice_special_rows(n_cols: int, dtype: torch.dtype) -> None:
     x = torch.randn(1100, n_cols, device="cuda", dtype=dtype) * 3
     assert forward_label(x, dtype, "auto") == ("reread" if n_cols == 65536 else "shared")
     x[0] = float("-inf")  # NaN, as torch
@@ -269,8 +274,8 @@ def test_read_twice_special_rows(n_cols, dtype, monkeypatch):
                          ids=["1100x65536-bf16", "600x30000-fp16", "540x131072-fp32", "540x100000-fp32"])
 def test_cluster_special_rows(shape, dtype):
     # Rows over a thread-block cluster: a CTA's part wholly -inf (its weights 0, not NaN), a row of -inf (NaN, as
-    # torch), NaN in one part and +inf in another (NaN rows), the maximum in the last column, rows far from 0 and
-    # of large magnitude, an output dtype of its own, the log-sum-exp; poisoned outputs.
+    # torch), a row with NaN and one with +inf (NaN rows), the maximum in the last column, rows far from 0 and of
+    # large magnitude, an output dtype of its own, the log-sum-exp (of the special rows too); poisoned outputs.
     n_rows, n_cols = shape
     x = torch.randn(n_rows, n_cols, device="cuda", dtype=dtype) * 3
     assert forward_label(x, dtype, "auto") == "cluster"
@@ -294,6 +299,25 @@ def test_cluster_special_rows(shape, dtype):
         assert rel.max().item() <= (8e-3 if out_dtype != torch.float32 else 2e-5), out_dtype
         assert (y[0, :part] == 0).all() and (y[1, part:] == 0).all()
     check_logsumexp(x[8:] * 10, "cluster")
+    lse, lse_ref = flashlite.logsumexp(x).double(), torch.logsumexp(x.double(), -1)
+    assert torch.equal(lse[:8].isnan(), lse_ref[:8].isnan()) and torch.equal(lse[:8].isinf(), lse_ref[:8].isinf())
+    finite = lse_ref[:8].isfinite()
+    assert ((lse[:8] - lse_ref[:8])[finite].abs() <= LSE_TOL[dtype] * lse_ref[:8][finite].abs().clamp_min(1)).all()
+
+
+def test_cluster_rows_of_views():
+    # The cluster kernel on an aligned strided view (row stride past the row's length) reads the rows in place;
+    # rows that start 3 elements past a 16-byte boundary are read in frames instead (shared rows), same answers.
+    wide = torch.randn(1100, 65536 + 16, device="cuda", dtype=torch.bfloat16) * 3
+    view = wide[:, :65536]
+    assert forward_label(view, view.dtype, "auto") == "cluster"
+    base = torch.randn(1100 * 65536 + 3, device="cuda", dtype=torch.bfloat16) * 3
+    unaligned = base[3:].view(1100, 65536)
+    assert forward_label(unaligned, unaligned.dtype, "auto") != "cluster"
+    for x in (view, unaligned):
+        poison()
+        label = forward_label(x, x.dtype, "auto")
+        assert_softmax_close(flashlite.softmax(x), torch.softmax(x.double(), -1), TOL[x.dtype], label)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2], ids=lambda d: str(d)[6:])
@@ -422,27 +446,28 @@ def test_every_dim():
 # their largest value, about 1 / n_cols: bf16 rounding is 4e-3 of it), every row's sum (forward: 1; backward: 0)
 # and finiteness (poisoned outputs).
 HUGE_TOL = {torch.bfloat16: 8e-3, torch.float32: 2e-5}
-HUGE = [
-    ((2**31 // 8192 + 1, 8192), "auto", torch.bfloat16),  # fused, a row a tile; backward read twice
-    ((2**31 // 4095 + 1, 4095), "auto", torch.bfloat16),  # fused in frames; the backward keeps its tiles
-    ((2**31 // 30001 + 1, 30001), "auto", torch.bfloat16),  # fused in frames; backward read twice, in frames
-    ((2**31 // 32768 + 1, 32768), "auto", torch.bfloat16),  # over clusters of 4 CTAs
-    ((2**31 // 50257 + 1, 50257), "online", torch.bfloat16),  # streamed whole rows, in frames
-    ((2**31 // 50257 + 1, 50257), "auto", torch.bfloat16),  # shared rows in frames
-    ((2**31 // 65536 + 1, 65536), "auto", torch.bfloat16),  # over clusters; the backward read twice
-    ((2**31 // 2**24 + 1, 2**24), "auto", torch.bfloat16),  # shared rows with heads; backward online split
-    ((2**31 // 65536 + 1, 65536), "auto", torch.float32),  # over clusters, backward shared: 8.6 GB each
+HUGE = [  # (shape, algorithm, dtype, the forward's regime)
+    ((2**31 // 8192 + 1, 8192), "auto", torch.bfloat16, "fused"),  # a row a tile; backward read twice
+    ((2**31 // 4095 + 1, 4095), "auto", torch.bfloat16, "fused framed"),  # the backward keeps its tiles
+    ((2**31 // 30001 + 1, 30001), "auto", torch.bfloat16, "fused framed"),  # backward read twice, in frames
+    ((2**31 // 32768 + 1, 32768), "auto", torch.bfloat16, "cluster"),  # clusters of 4 CTAs
+    ((2**31 // 50257 + 1, 50257), "online", torch.bfloat16, "online framed"),  # streamed whole rows
+    ((2**31 // 50257 + 1, 50257), "auto", torch.bfloat16, "shared framed"),
+    ((2**31 // 65536 + 1, 65536), "auto", torch.bfloat16, "cluster"),  # the backward read twice
+    ((2**31 // 2**24 + 1, 2**24), "auto", torch.bfloat16, "shared heads"),  # backward online split
+    ((2**31 // 65536 + 1, 65536), "auto", torch.float32, "cluster"),  # backward shared: 8.6 GB each
 ]
 
 
-@pytest.mark.parametrize("shape,algorithm,dtype", HUGE,
-                         ids=[f"{s[0]}x{s[1]}-{a}-{str(d)[6:]}" for s, a, d in HUGE])
-def test_more_than_2_31_elements(shape, algorithm, dtype):
+@pytest.mark.parametrize("shape,algorithm,dtype,fwd_regime", HUGE,
+                         ids=[f"{s[0]}x{s[1]}-{a}-{str(d)[6:]}" for s, a, d, _ in HUGE])
+def test_more_than_2_31_elements(shape, algorithm, dtype, fwd_regime):
     n_bytes = shape[0] * shape[1] * dtype.itemsize
     need_memory(5 * n_bytes)  # x, y, dy, dx and a poisoned block
     x = torch.randn(*shape, device="cuda", dtype=dtype).requires_grad_()
     assert x.numel() > 2**31
     label = forward_label(x, dtype, algorithm)
+    assert label == fwd_regime
     poison(n_bytes)
     y = flashlite.softmax(x, algorithm=algorithm)
     row_sums = y.detach().sum(-1, dtype=torch.float32)

@@ -100,6 +100,7 @@ def test_backward_plans(monkeypatch):
     # shorter ones keep the forward's tiles; online stays online; rows of more parts than multiprocessors stream.
     monkeypatch.setattr(softmax_plan, "shares_rows_on_chip", lambda device: device.type == "cuda")
     monkeypatch.setattr(softmax_plan, "device_info", lambda device: H100)
+    monkeypatch.setattr(softmax_plan, "clusters_supported", lambda device: False)  # forwards as without clusters
     api.clear_plans()
     try:
         def plans(n_rows, n_cols, dtype, algorithm="auto", device=GPU, vec_cols=1):

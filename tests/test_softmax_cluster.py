@@ -65,13 +65,17 @@ def test_cluster_plans(hopper):
     assert softmax_plan.plan_backward(cluster_plan(4, 16384), 4096, 65536, 2, GPU) == softmax_plan.SoftmaxPlan(
         "fused", 1, 65536, tuning.BWD_REREAD_WARPS, reread=True)
     assert softmax_plan.plan_backward(cluster_plan(4, 16384), 4096, 65536, 4, GPU).shares_rows
+    # (a cluster plan of rows the backward keeps in tiles would be run as the fused plan of one row a program)
+    assert softmax_plan.plan_backward(cluster_plan(4, 1024), 64, 4096, 2, GPU) == softmax_plan.SoftmaxPlan(
+        "fused", 1, 4096, softmax_plan.fused_warps(4096))
 
 
 def test_no_cluster_plans_without_hopper_or_gluon(hopper, monkeypatch):
-    ampere = H100.__class__(**{**H100.__dict__, "capability": (8, 0)})
-    monkeypatch.setattr(softmax_plan, "device_info", lambda device: ampere)
-    api.clear_plans()
-    assert softmax_plan.plan_softmax(4096, 65536, GPU, shared_rows=torch.bfloat16).reread
+    for capability in ((8, 0), (10, 0)):  # clusters are measured on Hopper only
+        other = H100.__class__(**{**H100.__dict__, "capability": capability})
+        monkeypatch.setattr(softmax_plan, "device_info", lambda device, info=other: info)
+        api.clear_plans()
+        assert softmax_plan.plan_softmax(4096, 65536, GPU, shared_rows=torch.bfloat16).reread
     monkeypatch.setattr(softmax_plan, "device_info", lambda device: H100)
     monkeypatch.setattr(softmax_plan, "gluon_available", lambda: False)
     api.clear_plans()

@@ -293,10 +293,12 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto", dtype: t
             in place when ``dim`` has stride 1.
         dim: the dimension to normalise over.
         algorithm: ``"fused"`` (row on chip: up to ``tuning.FUSED_MAX_COLS`` in one
-            program; on a GPU, many 16-bit rows of up to 65536 a program each,
-            read twice, and longer rows across resident programs, each part
-            streaming a head twice where the row is longer than they hold;
-            streamed as by ``"online"`` where a launch cannot keep them resident),
+            program; on Hopper, many rows of 32K-128K columns over the CTAs of a
+            thread-block cluster each; on other GPUs, many 16-bit rows of up to
+            65536 a program each, read twice; longer rows across resident
+            programs, each part streaming a head twice where the row is longer
+            than they hold; streamed as by ``"online"`` where a launch cannot
+            keep them resident),
             ``"online"`` (blocked two-pass, any length, long rows split across
             programs), or ``"auto"`` (fused while the row fits, online after).
         dtype: output dtype (float32/float16/bfloat16); default ``x.dtype``.
@@ -389,7 +391,7 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
     elif plan.algorithm == "cluster":
         kernel = softmax_cluster_kernel
         grid, args, meta = cluster_launch(x2d, y_like, x2d, plan, True, False)
-        states, sizes = args[3], args[4:]  # the rows' states: a fresh buffer a call
+        states_shape, sizes = args[3].shape, args[4:]  # the rows' states: a fresh buffer a call
     else:
         return None
     run = compiled_launcher(kernel, grid, args, **meta)
@@ -410,7 +412,7 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
             zeroed_slots(x.device, n_slots,
                          lambda slots, clear, n_clear: run((x_arg, y_arg, x, slots, clear, n_clear, *sizes)))
         elif kernel is softmax_cluster_kernel:
-            run((x_arg, y_arg, x, torch.empty_like(states), *sizes))
+            run((x_arg, y_arg, x, torch.empty(states_shape, dtype=torch.float32, device=x.device), *sizes))
         else:
             run((x_arg, y_arg, x, *sizes))
         return y

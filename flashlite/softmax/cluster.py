@@ -10,8 +10,8 @@ weights by ``e^(m - m_row) / d_row``: one read and one write, as the shared-row
 kernel, without its cooperative launch or its waits on flags. Triton 3.6 lowers
 neither a reduction nor a layout conversion across CTAs (3.9 does both, through
 distributed shared memory), so the states go through global memory (L2, 8 bytes
-a part) and the barrier is inline PTX. Hopper GPUs only (``clusters_supported``);
-the plan takes this kernel for many aligned rows of ``tuning.CLUSTER_CTAS``'s
+a part) and the barrier is inline PTX. The plan takes this kernel on Hopper GPUs
+(``plan.clusters_supported``) for many aligned rows of ``tuning.CLUSTER_CTAS``'s
 lengths.
 """
 

@@ -67,9 +67,10 @@ def shares_rows_on_chip(device: torch.device) -> bool:
 
 
 def clusters_supported(device: torch.device) -> bool:
-    """True if ``device`` launches thread-block clusters from Gluon (``flashlite.softmax.cluster``): a Hopper or later
-    GPU and a Triton with Gluon; never the interpreter, whose device is the CPU."""
-    return device.type == "cuda" and device_info(device).capability >= (9, 0) and gluon_available()
+    """True if ``device`` runs the cluster kernel (``flashlite.softmax.cluster``): a Hopper GPU (where it was measured;
+    later GPUs launch clusters too, but keep the plans measured there) and a Triton with Gluon; never the
+    interpreter, whose device is the CPU."""
+    return device.type == "cuda" and device_info(device).capability[0] == 9 and gluon_available()
 
 
 def fused_warps(tile_elems: int, elems_per_thread: int | None = None) -> int:
@@ -89,8 +90,10 @@ def plan_softmax(
     With ``shared_rows``, the input dtype (softmax only: masked softmax has no
     shared-row kernel), rows past ``tuning.FUSED_MAX_COLS`` stay fused, spread over
     programs that hold ``tuning.SHARED_TILES`` columns each, while
-    ``shares_rows_on_chip(device)`` and the parts fit the device. Cached: the
-    host cost of a call decides small softmaxes, which run for microseconds.
+    ``shares_rows_on_chip(device)`` and the parts fit the device; first, on Hopper,
+    many aligned rows of ``tuning.CLUSTER_CTAS``'s lengths go over a thread-block
+    cluster each (``_plan_cluster``). Cached: the host cost of a call decides
+    small softmaxes, which run for microseconds.
     """
     shared = shared_rows is not None and algorithm in ("auto", "fused") and shares_rows_on_chip(device)
     if shared and block_n is None and n_splits is None:
@@ -139,13 +142,13 @@ def plan_rows(x2d: torch.Tensor, out_dtype: torch.dtype, algorithm: str = "auto"
 def _plan_cluster(n_rows: int, n_cols: int, device: torch.device, itemsize: int, vec_cols: int) -> SoftmaxPlan | None:
     """A row over a thread-block cluster (``tuning.CLUSTER_CTAS``: its CTAs, each holding ``block_n`` columns) for
     many aligned rows (``vec_cols`` 1) that fill most of their tile, where ``device`` launches clusters; else None."""
-    block_n = triton.next_power_of_2(n_cols)
-    ctas = tuning.CLUSTER_CTAS.get(itemsize, {}).get(block_n)
-    if ctas is None or vec_cols != 1 or n_cols < tuning.CLUSTER_MIN_FILL * block_n or not clusters_supported(device):
+    tile = triton.next_power_of_2(n_cols)  # the row's, over the cluster
+    ctas = tuning.CLUSTER_CTAS.get(itemsize, {}).get(tile)
+    if ctas is None or vec_cols != 1 or n_cols < tuning.CLUSTER_MIN_FILL * tile or not clusters_supported(device):
         return None
     if n_rows < tuning.CLUSTER_MIN_ROWS_PER_SM * device_info(device).num_sms:
         return None
-    return SoftmaxPlan("cluster", 1, block_n // ctas, tuning.CLUSTER_NUM_WARPS, ctas, block_n // ctas)
+    return SoftmaxPlan("cluster", 1, tile // ctas, tuning.CLUSTER_NUM_WARPS, ctas, tile // ctas)
 
 
 def _plan_reread(
@@ -231,6 +234,8 @@ def plan_backward(plan: SoftmaxPlan, n_rows: int, n_cols: int, itemsize: int, de
         return plan
     tiles = tuning.BWD_TILES[min(itemsize, 4)]
     block_n = triton.next_power_of_2(n_cols)
+    if plan.algorithm == "cluster":  # no cluster backward: as after the fused plan of one row a program
+        plan = SoftmaxPlan("fused", 1, block_n, fused_warps(block_n))
     if block_n < tuning.BWD_REREAD_MIN_COLS and not plan.shares_rows:
         return plan
     if block_n <= tiles.fused_max_cols:
