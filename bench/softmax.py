@@ -15,6 +15,7 @@ GPU correctness (poisoned memory, every regime, > 2^31 elements) is tests/test_g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -232,22 +233,8 @@ def tune_reread(cols: list[int] | None = None, rounds: int = 2, warps_tried=(16,
     Planned as on a GPU without thread-block clusters (CLUSTER_CTAS emptied: on Hopper they take these rows)."""
     print("reread: plan -> GB/s do_bench / CUDA graph (registers/spilled), rounds alternate; compile for reference")
     compiled = _compiled_softmax()
-    clusters = dict(tuning.CLUSTER_CTAS)
-    tuning.CLUSTER_CTAS.clear()
-    try:
-        _tune_reread_shapes(compiled, cols, rounds, warps_tried)
-    finally:
-        tuning.CLUSTER_CTAS.update(clusters)
-        clear_plans()
-
-
-def _tune_reread_shapes(compiled, cols: list[int] | None, rounds: int, warps_tried) -> None:
-    """``tune_reread``'s shapes, timed."""
-    for dtype, shapes in REREAD_SHAPES.items():
-        for shape in shapes:
-            if cols and shape[1] not in cols:
-                continue
-            x = torch.randn(*shape, device="cuda", dtype=dtype)
+    with _emptied(tuning.CLUSTER_CTAS):
+        for dtype, shape, x in _tune_inputs(REREAD_SHAPES, cols):
             plans = _plans_with_and_without(x, tuning.FWD_REREAD_MAX_COLS, "no reread")
             vec_cols = max(row_vectors(x, dtype), 1)
             block_n = triton.next_power_of_2(shape[1])
@@ -263,8 +250,7 @@ def _tune_reread_shapes(compiled, cols: list[int] | None, rounds: int, warps_tri
                     line.append(f"{name}:{_time_plan(xc, plan)}" + (f"({regs[name]})" if name in regs else ""))
                     del xc
                 print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + "  ".join(line), flush=True)
-            del x
-            torch.cuda.empty_cache()
+            del x  # (freed by _tune_inputs before the next shape's)
 
 
 LONG_TUNE_SHAPES = ((4096, 16384), (4096, 32768), (4096, 65536), (1024, 131072), (128, 262144), (16, 1 << 20))
@@ -300,16 +286,37 @@ def _pipelined_fused(x: torch.Tensor, programs: int, warps: int, stages: int):
     return run
 
 
-def _plans_with_and_without(x: torch.Tensor, table: dict, label: str) -> dict:
-    """``{label: the plan for x with the tuning table ``table`` emptied, "auto": the plan with it}``."""
+@contextlib.contextmanager
+def _emptied(table: dict):
+    """The tuning table ``table`` empty inside the block and restored after it, the plans made from it forgotten
+    on the way in and out."""
     saved = dict(table)
     table.clear()
     clear_plans()
     try:
-        plans = {label: _fused_plan(x)}
+        yield
     finally:
         table.update(saved)
         clear_plans()
+
+
+def _tune_inputs(shapes: dict, cols: list[int] | None):
+    """``(dtype, shape, x)`` for each shape of ``shapes`` (``{dtype: shapes}``) whose row length is in ``cols`` (every
+    one without): ``x`` normal data on the GPU, freed once the caller has dropped it and asks for the next."""
+    for dtype, of_dtype in shapes.items():
+        for shape in of_dtype:
+            if cols and shape[1] not in cols:
+                continue
+            x = torch.randn(*shape, device="cuda", dtype=dtype)
+            yield dtype, shape, x
+            del x
+            torch.cuda.empty_cache()
+
+
+def _plans_with_and_without(x: torch.Tensor, table: dict, label: str) -> dict:
+    """``{label: the plan for x with the tuning table ``table`` emptied, "auto": the plan with it}``."""
+    with _emptied(table):
+        plans = {label: _fused_plan(x)}
     plans["auto"] = _fused_plan(x)
     return plans
 
@@ -382,23 +389,18 @@ def tune_cluster(cols: list[int] | None = None, rounds: int = 2) -> None:
     timed by this function at commit 7be9022: TUNING.md#cluster-rows.)"""
     quack = quack_provider()
     print(f"cluster rows: plan -> GB/s do_bench (CTAs x warps, columns a CTA); quack {quack_softmax()[1]}")
-    for dtype, shapes in CLUSTER_TUNE_SHAPES.items():
-        for shape in shapes:
-            if cols and shape[1] not in cols:
-                continue
-            x = torch.randn(*shape, device="cuda", dtype=dtype)
-            plans = _plans_with_and_without(x, tuning.CLUSTER_CTAS, "no-cluster")
-            for ctas in (2, 4, 8):
-                for warps in (4, 8):
-                    part = triton.next_power_of_2(shape[1]) // ctas
-                    if 16 <= part // (32 * warps) <= 128:
-                        plans[f"c{ctas}w{warps}({part})"] = SoftmaxPlan("cluster", 1, part, warps, ctas, part)
-            peers = {"quack": quack, "copy": lambda t: t.clone()}
-            for r in range(rounds):
-                print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + "  ".join(_round_line(x, plans, peers, r)),
-                      flush=True)
-            del x
-            torch.cuda.empty_cache()
+    for dtype, shape, x in _tune_inputs(CLUSTER_TUNE_SHAPES, cols):
+        plans = _plans_with_and_without(x, tuning.CLUSTER_CTAS, "no-cluster")
+        for ctas in (2, 4, 8):
+            for warps in (4, 8):
+                part = triton.next_power_of_2(shape[1]) // ctas
+                if 16 <= part // (32 * warps) <= 128:
+                    plans[f"c{ctas}w{warps}({part})"] = SoftmaxPlan("cluster", 1, part, warps, ctas, part)
+        peers = {"quack": quack, "copy": lambda t: t.clone()}
+        for r in range(rounds):
+            print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + "  ".join(_round_line(x, plans, peers, r)),
+                  flush=True)
+        del x  # (freed by _tune_inputs before the next shape's)
     clear_plans()
 
 
