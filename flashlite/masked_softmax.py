@@ -69,9 +69,10 @@ from .core.online_softmax import (
     LOG2E, empty_state, final_weights, merge_partial_states, normalize, online_update, online_update_lanes,
 )
 from .core.partials import BOTH_PASSES, FINAL_PASS, PARTIAL_PASS, work_item
-from .core.runtime import is_compiling, launch_persistent, runs_kernels
+from .core.runtime import PersistentLaunch, is_compiling, runs_kernels
 from .core.tiles import tile_rows
 from .softmax.api import as_rows, empty_rows_layout, from_rows, softmax_grad_torch
+from .softmax.api import clear_plans as clear_softmax_plans
 from .softmax.online import launch_online
 from .softmax.plan import ALGORITHMS, SoftmaxPlan, fused_warps, plan_softmax
 
@@ -432,49 +433,121 @@ def _plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str, bloc
 ZERO_HIDDEN_FLAGS = 1024
 
 
-def _launch_forward(
-    x: torch.Tensor, mask: torch.Tensor | None, y: torch.Tensor, sizes: list[int], sx: list[int], sm: list[int],
-    scale: float, causal: bool, algorithm: str, block_n: int | None, n_splits: int | None,
-) -> None:
-    """One launch (two for split rows) over the rows of (B0, B1, Lq, Lk) = (*sizes, Lq, Lk) scores starting
-    at ``x``'s first element, leading strides ``sx`` (``sm`` for the mask); ``y`` contiguous."""
-    seqlen_q, seqlen_k = x.shape[-2:]
-    n_rows = sizes[0] * sizes[1] * seqlen_q
-    plan = _plan(n_rows, seqlen_k, x.device, algorithm, block_n, n_splits)
-    split = plan.algorithm == "online" and plan.n_splits > 1
-    part_m = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=x.device) if split else None
-    part_d = torch.empty_like(part_m) if split else None
-    mask_qk = mask.stride()[-2:] if mask is not None else (0, 0)
-    cols_per_split = plan.cols_per_split or seqlen_k  # the fused plan leaves it 0: one chunk, the whole row
-    fused = plan.algorithm == "fused"
-    block_m = plan.block_m if fused else 1
-    n_tiles = triton.cdiv(n_rows, block_m)
-    single_block = seqlen_k <= plan.block_n  # the kernels' SINGLE_BLOCK: a row read in one tile
-    # A flag a tile read whole: it held a row of NaN or +inf (the hidden-zero kernel).
-    bad = torch.empty(n_tiles, dtype=torch.int8, device=x.device) if single_block else None
-    args = (x, mask, y, part_m, part_d, bad, n_rows, sizes[1], seqlen_q, seqlen_k, plan.n_splits, cols_per_split,
-            scale, sx[0], sx[1], x.stride(-2), x.stride(-1), sm[0], sm[1], *mask_qk)
-    key = ("masked_softmax_fwd", plan, x.dtype, None if mask is None else mask.dtype, causal, x.device)
-    # Constexprs from the host, not triton.heuristics: a kernel so wrapped takes Triton's own launch path,
-    # tens of microseconds a call (core.runtime.launch).
-    mask_kind = dict(HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.uint8)
-    if fused:
-        launch_persistent(
-            _masked_softmax_fwd_kernel, n_tiles, x.device, key, args, plan.num_warps,
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
-            SINGLE_BLOCK=single_block, **mask_kind,
-        )
-    else:
-        launch_online(_masked_softmax_fwd_kernel, plan, n_rows, x.device, args, BLOCK_M=1, IS_CAUSAL=causal,
-                      SINGLE_BLOCK=single_block, **mask_kind)
-    if bad is not None:
-        launch_persistent(
+class _ForwardCall:
+    """The masked softmax forward of one signature, planned: rows of (B0, B1, Lq, Lk) = (*sizes, Lq, Lk) scores
+    laid out as ``x`` (leading strides ``sx``, ``sm`` for the broadcast ``mask``), their plan, launches and
+    fixed arguments. ``call(x, mask, y, scale)`` launches them for a call's tensors of that layout (``y``
+    contiguous): one launch (two for split rows), then the hidden-zero kernel where a row is read in one tile.
+    Built once a signature (``masked_softmax_forward``), so a repeated call pays for its launches only."""
+
+    def __init__(self, x: torch.Tensor, mask: torch.Tensor | None, sizes: list[int], sx: list[int],
+                 sm: list[int], causal: bool, algorithm: str, block_n: int | None, n_splits: int | None):
+        seqlen_q, seqlen_k = x.shape[-2:]
+        self.n_rows = sizes[0] * sizes[1] * seqlen_q
+        self.plan = plan = _plan(self.n_rows, seqlen_k, x.device, algorithm, block_n, n_splits)
+        fused = plan.algorithm == "fused"
+        block_m = plan.block_m if fused else 1
+        n_tiles = triton.cdiv(self.n_rows, block_m)
+        single_block = seqlen_k <= plan.block_n  # the kernels' SINGLE_BLOCK: a row read in one tile
+        self.n_flags = n_tiles if single_block else 0  # a flag a tile read whole: a row of NaN or +inf in it
+        self.n_parts = self.n_rows * plan.n_splits if plan.algorithm == "online" and plan.n_splits > 1 else 0
+        mask_qk = mask.stride()[-2:] if mask is not None else (0, 0)
+        self.sizes = (self.n_rows, sizes[1], seqlen_q, seqlen_k)
+        self.chunks = (plan.n_splits, plan.cols_per_split or seqlen_k)  # the fused plan: one chunk, the whole row
+        self.strides = (sx[0], sx[1], x.stride(-2), x.stride(-1), sm[0], sm[1], *mask_qk)
+        key = ("masked_softmax_fwd", plan, x.dtype, None if mask is None else mask.dtype, causal, x.device)
+        # Constexprs from the host, not triton.heuristics: a kernel so wrapped takes Triton's own launch path,
+        # tens of microseconds a call (core.runtime.launch).
+        mask_kind = dict(HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.uint8)
+        self.online_meta = dict(BLOCK_M=1, IS_CAUSAL=causal, SINGLE_BLOCK=single_block, **mask_kind)
+        self.forward = PersistentLaunch(
+            _masked_softmax_fwd_kernel, n_tiles, x.device, key, plan.num_warps, BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal, SINGLE_BLOCK=single_block,
+            **mask_kind,
+        ) if fused else None
+        self.zero_hidden = PersistentLaunch(
             _zero_hidden_kernel, triton.cdiv(n_tiles, ZERO_HIDDEN_FLAGS), x.device,
-            ("masked_softmax_zero_hidden", *key[1:]),
-            (x, mask, y, bad, n_rows, sizes[1], seqlen_q, seqlen_k, scale, sx[0], sx[1], x.stride(-2), x.stride(-1),
-             sm[0], sm[1], *mask_qk), plan.num_warps, BLOCK_M=block_m, BLOCK_N=plan.block_n,
+            ("masked_softmax_zero_hidden", *key[1:]), plan.num_warps, BLOCK_M=block_m, BLOCK_N=plan.block_n,
             FLAGS=ZERO_HIDDEN_FLAGS, IS_CAUSAL=causal, **mask_kind,
-        )
+        ) if single_block else None
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, y: torch.Tensor, scale: float) -> None:
+        device = x.device
+        bad = torch.empty(self.n_flags, dtype=torch.int8, device=device) if self.n_flags else None
+        part_m = torch.empty(self.n_parts, dtype=torch.float32, device=device) if self.n_parts else None
+        part_d = torch.empty(self.n_parts, dtype=torch.float32, device=device) if self.n_parts else None
+        args = (x, mask, y, part_m, part_d, bad, *self.sizes, *self.chunks, scale, *self.strides)
+        if self.forward is not None:
+            self.forward(*args)
+        else:
+            launch_online(_masked_softmax_fwd_kernel, self.plan, self.n_rows, device, args, **self.online_meta)
+        if bad is not None:
+            self.zero_hidden(x, mask, y, bad, *self.sizes, scale, *self.strides)
+
+
+class _BackwardCall:
+    """The masked softmax backward of one signature, planned as ``_ForwardCall`` is: rows (n_rows, Lk) of ``y``
+    (contiguous) and ``dy`` (strided as ``dy2d``), row r being query ``r % seqlen_q``. ``call(y2d, dy2d, scale)``
+    returns ``dx`` (n_rows, Lk) in ``dx_dtype``."""
+
+    def __init__(self, y2d: torch.Tensor, dy2d: torch.Tensor, seqlen_q: int, causal: bool, dx_dtype: torch.dtype,
+                 algorithm: str, block_n: int | None, n_splits: int | None):
+        n_rows, seqlen_k = y2d.shape
+        self.plan = plan = _plan(n_rows, seqlen_k, y2d.device, algorithm, block_n, n_splits)
+        self.dx_dtype = dx_dtype
+        self.n_parts = n_rows * plan.n_splits if plan.algorithm == "online" and plan.n_splits > 1 else 0
+        self.sizes = (n_rows, seqlen_q, seqlen_k, plan.n_splits, plan.cols_per_split or seqlen_k)
+        self.strides = (dy2d.stride(0), dy2d.stride(1))
+        single_block = seqlen_k <= plan.block_n  # the kernel's SINGLE_BLOCK: a row read in one tile
+        self.online_meta = dict(BLOCK_M=1, IS_CAUSAL=causal, SINGLE_BLOCK=single_block)
+        key = ("masked_softmax_bwd", plan, y2d.dtype, dy2d.dtype, dx_dtype, causal, y2d.device)
+        self.backward = PersistentLaunch(
+            _masked_softmax_bwd_kernel, triton.cdiv(n_rows, plan.block_m), y2d.device, key, plan.num_warps,
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
+            SINGLE_BLOCK=single_block,
+        ) if plan.algorithm == "fused" else None
+
+    def __call__(self, y2d: torch.Tensor, dy2d: torch.Tensor, scale: float) -> torch.Tensor:
+        dx = torch.empty(y2d.shape, dtype=self.dx_dtype, device=y2d.device)
+        parts = torch.empty(self.n_parts, dtype=torch.float32, device=y2d.device) if self.n_parts else None
+        args = (y2d, dy2d, dx, parts, *self.sizes, scale, *self.strides)
+        if self.backward is not None:
+            self.backward(*args)
+        else:
+            launch_online(_masked_softmax_bwd_kernel, self.plan, self.sizes[0], y2d.device, args, **self.online_meta)
+        return dx
+
+
+# Planned calls by signature (``_ForwardCall``, ``_BackwardCall``): everything that fixes a plan, the kernels'
+# size and stride arguments and Triton's specialization of them (16-byte alignment of each tensor read in
+# place). A masked call of a seen signature checks its arguments and launches; planning, the batch layout and
+# the launches' keys took most of a small call's host time (TUNING.md#masked-softmax-host).
+_CALLS: dict = {}
+
+
+CALLS_KEPT = 4096  # signatures remembered before the cache starts over
+
+
+def _signature(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
+
+
+def _planned(key: tuple, build):
+    """The planned call of ``key``, built by ``build()`` the first time it is asked for."""
+    call = _CALLS.get(key)
+    if call is None:
+        call = build()
+        if len(_CALLS) >= CALLS_KEPT:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
+
+
+def clear_plans() -> None:
+    """Forget every planned masked softmax call and the softmax plans they were built from
+    (``flashlite.softmax.api.clear_plans``), after changing the softmax's or this module's tile constants."""
+    clear_softmax_plans()
+    _CALLS.clear()
 
 
 def masked_softmax_forward(
@@ -484,20 +557,27 @@ def masked_softmax_forward(
     """Masked softmax of ``x`` (..., Lq, Lk) over its last dim; ``mask`` already broadcast to ``x``'s shape
     (``broadcast_mask``: uint8 for boolean). Returns a contiguous tensor of ``x``'s shape and dtype.
     ``block_n``/``n_splits`` force the online plan (tests)."""
-    sizes, sx, sm = batch_layout(x, mask)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    plan_args = (scale, causal, algorithm, block_n, n_splits)
-    if len(sizes) == 2:
-        _launch_forward(x, mask, y, sizes, sx, sm, *plan_args)
+    plan_args = (causal, algorithm, block_n, n_splits)
+    key = ("forward", _signature(x), _signature(mask), *plan_args, x.device,
+           torch.cuda.current_device() if x.is_cuda else None)
+    call = _CALLS.get(key)
+    if call is not None:
+        call(x, mask, y, float(scale))
         return y
-    # More than two leading dims that do not merge: one launch per index of the outer ones, on strided views.
+    sizes, sx, sm = batch_layout(x, mask)
+    if len(sizes) == 2:
+        _planned(key, lambda: _ForwardCall(x, mask, sizes, sx, sm, *plan_args))(x, mask, y, float(scale))
+        return y
+    # More than two leading dims that do not merge: one launch per index of the outer ones, on strided views
+    # (each planned afresh: their bases differ in alignment).
     seqlen_q, seqlen_k = x.shape[-2:]
     xv = x.as_strided((*sizes, seqlen_q, seqlen_k), (*sx, *x.stride()[-2:]))
     mv = None if mask is None else mask.as_strided((*sizes, seqlen_q, seqlen_k), (*sm, *mask.stride()[-2:]))
     yv = y.view(*sizes, seqlen_q, seqlen_k)  # y is contiguous and size-1 dims do not move it
     for outer in itertools.product(*(range(n) for n in sizes[:-2])):
-        _launch_forward(xv[outer], None if mv is None else mv[outer], yv[outer], sizes[-2:], sx[-2:], sm[-2:],
-                        *plan_args)
+        xo, mo = xv[outer], None if mv is None else mv[outer]
+        _ForwardCall(xo, mo, sizes[-2:], sx[-2:], sm[-2:], *plan_args)(xo, mo, yv[outer], float(scale))
     return y
 
 
@@ -508,26 +588,10 @@ def masked_softmax_backward(
     """``dx = scale * y * (dy - sum(dy * y))`` of rows (n_rows, Lk), row r being query ``r % seqlen_q``;
     ``y2d`` contiguous, ``dy2d`` any row-strided view. A causal row is read up to the ``READ_GROUP``-key
     group that holds its diagonal."""
-    n_rows, seqlen_k = y2d.shape
-    dx = torch.empty((n_rows, seqlen_k), dtype=dx_dtype, device=y2d.device)
-    plan = _plan(n_rows, seqlen_k, y2d.device, algorithm, block_n, n_splits)
-    split = plan.algorithm == "online" and plan.n_splits > 1
-    partials = torch.empty(n_rows * plan.n_splits, dtype=torch.float32, device=y2d.device) if split else None
-    cols_per_split = plan.cols_per_split or seqlen_k
-    single_block = seqlen_k <= plan.block_n  # the kernel's SINGLE_BLOCK: a row read in one tile
-    args = (y2d, dy2d, dx, partials, n_rows, seqlen_q, seqlen_k, plan.n_splits, cols_per_split, float(scale),
-            dy2d.stride(0), dy2d.stride(1))
-    if plan.algorithm == "fused":
-        key = ("masked_softmax_bwd", plan, y2d.dtype, dy2d.dtype, dx_dtype, causal, y2d.device)
-        launch_persistent(
-            _masked_softmax_bwd_kernel, triton.cdiv(n_rows, plan.block_m), y2d.device, key, args, plan.num_warps,
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal,
-            SINGLE_BLOCK=single_block,
-        )
-    else:
-        launch_online(_masked_softmax_bwd_kernel, plan, n_rows, y2d.device, args, BLOCK_M=1, IS_CAUSAL=causal,
-                      SINGLE_BLOCK=single_block)
-    return dx
+    plan_args = (seqlen_q, causal, dx_dtype, algorithm, block_n, n_splits)
+    key = ("backward", _signature(y2d), _signature(dy2d), *plan_args, y2d.device,
+           torch.cuda.current_device() if y2d.is_cuda else None)
+    return _planned(key, lambda: _BackwardCall(y2d, dy2d, *plan_args))(y2d, dy2d, float(scale))
 
 
 # ----------------------------------------------------------------------------- argument handling

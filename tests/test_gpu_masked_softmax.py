@@ -11,6 +11,8 @@ rows), checked before it runs.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -103,6 +105,40 @@ def test_masked_softmax_backward(shape, regime, dtype):
     assert_masked_close(dx, rx, 4 * TOL[dtype], "dx")
     # The bias gradient sums B x Lq terms: its tolerance is relative to its size.
     assert_masked_close(dbias, rb, 4 * TOL[dtype] * max(1.0, rb.abs().max().item()), "dbias")
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=lambda d: str(d)[6:])
+def test_repeated_calls_replay_their_launches(dtype):
+    # A second call of a signature replays the planned launches (core.runtime.PersistentLaunch) with its own
+    # tensors and scale: fresh data, another scale, poisoned memory, a NaN row (the hidden-zero kernel's), and
+    # the backward; each must find its replay ready and agree with float64.
+    masked_module = importlib.import_module("flashlite.masked_softmax")
+    shape = (2, 4, 200, 1000)
+    cases = [(None, True), (lambda: rand_mask((shape[0], 1, 1, shape[3])), False),
+             (lambda: torch.randn(shape[2:], device="cuda"), True)]
+    for make_mask, causal in cases:
+        for call, scale in (("first", 0.5), ("repeat", 2.0), ("repeat", 0.125)):
+            x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+            with torch.no_grad():
+                x[1, 2, 7] = float("nan")  # its hidden positions still exactly 0
+            mask = None if make_mask is None else make_mask()
+            poison()
+            y = masked_softmax(x, mask, scale=scale, causal=causal)
+            what = f"{call} call, mask {None if mask is None else tuple(mask.shape)}, causal {causal}"
+            ref = masked_softmax_ref(x.detach().cpu(), None if mask is None else mask.cpu(), scale, causal)
+            assert_masked_close(y, ref, TOL[dtype], what)
+            dy = torch.randn_like(y)
+            poison()
+            (dx,) = torch.autograd.grad(y, x, dy)
+            yd, dyd = ref.double(), dy.cpu().double()
+            dref = scale * yd * (dyd - (yd * dyd).nan_to_num().sum(-1, keepdim=True))
+            ok = torch.isfinite(dref).all(-1)  # rows the NaN reaches are NaN in both, and not compared here
+            assert_masked_close(dx.detach().cpu()[ok], dref[ok], 4 * TOL[dtype], f"{what}, backward")
+    planned = list(masked_module._CALLS.values())
+    assert planned and all(c.forward is None or c.forward._run is not None for c in planned
+                           if hasattr(c, "forward")), "a planned forward has no replay"
+    assert all(c.backward is None or c.backward._run is not None for c in planned
+               if hasattr(c, "backward")), "a planned backward has no replay"
 
 
 def test_more_than_2_31_scores():

@@ -11,13 +11,13 @@ from flashlite.core import runtime as _runtime
 from flashlite.masked_softmax import (
     READ_GROUP,
     batch_layout,
+    clear_plans,
     masked_softmax,
     masked_softmax_backward,
     masked_softmax_forward,
 )
 from flashlite.core.masking import broadcast_mask
 from flashlite.softmax import tuning
-from flashlite.softmax.api import clear_plans
 from flashlite.softmax.plan import plan_softmax
 from flashlite.softmax.tuning import FUSED_MAX_COLS
 
@@ -414,6 +414,63 @@ def test_key_strides_past_2_31(part):
     else:
         keep = _far_apart(keep[0], stride)[None]
     assert_close(masked_softmax(x, keep), masked_softmax_ref(x, keep))
+
+
+def test_repeated_calls_replay_their_planned_launches(monkeypatch):
+    # A call of a signature seen before (shapes, strides, dtypes and 16-byte alignment of x and the mask,
+    # causal, algorithm, device) replays the first call's planned launches with its own tensors and scale.
+    # The interpreter compiles nothing, so a stand-in launcher runs the same kernel, grid and arguments, and
+    # counts: forward and hidden-zero kernels, and the backward's.
+    replays = []
+
+    def interpreted_launcher(kernel, grid, args, **meta):
+        def run(new_args):
+            replays.append(kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__)
+            _runtime.launch(kernel, grid, new_args, **meta)
+        return run
+
+    monkeypatch.setattr(_runtime, "compiled_launcher", interpreted_launcher)
+    clear_plans()
+    bias = lambda: randn(LQ, LK)  # noqa: E731
+    cases = [  # (scores, mask, keyword arguments, signature seen before), made afresh for each call
+        (lambda: randn(B, H, LQ, LK, scale=3.0), lambda: None, dict(causal=True, scale=0.5), False),
+        (lambda: randn(B, H, LQ, LK, dtype=torch.bfloat16), lambda: bool_mask((B, 1, 1, LK)), dict(scale=2.0), False),
+        (lambda: randn(B, H, LQ, LK), bias, dict(causal=True), False),
+        (lambda: randn(B, H, LQ, LK), bias, dict(causal=True, scale=3.0), True),  # another scale, the same plan
+    ]
+    try:
+        for make_x, make_mask, kw, seen in cases:
+            for call in ("first", "second"):
+                x, mask = make_x(), make_mask()
+                before = len(replays)
+                y = masked_softmax(x, mask, **kw)
+                assert_close(y, masked_softmax_ref(x, mask, **kw), dtype=x.dtype)
+                # A seen signature replays the forward and the hidden-zero kernel; a new one launches them.
+                assert replays[before:] == (["_masked_softmax_fwd_kernel", "_zero_hidden_kernel"]
+                                            if seen or call == "second" else []), (kw, call)
+        # Gradients: the backward's launch replays on the second call too.
+        for call in ("first", "second"):
+            x = randn(B, H, LQ, LK, requires_grad=True)
+            dy = randn(B, H, LQ, LK)
+            before = replays.count("_masked_softmax_bwd_kernel")
+            (dx,) = torch.autograd.grad(masked_softmax(x, causal=True, scale=0.7), x, dy)
+            x64 = x.detach().double().requires_grad_()
+            (ref,) = torch.autograd.grad(masked_softmax_ref(x64, None, causal=True, scale=0.7), x64, dy.double())
+            assert_close(dx, ref, atol=1e-6)
+            assert replays.count("_masked_softmax_bwd_kernel") - before == (call == "second")
+        # Leading dims that do not merge launch per outer index, planned afresh (no replay), and agree.
+        x, mask = randn(2, 3, 4, LQ, LK), bool_mask((2, 1, 4, 1, LK))
+        before = len(replays)
+        for _ in range(2):
+            assert_close(masked_softmax(x, mask), masked_softmax_ref(x, mask))
+        assert len(replays) == before
+        # clear_plans forgets them: the next call of a seen signature plans afresh.
+        clear_plans()
+        x = randn(B, H, LQ, LK, scale=3.0)
+        assert_close(masked_softmax(x, causal=True, scale=0.5), masked_softmax_ref(x, None, causal=True, scale=0.5))
+        assert len(replays) == before
+    finally:
+        clear_plans()  # no planned call holds the stand-in launcher past the test
 
 
 def test_wide_fused_rows_keep_their_warps():

@@ -312,3 +312,25 @@ class KernelLaunch:
             return
         launch(self.kernel, self.grid, args, **self.options)
         self._run = compiled_launcher(self.kernel, self.grid, args, **self.options)
+
+
+class PersistentLaunch:
+    """``launch_persistent`` of a planned call: the kernel, its tiles, residency key, warps and constexprs
+    fixed, the arguments given per call. The first call goes through ``launch_persistent`` (which sizes the
+    grid from the compiled kernel); later calls hand their arguments straight to that kernel on the grid so
+    sized (``compiled_launcher``), under the promise ``KernelLaunch`` states."""
+
+    __slots__ = ("kernel", "n_tiles", "device", "key", "num_warps", "constexprs", "_run")
+
+    def __init__(self, kernel, n_tiles: int, device: torch.device, key: tuple, num_warps: int, **constexprs):
+        self.kernel, self.n_tiles, self.device, self.key = kernel, n_tiles, device, key
+        self.num_warps, self.constexprs = num_warps, constexprs
+        self._run = None
+
+    def __call__(self, *args) -> None:
+        if self._run is not None:
+            self._run(args)
+            return
+        launch_persistent(self.kernel, self.n_tiles, self.device, self.key, args, self.num_warps, **self.constexprs)
+        grid = persistent_grid(self.n_tiles, self.device, self.key)  # the compiled kernel's residency now
+        self._run = compiled_launcher(self.kernel, grid, args, num_warps=self.num_warps, **self.constexprs)
