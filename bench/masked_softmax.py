@@ -16,6 +16,8 @@ bandwidth measured in the same run is the ceiling. Modes:
 
     python bench/masked_softmax.py            # full sweep -> bench/results/<gpu>/masked_softmax.{json,md,png}
     python bench/masked_softmax.py --quick    # L = 2048 only
+    python bench/masked_softmax.py --tune     # the fused tile: (MASKED_TILE_ELEMS, MASKED_ELEMS_PER_THREAD)
+                                              # pairs, flashlite's forward and backward -> masked_softmax_tune.*
 
 GPU correctness (float64 references, poisoned memory) is tests/test_gpu_masked_softmax.py's (pytest -m gpu).
 """
@@ -23,6 +25,7 @@ GPU correctness (float64 references, poisoned memory) is tests/test_gpu_masked_s
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -137,6 +140,57 @@ def run_bench(args) -> None:
     print_summary(rows, copy)
 
 
+# --tune: (scores a fused tile holds at most, scores a thread holds) pairs, the same tile for causal rows and
+# masked ones; the defaults: (4096, 32), causal rows without a mask 1024.
+TUNE_TILES = [(4096, 32), (4096, 16), (4096, 8), (2048, 32), (2048, 16), (1024, 32), (1024, 16)]
+
+
+def run_tune(args) -> None:
+    """flashlite's fused masked softmax, forward and backward alone, under each of TUNE_TILES (its plans and
+    planned calls cleared between them), on the sweep's cases; GB/s as the sweep counts them (the backward: y
+    and dy read, dx written)."""
+    masked = importlib.import_module("flashlite.masked_softmax")
+    names = ("MASKED_TILE_ELEMS", "MASKED_CAUSAL_TILE_ELEMS", "MASKED_ELEMS_PER_THREAD")
+    defaults = {name: getattr(masked, name) for name in names}
+    rows = []
+    try:
+        for dname in args.dtypes:
+            for kind in args.masks:
+                for length in args.lengths:
+                    s, _, kw = make_case(kind, (args.batch, args.heads, length, length), DTYPES[dname])
+                    leaf = s.detach().requires_grad_()
+                    row = {"mask": kind, "dtype": str(DTYPES[dname]).replace("torch.", ""), "L": length}
+                    for tile, per_thread in TUNE_TILES:
+                        for name, value in zip(names, (tile, tile, per_thread)):  # every mask, one tile
+                            setattr(masked, name, value)
+                        masked.clear_plans()
+                        plan = masked.masked_plan(args.batch * args.heads * length, length, s.device)
+                        name = f"t{tile}e{per_thread}"
+                        call = lambda: flashlite.masked_softmax(s, scale=args.scale, **kw)  # noqa: E731
+                        row[f"{name}_fwd"] = gbs(masked_softmax_bytes(s, kw.get("mask")), try_time_ms(call))
+                        y = flashlite.masked_softmax(leaf, scale=args.scale, **kw)
+                        dy = torch.randn_like(y)
+                        grad = lambda: torch.autograd.grad(y, leaf, dy, retain_graph=True)  # noqa: E731
+                        row[f"{name}_bwd"] = gbs(3 * y.numel() * y.element_size(), try_time_ms(grad))
+                        row[f"{name}_plan"] = f"{plan.block_m}x{plan.block_n}/{plan.num_warps}w"
+                        del y, dy
+                    rows.append(row)
+                    print(" ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                          flush=True)
+                    del s, leaf
+                    torch.cuda.empty_cache()
+    finally:
+        for name, value in defaults.items():
+            setattr(masked, name, value)
+        masked.clear_plans()
+    meta = environment() | {"command": "python bench/masked_softmax.py " + " ".join(sys.argv[1:]),
+                            "scale": args.scale, "tiles": TUNE_TILES, "default": defaults}
+    names = [f"t{t}e{e}" for t, e in TUNE_TILES]
+    cols = ["mask", "dtype", "L"] + [f"{n}_fwd" for n in names] + [f"{n}_bwd" for n in names]
+    write_results("masked_softmax_tune", results_dir(args.out), meta, rows, cols,
+                  "Masked softmax: the fused tile (scores a tile at most, a thread), GB/s, forward and backward alone")
+
+
 def print_summary(rows: list[dict], copy: float) -> None:
     print(f"\ncopy {copy:.0f} GB/s; targets: x{TARGETS['torch']:g} the unfused chain, x{TARGETS['compile']:g} torch.compile")
     print(f"{'mask':13}{'dtype':10}{'L':>6}{'flashlite':>10}{'torch':>8}{'compile':>9}{'softmax':>9}"
@@ -158,7 +212,9 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--scale", type=float, default=0.125, help="score scale (1/sqrt(64))")
     parser.add_argument("--quick", action="store_true", help="L = 2048 only")
-    run_bench(parser.parse_args(argv))
+    parser.add_argument("--tune", action="store_true", help="the fused tile's sizes (TUNE_TILES), flashlite alone")
+    args = parser.parse_args(argv)
+    run_tune(args) if args.tune else run_bench(args)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,12 @@ from .softmax.plan import ALGORITHMS, SoftmaxPlan, fused_warps, plan_softmax
 # (tuning.FUSED_ELEMS_PER_THREAD, half the warps from 8192 columns): causal masked rows were slower with 64.
 # H100 2026-11-25, no committed script; TUNING.md#masked-elems-per-thread
 MASKED_ELEMS_PER_THREAD = 32
+# Scores a fused masked tile holds at most (plain softmax's tile, tuning.FUSED_TILE_ELEMS, when larger): rows of
+# up to MASKED_TILE_ELEMS keys share a tile. python bench/masked_softmax.py --tune; TUNING.md#masked-softmax-host
+MASKED_TILE_ELEMS = 4096
+# The forward of causal rows without a mask tensor: one row a tile from 1024 keys (+7-8% at L = 1024 and 2048
+# against 4096-score tiles, bf16 and fp32; rows with a mask and every backward lost or did not gain).
+MASKED_CAUSAL_TILE_ELEMS = 1024
 # Additive masks are in the same natural-log units as the scores here.
 NATURAL_UNITS = tl.constexpr(1.0)
 # Causal loads stop at a multiple of this many keys: 16 bytes of a bool mask, 32 of bf16, 64 of fp32,
@@ -417,14 +423,19 @@ def batch_layout(x: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[int],
     return [1] * pad + sizes, [0] * pad + sx, [0] * pad + sm
 
 
-def _plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str, block_n: int | None,
-          n_splits: int | None) -> SoftmaxPlan:
+def masked_plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str = "auto",
+                block_n: int | None = None, n_splits: int | None = None, tile_elems: int | None = None) -> SoftmaxPlan:
+    """The plan of a masked softmax over ``n_rows`` rows of ``seqlen_k`` keys: plain softmax's (``plan_softmax``),
+    a fused tile cut to ``tile_elems`` scores (default ``MASKED_TILE_ELEMS``; at least a row) on warps of
+    ``MASKED_ELEMS_PER_THREAD`` a thread."""
     # Plain softmax's regimes, limits and block sizes (tuned on an H100 for softmax), not re-tuned for
     # the mask tile: bench/masked_softmax.py measures the fused regime (L <= 4096) only. Wide fused rows
     # keep the warps of MASKED_ELEMS_PER_THREAD.
     plan = plan_softmax(n_rows, seqlen_k, device, algorithm, block_n, n_splits)
     if plan.algorithm == "fused":
-        plan = dataclasses.replace(plan, num_warps=fused_warps(plan.block_m * plan.block_n, MASKED_ELEMS_PER_THREAD))
+        block_m = max(1, min(plan.block_m, (tile_elems or MASKED_TILE_ELEMS) // plan.block_n))
+        plan = dataclasses.replace(plan, block_m=block_m,
+                                   num_warps=fused_warps(block_m * plan.block_n, MASKED_ELEMS_PER_THREAD))
     return plan
 
 
@@ -444,7 +455,8 @@ class _ForwardCall:
                  sm: list[int], causal: bool, algorithm: str, block_n: int | None, n_splits: int | None):
         seqlen_q, seqlen_k = x.shape[-2:]
         self.n_rows = sizes[0] * sizes[1] * seqlen_q
-        self.plan = plan = _plan(self.n_rows, seqlen_k, x.device, algorithm, block_n, n_splits)
+        tile = MASKED_CAUSAL_TILE_ELEMS if causal and mask is None else MASKED_TILE_ELEMS
+        self.plan = plan = masked_plan(self.n_rows, seqlen_k, x.device, algorithm, block_n, n_splits, tile)
         fused = plan.algorithm == "fused"
         block_m = plan.block_m if fused else 1
         n_tiles = triton.cdiv(self.n_rows, block_m)
@@ -493,7 +505,7 @@ class _BackwardCall:
     def __init__(self, y2d: torch.Tensor, dy2d: torch.Tensor, seqlen_q: int, causal: bool, dx_dtype: torch.dtype,
                  algorithm: str, block_n: int | None, n_splits: int | None):
         n_rows, seqlen_k = y2d.shape
-        self.plan = plan = _plan(n_rows, seqlen_k, y2d.device, algorithm, block_n, n_splits)
+        self.plan = plan = masked_plan(n_rows, seqlen_k, y2d.device, algorithm, block_n, n_splits)
         self.dx_dtype = dx_dtype
         self.n_parts = n_rows * plan.n_splits if plan.algorithm == "online" and plan.n_splits > 1 else 0
         self.sizes = (n_rows, seqlen_q, seqlen_k, plan.n_splits, plan.cols_per_split or seqlen_k)

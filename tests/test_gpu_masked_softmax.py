@@ -126,14 +126,18 @@ def test_repeated_calls_replay_their_launches(dtype):
             y = masked_softmax(x, mask, scale=scale, causal=causal)
             what = f"{call} call, mask {None if mask is None else tuple(mask.shape)}, causal {causal}"
             ref = masked_softmax_ref(x.detach().cpu(), None if mask is None else mask.cpu(), scale, causal)
-            assert_masked_close(y, ref, TOL[dtype], what)
+            finite = torch.isfinite(ref).all(-1)  # every row but the NaN one
+            assert_masked_close(y.detach().cpu()[finite], ref[finite], TOL[dtype], what)
+            nan_row, nan_ref = y.detach().cpu()[1, 2, 7].double(), ref[1, 2, 7]
+            assert torch.equal(nan_row.isnan(), nan_ref.isnan()), f"{what}: the NaN row's NaN positions"
+            assert bool((nan_row[nan_ref == 0] == 0).all()), f"{what}: the NaN row's hidden positions not 0"
             dy = torch.randn_like(y)
             poison()
             (dx,) = torch.autograd.grad(y, x, dy)
             yd, dyd = ref.double(), dy.cpu().double()
             dref = scale * yd * (dyd - (yd * dyd).nan_to_num().sum(-1, keepdim=True))
-            ok = torch.isfinite(dref).all(-1)  # rows the NaN reaches are NaN in both, and not compared here
-            assert_masked_close(dx.detach().cpu()[ok], dref[ok], 4 * TOL[dtype], f"{what}, backward")
+            assert_masked_close(dx.detach().cpu()[finite], dref[finite], 4 * TOL[dtype], f"{what}, backward")
+            assert bool((dx.detach().cpu()[1, 2, 7][nan_ref == 0] == 0).all()), f"{what}: backward, NaN row"
     planned = list(masked_module._CALLS.values())
     assert planned and all(c.forward is None or c.forward._run is not None for c in planned
                            if hasattr(c, "forward")), "a planned forward has no replay"

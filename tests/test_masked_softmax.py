@@ -473,13 +473,30 @@ def test_repeated_calls_replay_their_planned_launches(monkeypatch):
         clear_plans()  # no planned call holds the stand-in launcher past the test
 
 
+def test_causal_rows_without_a_mask_take_one_row_a_tile():
+    # The forward of causal rows without a mask tensor cuts its fused tile to MASKED_CAUSAL_TILE_ELEMS scores
+    # (one row a tile from 1024 keys); with a mask, and in the backward, tiles keep MASKED_TILE_ELEMS.
+    masked_module = importlib.import_module("flashlite.masked_softmax")
+    for seqlen, causal_rows, masked_rows in ((256, 4, 4), (1024, 1, 4), (2048, 1, 2), (4096, 1, 1)):
+        x = torch.empty(4, 16, seqlen, seqlen)
+        sizes, sx, sm = batch_layout(x, None)
+        causal = masked_module._ForwardCall(x, None, sizes, sx, sm, True, "auto", None, None)
+        mask = broadcast_mask(torch.ones(4, 1, 1, seqlen, dtype=torch.bool), x.shape)[0]
+        sizes, sx, sm = batch_layout(x, mask)
+        padded = masked_module._ForwardCall(x, mask, sizes, sx, sm, True, "auto", None, None)
+        assert (causal.plan.algorithm, causal.plan.block_m, padded.plan.block_m) == ("fused", causal_rows, masked_rows)
+        backward = masked_module._BackwardCall(x.view(-1, seqlen), x.view(-1, seqlen), seqlen, True, x.dtype, "auto",
+                                               None, None)
+        assert backward.plan.block_m == masked_rows
+
+
 def test_wide_fused_rows_keep_their_warps():
     # Plain softmax gives wide fused rows half the warps (64 elements a thread); masked rows keep 32 a
     # thread (they lost 4-10% at 64 on the H100: TUNING.md#masked-elems-per-thread). Rows of up to 8192 keys agree.
     masked_module = importlib.import_module("flashlite.masked_softmax")
     for seqlen_k, masked_warps in ((1024, 4), (4096, 4), (8192, 8), (16384, 16)):
         plain = plan_softmax(8, seqlen_k, CPU)
-        masked = masked_module._plan(8, seqlen_k, CPU, "auto", None, None)
+        masked = masked_module.masked_plan(8, seqlen_k, CPU, "auto", None, None)
         assert masked.num_warps == masked_warps
         assert masked == dataclasses.replace(plain, num_warps=masked_warps)
     assert plan_softmax(8, 16384, CPU).num_warps == 8
