@@ -44,7 +44,9 @@ from flashlite.attention.plan import default_backward_config, head_dim_padded  #
 from flashlite.attention.tuning import (  # noqa: E402
     WGMMA_BACKWARD_CONFIGS, AttentionConfig, BackwardConfig, WgmmaBackwardConfig, WgmmaConfig,
 )
-from common import environment, markdown_table, results_dir, tflops, time_ms, write_results  # noqa: E402
+from common import (  # noqa: E402
+    attention_flops, backward_flops, environment, markdown_table, results_dir, tflops, time_ms, write_results,
+)
 
 HEADS = 16
 TOKENS = 16384
@@ -93,12 +95,6 @@ FWD_HOPPER = {
     256: [WgmmaConfig(64, 64, 4, 2, warp_specialized=True), WgmmaConfig(64, 64, 4, 2), WgmmaConfig(64, 32, 4, 2),
           WgmmaConfig(64, 128, 4, 1), WgmmaConfig(64, 64, 4, 3)],
 }
-
-
-def flops(batch: int, length: int, head_dim: int, causal: bool, backward: bool) -> float:
-    """bench/attention.py's count: 4·B·H·L²·D for the forward, halved for causal, x2.5 for the backward."""
-    f = 4.0 * batch * HEADS * length * length * head_dim / (2 if causal else 1)
-    return 2.5 * f if backward else f
 
 
 def tile(t: tuple, tma: bool = False) -> AttentionConfig:
@@ -208,8 +204,8 @@ def time_case(case: Case, items: list, peers: bool = True) -> list[dict]:
     rows = []
     ref_bwd = case.backward(default_backward_config(case.head_dim, torch.bfloat16, torch.device("cuda")))
     ref_fwd = case.o
-    bwd_flops = flops(case.batch, case.length, case.head_dim, case.causal, True)
-    fwd_flops = flops(case.batch, case.length, case.head_dim, case.causal, False)
+    bwd_flops = backward_flops(case.batch, HEADS, case.length, case.length, case.head_dim, case.causal)
+    fwd_flops = attention_flops(case.batch, HEADS, case.length, case.length, case.head_dim, case.causal)
     base = {"D": case.head_dim, "causal": case.causal, "L": case.length, "B": case.batch}
     for kind, config in items:
         row = dict(base, kind=kind, tiles=describe(kind, config))

@@ -80,6 +80,7 @@ from common import (
     fresh_copy,
     matmul_tflops,
     results_dir,
+    tensor_softmax_bytes,
     time_ms,
 )
 
@@ -304,7 +305,7 @@ def softmax_case(shape: Rows, x: torch.Tensor, variants: list[Variant], refined:
     """A softmax case on ``x`` (one read and one write of it a call): ``active`` when flashlite's own plan for
     ``x`` is ``refined``."""
     active = None if refined is None else plan_rows(x, x.dtype) == refined
-    return Case(str(shape), "GB/s", 2 * x.numel() * x.element_size(), variants, softmax_check(x), REL_TOL[x.dtype],
+    return Case(str(shape), "GB/s", tensor_softmax_bytes(x), variants, softmax_check(x), REL_TOL[x.dtype],
                 active, note)
 
 

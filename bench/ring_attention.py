@@ -80,8 +80,8 @@ from flashlite import distributed as ring_mod  # noqa: E402
 from flashlite.attention.merge import merge_states_into  # noqa: E402
 
 from common import (  # noqa: E402
-    attention_flops, copy_bandwidth_gbs, environment, gbs, markdown_table, plot_lines, results_dir, tflops, time_ms,
-    write_results,
+    attention_flops, backward_flops, copy_bandwidth_gbs, environment, gbs, markdown_table, plot_lines, results_dir,
+    tflops, time_ms, write_results,
 )
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 32, 8, 128
@@ -254,7 +254,7 @@ def measure_pieces(shard: int, copy_gbs: float) -> dict:
             dkv[0][:, :, keys] += dk_part
             dkv[1][:, :, keys] += dv_part
 
-        flops = 2.5 * attention_flops(BATCH, HEADS, q[:, :, rows].shape[2], k[:, :, keys].shape[2], HEAD_DIM, causal)
+        flops = backward_flops(BATCH, HEADS, q[:, :, rows].shape[2], k[:, :, keys].shape[2], HEAD_DIM, causal)
         row[f"{name}_bwd_ms"] = timed_ms(step)
         row[f"{name}_bwd_tflops"] = tflops(flops, row[f"{name}_bwd_ms"])
     row["kv_shard_MB"] = kv_shard_bytes(shard) / 1e6

@@ -3,12 +3,14 @@
     python bench/run.py headline [--out DIR] [--dry-run]   # the sweeps, on the GPU machine (PYTHONPATH=.)
     python bench/run.py report [--out DIR]                 # DIR/README.md from the JSON files (no GPU)
 
-``headline`` runs, one process each (a failure is reported and the rest still run): the quick softmax,
-attention forward and decoding sweeps, the attention backward at L = 2K-16K, the masked softmax sweep, the
-packed-batch sweep, and on a machine of two or more GPUs the dense and the packed ring on two of them
-(torchrun). Each script writes its JSON (with the command that made it), Markdown and plot into DIR (default
-bench/results/<gpu>). FlashAttention-4 and quack are measured when they import (``../shared/tools/
-peer_wheels.sh`` installs them). ``--dry-run`` prints the commands only.
+``headline`` runs, one process each (a failure is reported and the rest still run), the command recorded in
+each JSON file the README quotes: the softmax sweep, the attention forward (quick) and backward sweeps (L = 2K-16K;
+L = 2K and 8K into attention_backward_fa4 for FlashAttention-4's backward), the masked softmax sweep, decoding
+(quick, one forced split), the packed batches (speed and paged decoding; host cost), the packed fine-tuning step,
+the one-pass backward and the head dims loaded in column parts; and on a machine of two or more GPUs the dense
+and the packed ring on two of them (torchrun). Each script writes its JSON (with the command that made it),
+Markdown and plot into DIR (default bench/results/<gpu>). FlashAttention-4 and quack are measured when they
+import (``../shared/tools/peer_wheels.sh`` installs them). ``--dry-run`` prints the commands only.
 """
 
 from __future__ import annotations
@@ -26,15 +28,21 @@ TIMEOUT_S = 1800  # one sweep
 
 
 def headline_commands(gpus: int) -> list[list[str]]:
-    """The sweeps the README's table reads, as argument lists (run from the repository root)."""
+    """The sweeps behind every figure the README quotes, as argument lists (run from the repository root)."""
     python = [sys.executable]
     commands = [
-        [*python, "bench/softmax.py", "--quick"],
+        [*python, "bench/softmax.py"],  # the full sweep: the README's 1K-16M columns (--quick has 3 shapes)
         [*python, "bench/attention.py", "--quick"],
         [*python, "bench/attention.py", "--backward", "--lengths", "2048", "4096", "8192", "16384"],
+        [*python, "bench/attention.py", "--backward", "--lengths", "2048", "8192", "--name", "attention_backward_fa4"],
         [*python, "bench/masked_softmax.py"],
-        [*python, "bench/decode.py", "--quick"],
-        [*python, "bench/varlen.py", "--part", "paged", "speed"],
+        [*python, "bench/decode.py", "--quick", "--splits", "1"],
+        [*python, "bench/varlen.py", "--part", "paged", "speed"],  # varlen.json and paged_decode.json
+        [*python, "bench/varlen.py", "--part", "host"],
+        [*python, "bench/training.py", "--packed"],
+        [*python, "bench/attention.py", "--backward", "--one-pass", "--head-dims", "64", "128", "--lengths", "2048",
+         "8192", "--name", "attention_backward_one_pass"],
+        [*python, "bench/attention.py", "--head-split", "--head-dims", "96", "192", "160", "--lengths", "4096"],
     ]
     if gpus >= 2:
         torchrun = [*python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "bench/ring_attention.py"]

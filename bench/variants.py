@@ -41,7 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flashlite  # noqa: E402
-from common import environment, markdown_table, plot_lines, results_dir, tflops, time_ms, write_results  # noqa: E402
+from common import (  # noqa: E402
+    attention_flops, environment, markdown_table, plot_lines, results_dir, tflops, time_ms, write_results,
+)
 
 HEADS, KV_HEADS, TOKENS = 32, 8, 32768
 SOFTCAP = 50.0
@@ -119,7 +121,7 @@ def window_main(args) -> None:
         k, v = (torch.randn(batch, KV_HEADS, length, head_dim, device="cuda", dtype=torch.bfloat16,
                             requires_grad=True) for _ in range(2))
         do = torch.randn_like(q)
-        full_flops = 4.0 * batch * HEADS * length * length * head_dim / 2
+        full_flops = attention_flops(batch, HEADS, length, length, head_dim, True)
         flops = 4.0 * batch * HEADS * visible_pairs(length, WINDOW) * head_dim
         full = measure(lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True), (q, k, v), do, full_flops)
         mine = measure(lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True, window_size=(WINDOW, 0)),
@@ -271,7 +273,7 @@ def variants_main(args) -> None:
                                 requires_grad=True) for _ in range(2))
             sinks = torch.randn(HEADS, device="cuda", requires_grad=True)
             do = torch.randn_like(q)
-            flops = 4.0 * batch * HEADS * length * length * head_dim / 2
+            flops = attention_flops(batch, HEADS, length, length, head_dim, True)
             base = {"D": head_dim, "L": length, "B": batch}
             plain = measure(lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True), (q, k, v), do, flops)
             cases = {
