@@ -84,7 +84,8 @@ MASKED_ELEMS_PER_THREAD = 32
 # up to MASKED_TILE_ELEMS keys share a tile. python bench/masked_softmax.py --tune; TUNING.md#masked-softmax-host
 MASKED_TILE_ELEMS = 4096
 # The forward of causal rows without a mask tensor: one row a tile from 1024 keys (+7-8% at L = 1024 and 2048
-# against 4096-score tiles, bf16 and fp32; rows with a mask and every backward lost or did not gain).
+# against 4096-score tiles, bf16 and fp32; rows with a mask lost; the backward keeps its tiles:
+# TUNING.md#masked-softmax-host).
 MASKED_CAUSAL_TILE_ELEMS = 1024
 # Additive masks are in the same natural-log units as the scores here.
 NATURAL_UNITS = tl.constexpr(1.0)
