@@ -545,6 +545,13 @@ def _signature(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
 
 
+def _call_key(direction: str, first: torch.Tensor, second: torch.Tensor | None, plan_args: tuple) -> tuple:
+    """The key of a planned call: its direction, its two tensors' signatures, its plan's arguments, the device
+    (and the current CUDA device, which the replayed launches run on)."""
+    return (direction, _signature(first), _signature(second), *plan_args, first.device,
+            torch.cuda.current_device() if first.is_cuda else None)
+
+
 def _planned(key: tuple, build):
     """The planned call of ``key``, built by ``build()`` the first time it is asked for."""
     call = _CALLS.get(key)
@@ -572,8 +579,7 @@ def masked_softmax_forward(
     ``block_n``/``n_splits`` force the online plan (tests)."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     plan_args = (causal, algorithm, block_n, n_splits)
-    key = ("forward", _signature(x), _signature(mask), *plan_args, x.device,
-           torch.cuda.current_device() if x.is_cuda else None)
+    key = _call_key("forward", x, mask, plan_args)
     call = _CALLS.get(key)
     if call is not None:
         call(x, mask, y, float(scale))
@@ -602,8 +608,7 @@ def masked_softmax_backward(
     ``y2d`` contiguous, ``dy2d`` any row-strided view. A causal row is read up to the ``READ_GROUP``-key
     group that holds its diagonal."""
     plan_args = (seqlen_q, causal, dx_dtype, algorithm, block_n, n_splits)
-    key = ("backward", _signature(y2d), _signature(dy2d), *plan_args, y2d.device,
-           torch.cuda.current_device() if y2d.is_cuda else None)
+    key = _call_key("backward", y2d, dy2d, plan_args)
     return _planned(key, lambda: _BackwardCall(y2d, dy2d, *plan_args))(y2d, dy2d, float(scale))
 
 
