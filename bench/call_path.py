@@ -303,11 +303,93 @@ def run_softmax(out: str) -> list[dict]:
     return rows
 
 
+class _Noop(torch.autograd.Function):
+    """An autograd node that computes nothing: what the autograd engine alone costs a call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, do):
+        return torch.empty_like(do), torch.empty_like(do), torch.empty_like(do)
+
+
+def _kernel_family(name: str):
+    """Switch the attention kernels to ``name`` ("hopper": the defaults; "tl": FLASHLITE_WGMMA=0 and
+    FLASHLITE_WGMMA_BACKWARD=0), forgetting the planned routes."""
+    for var in ("FLASHLITE_WGMMA", "FLASHLITE_WGMMA_BACKWARD"):
+        if name == "tl":
+            os.environ[var] = "0"
+        else:
+            os.environ.pop(var, None)
+    from flashlite.attention.api import clear_routes
+
+    clear_routes()
+
+
+def run_breakdown(out: str) -> list[dict]:
+    """Where a small training call's host time goes (B=1 H=16 L=128 D=64 bf16, not causal): microseconds a
+    call, 200 back to back (``loop_us``; the GPU's work is a few microseconds a kernel, so the host decides), for
+    the whole calls (flashlite on each kernel family, SDPA), the backward's planned launch alone (no autograd),
+    each of its kernel launches alone with its arguments built once, the descriptors' rebinding alone, and
+    the autograd engine around a node that computes nothing."""
+    from flashlite.attention.backward import BackwardLaunch
+    from flashlite.attention.gluon_tiles import rebind_parts
+
+    import torch.nn.functional as F
+
+    batch, heads, length, head_dim = TRAINING_SHAPES[0]
+    q, k, v, do = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=i < 3) for i in range(4))
+    scale = head_dim ** -0.5
+    rows = []
+
+    def add(part: str, family: str, fn) -> None:
+        rows.append({"part": part, "kernels": family, "us": loop_us(fn)})
+        print(f"{part:34} {family:7} {rows[-1]['us']:8.1f} us", flush=True)
+
+    add("sdpa forward", "-", lambda: F.scaled_dot_product_attention(q, k, v))
+    add("sdpa forward + backward", "-",
+        lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do))
+    add("autograd, a node doing nothing", "-", lambda: torch.autograd.grad(_Noop.apply(q, k, v), (q, k, v), do))
+    add("torch.empty_like x 4", "-", lambda: [torch.empty_like(q) for _ in range(4)])
+    for family in ("hopper", "tl"):
+        _kernel_family(family)
+        add("flashlite forward", family, lambda: flashlite.flash_attention(q, k, v))
+        add("flashlite forward + backward", family,
+            lambda: torch.autograd.grad(flashlite.flash_attention(q, k, v), (q, k, v), do))
+        with torch.no_grad():
+            o, lse = flashlite.flash_attention(q, k, v, return_lse=True)
+        qd, kd, vd = q.detach(), k.detach(), v.detach()
+        plan = BackwardLaunch(do, qd, kd, vd, False, scale, None, False, False, False)
+        add("backward plan call (no autograd)", family, lambda: plan(do, qd, kd, vd, o, lse, None))
+        delta = torch.empty(plan.delta_shape, dtype=torch.float32, device="cuda")
+        sizes = plan.delta_sizes
+        delta_args = (o, do, None, delta, *o.stride()[:3], *do.stride()[:3], *sizes)
+        add("  delta launch alone", family, lambda: plan.delta(*delta_args))
+        hopper = plan.hopper
+        if hopper is not None:
+            add("  hopper dq/dk/dv call", family, lambda: hopper(do, qd, kd, vd, lse, delta))
+            dq, dk, dv = (torch.empty_like(t) for t in (qd, kd, vd))
+            tensors = (qd, kd, vd, do, dk, dv)
+            add("  rebind 6 descriptors", family, lambda: rebind_parts(hopper.dkdv_descriptors, tensors))
+            descs = rebind_parts(hopper.dkdv_descriptors, tensors)
+            args = (*descs, lse, delta, None, None, *hopper.sizes, 0, *hopper.scalars)
+            add("  dK/dV launch alone (6 descriptors)", family, lambda: hopper.dkdv(*args))
+    _kernel_family("hopper")
+    meta = environment() | {"dtype": "bfloat16", "shape": "B=1 H=16 L=128 D=64", "calls": LOOP_CALLS,
+                            "command": "python bench/call_path.py --part breakdown"}
+    write_results("call_path_breakdown", out, meta, rows, ["part", "kernels", "us"],
+                  "A small training call's host time, part by part: microseconds a call (200 back to back)")
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
     parser.add_argument("--part", nargs="+", default=["training", "softmax", "decode"],
-                        choices=["training", "softmax", "decode"])
+                        choices=["training", "softmax", "decode", "breakdown"])
     parser.add_argument("--baseline", help="folder holding flashlite_base (bench/make_baseline.sh): its calls too")
     args = parser.parse_args(argv)
     out = results_dir(args.out)
@@ -320,6 +402,8 @@ def main(argv=None) -> None:
         run_softmax(out)
     if "decode" in args.part:
         run_decode(out)
+    if "breakdown" in args.part:
+        run_breakdown(out)
 
 
 def run_decode(out: str) -> None:
