@@ -154,9 +154,9 @@ def profile(out: str) -> dict:
     return hosts
 
 
-def write_profile(fn, path: str, header: str) -> None:
-    """A cProfile of ``LOOP_CALLS`` calls of ``fn`` (queued behind a sleeping kernel: host time only), its 25
-    costliest functions written to ``path`` under ``header``."""
+def write_profile(fn, path: str, header: str, lines: int = 25) -> None:
+    """A cProfile of ``LOOP_CALLS`` calls of ``fn`` (queued behind a sleeping kernel: host time only), its
+    ``lines`` costliest functions written to ``path`` under ``header``."""
     fn()
     profiler = cProfile.Profile()
     torch.cuda._sleep(2_000_000_000)
@@ -166,7 +166,7 @@ def write_profile(fn, path: str, header: str) -> None:
     profiler.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(lines)
     with open(path, "w") as f:
         f.write(f"{header}\n\n{text.getvalue()}")
 
@@ -315,11 +315,15 @@ class _Noop(torch.autograd.Function):
         return torch.empty_like(do), torch.empty_like(do), torch.empty_like(do)
 
 
+# --part breakdown's kernel families: the switches each sets to 0 (every other FLASHLITE_WGMMA* unset).
+KERNEL_FAMILIES = {"hopper": (), "tl": ("FLASHLITE_WGMMA", "FLASHLITE_WGMMA_BACKWARD"),
+                   "tl_bwd": ("FLASHLITE_WGMMA_BACKWARD",)}
+
+
 def _kernel_family(name: str):
-    """Switch the attention kernels to ``name`` ("hopper": the defaults; "tl": FLASHLITE_WGMMA=0 and
-    FLASHLITE_WGMMA_BACKWARD=0), forgetting the planned routes."""
+    """Switch the attention kernels to family ``name`` (KERNEL_FAMILIES), forgetting the planned routes."""
     for var in ("FLASHLITE_WGMMA", "FLASHLITE_WGMMA_BACKWARD"):
-        if name == "tl":
+        if var in KERNEL_FAMILIES[name]:
             os.environ[var] = "0"
         else:
             os.environ.pop(var, None)
@@ -333,7 +337,8 @@ def run_breakdown(out: str) -> list[dict]:
     call, 200 back to back (``loop_us``; the GPU's work is a few microseconds a kernel, so the host decides), for
     the whole calls (flashlite on each kernel family, SDPA), the backward's planned launch alone (no autograd),
     each of its kernel launches alone with its arguments built once, the descriptors' rebinding alone, and
-    the autograd engine around a node that computes nothing."""
+    the autograd engine around a node that computes nothing; and a cProfile of the whole call on each family
+    (call_path_breakdown_profile_<family>.txt)."""
     from flashlite.attention.backward import BackwardLaunch
     from flashlite.attention.gluon_tiles import rebind_parts
 
@@ -354,11 +359,16 @@ def run_breakdown(out: str) -> list[dict]:
         lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do))
     add("autograd, a node doing nothing", "-", lambda: torch.autograd.grad(_Noop.apply(q, k, v), (q, k, v), do))
     add("torch.empty_like x 4", "-", lambda: [torch.empty_like(q) for _ in range(4)])
-    for family in ("hopper", "tl"):
+    for family in KERNEL_FAMILIES:
         _kernel_family(family)
         add("flashlite forward", family, lambda: flashlite.flash_attention(q, k, v))
-        add("flashlite forward + backward", family,
-            lambda: torch.autograd.grad(flashlite.flash_attention(q, k, v), (q, k, v), do))
+        fwd_bwd = lambda: torch.autograd.grad(flashlite.flash_attention(q, k, v), (q, k, v), do)  # noqa: E731
+        add("flashlite forward + backward", family, fwd_bwd)
+        rows.append({"part": "flashlite forward + backward, enqueued only", "kernels": family, "us": host_us(fwd_bwd)})
+        print(f"{rows[-1]['part']:34} {family:7} {rows[-1]['us']:8.1f} us", flush=True)
+        write_profile(fwd_bwd, os.path.join(out, f"call_path_breakdown_profile_{family}.txt"),
+                      f"{LOOP_CALLS} fwd+bwd calls of flashlite.flash_attention, B=1 H=16 L=128 D=64 bf16, "
+                      f"kernels {family}", lines=50)
         with torch.no_grad():
             o, lse = flashlite.flash_attention(q, k, v, return_lse=True)
         qd, kd, vd = q.detach(), k.detach(), v.detach()

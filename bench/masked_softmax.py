@@ -21,9 +21,6 @@ bandwidth measured in the same run is the ceiling. Modes:
     python bench/masked_softmax.py --calls 5 --masks causal --dtypes bf16 --lengths 1024
                                               # flashlite's forward of that case 5 times, nothing timed (for a
                                               # profiler: ncu --kernel-name regex:masked_softmax_fwd ...)
-    python bench/masked_softmax.py --tune prefetch   # the forward with and without the next turn's scores
-                                              # loaded ahead (MASKED_PREFETCH_TILE_ELEMS), torch.compile beside
-                                              # -> masked_softmax_prefetch.*
 
 GPU correctness (float64 references, poisoned memory) is tests/test_gpu_masked_softmax.py's (pytest -m gpu).
 """
@@ -197,51 +194,6 @@ def run_tune(args) -> None:
                   "Masked softmax: the fused tile (scores a tile at most, a thread), GB/s, forward and backward alone")
 
 
-# --tune prefetch: MASKED_PREFETCH_TILE_ELEMS off (0) and on for every fused tile, the tiles as planned.
-PREFETCH_VARIANTS = {"off": 0, "on": 1 << 30}
-
-
-def run_tune_prefetch(args) -> None:
-    """flashlite's masked softmax forward on the sweep's cases with each of PREFETCH_VARIANTS (plans and planned
-    calls cleared between them), torch.compile of the chain beside it on the same scores; GB/s as the sweep counts
-    them, and each variant's fused plan and whether it loads ahead."""
-    masked = importlib.import_module("flashlite.masked_softmax")
-    default = masked.MASKED_PREFETCH_TILE_ELEMS
-    compiled = _compiled_chain()
-    rows = []
-    try:
-        for dname in args.dtypes:
-            for kind in args.masks:
-                for length in args.lengths:
-                    s, keep, kw = make_case(kind, (args.batch, args.heads, length, length), DTYPES[dname])
-                    n_bytes = masked_softmax_bytes(s, kw.get("mask"))
-                    row = {"mask": kind, "dtype": str(DTYPES[dname]).replace("torch.", ""), "L": length,
-                           "compile": gbs(n_bytes, try_time_ms(lambda: compiled(s, keep, args.scale)))}
-                    for name, limit in PREFETCH_VARIANTS.items():
-                        masked.MASKED_PREFETCH_TILE_ELEMS = limit
-                        masked.clear_plans()
-                        row[name] = gbs(n_bytes, try_time_ms(
-                            lambda: flashlite.masked_softmax(s, scale=args.scale, **kw)))
-                    tile = masked.MASKED_CAUSAL_TILE_ELEMS if kind == "causal" else masked.MASKED_TILE_ELEMS
-                    plan = masked.masked_plan(args.batch * args.heads * length, length, s.device, tile_elems=tile)
-                    row["tile"] = f"{plan.block_m}x{plan.block_n}/{plan.num_warps}w"
-                    row["x_on_off"] = row["on"] / row["off"] if row["on"] and row["off"] else None
-                    row["x_on_compile"] = row["on"] / row["compile"] if row["on"] and row["compile"] else None
-                    rows.append(row)
-                    print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                          flush=True)
-                    del s, keep
-                    torch.cuda.empty_cache()
-    finally:
-        masked.MASKED_PREFETCH_TILE_ELEMS = default
-        masked.clear_plans()
-    meta = environment() | {"command": "python bench/masked_softmax.py " + " ".join(sys.argv[1:]),
-                            "scale": args.scale, "variants": PREFETCH_VARIANTS, "default": default}
-    cols = ["mask", "dtype", "L", "tile", "off", "on", "compile", "x_on_off", "x_on_compile"]
-    write_results("masked_softmax_prefetch", results_dir(args.out), meta, rows, cols,
-                  "Masked softmax forward: the next turn's scores loaded ahead (on) or not (off), GB/s")
-
-
 def run_calls(args) -> None:
     """flashlite's forward of each case ``args.calls`` times, synchronized, nothing timed: the launches a profiler
     reads."""
@@ -275,15 +227,13 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--scale", type=float, default=0.125, help="score scale (1/sqrt(64))")
     parser.add_argument("--quick", action="store_true", help="L = 2048 only")
-    parser.add_argument("--tune", nargs="?", const="tiles", choices=["tiles", "prefetch"],
-                        help="tiles: the fused tile's sizes (TUNE_TILES), flashlite alone; prefetch: "
-                             "PREFETCH_VARIANTS beside torch.compile")
+    parser.add_argument("--tune", action="store_true", help="the fused tile's sizes (TUNE_TILES), flashlite alone")
     parser.add_argument("--calls", type=int, help="only run flashlite's forward of each case this many times")
     args = parser.parse_args(argv)
     if args.calls:
         run_calls(args)
         return
-    {"tiles": run_tune, "prefetch": run_tune_prefetch, None: run_bench}[args.tune](args)
+    run_tune(args) if args.tune else run_bench(args)
 
 
 if __name__ == "__main__":

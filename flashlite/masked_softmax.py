@@ -87,9 +87,6 @@ MASKED_TILE_ELEMS = 4096
 # against 4096-score tiles, bf16 and fp32; rows with a mask lost; the backward keeps its tiles:
 # TUNING.md#masked-softmax-host).
 MASKED_CAUSAL_TILE_ELEMS = 1024
-# Fused forward tiles of at most this many scores load the next program turn's scores before this turn's
-# reductions (PREFETCH): python bench/masked_softmax.py --tune prefetch; TUNING.md#masked-prefetch.
-MASKED_PREFETCH_TILE_ELEMS = 1024
 # Additive masks are in the same natural-log units as the scores here.
 NATURAL_UNITS = tl.constexpr(1.0)
 # Causal loads stop at a multiple of this many keys: 16 bytes of a bool mask, 32 of bf16, 64 of fp32,
@@ -138,39 +135,13 @@ def _masked_scores(
 ):
     """Scaled, masked scores ``[M, N]`` of columns ``cols``; keys past ``_read_end(key_end)`` (per row) or
     ``col_end`` are not read; they, and everything masking removes, come back ``-inf``."""
-    x = _raw_scores(x_rows, cols, key_end, col_end, seqlen_k, stride_xn)
-    return _scaled_and_masked(x, mask_rows, q_idx, cols, seqlen_q, seqlen_k, scale, stride_mm, stride_mn,
-                              IS_CAUSAL, HAS_MASK, MASK_IS_BOOL)
-
-
-@triton.jit
-def _raw_scores(x_rows, cols, key_end, col_end, seqlen_k, stride_xn):
-    """Scores ``[M, N]`` of columns ``cols`` as stored (``x``'s dtype); keys past ``_read_end(key_end)`` (per
-    row) or ``col_end`` are not read and come back ``-inf``."""
     readable = (cols[None, :] < _read_end(key_end, seqlen_k)[:, None]) & (cols < col_end)[None, :]
-    return tl.load(x_rows[:, None] + cols[None, :] * stride_xn, mask=readable, other=float("-inf"))
-
-
-@triton.jit
-def _scaled_and_masked(
-    x, mask_rows, q_idx, cols, seqlen_q, seqlen_k, scale, stride_mm, stride_mn,
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr,
-):
-    """``_raw_scores``' ``x`` in fp32, scaled, everything masking removes ``-inf`` (``apply_masks``)."""
+    x = tl.load(x_rows[:, None] + cols[None, :] * stride_xn, mask=readable, other=float("-inf"))
+    s = x.to(tl.float32) * scale
     return apply_masks(
-        x.to(tl.float32) * scale, q_idx, cols, seqlen_q, seqlen_k, mask_rows, stride_mm, stride_mn,
+        s, q_idx, cols, seqlen_q, seqlen_k, mask_rows, stride_mm, stride_mn,
         IS_CAUSAL, HAS_MASK, MASK_IS_BOOL, NATURAL_UNITS,
     )
-
-
-@triton.jit
-def _tile_raw_scores(tile, n_rows, n_inner, seqlen_q, seqlen_k, x_ptr, stride_xb, stride_xh, stride_xm, stride_xn,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """``_raw_scores`` of fused tile ``tile`` (one block of every row; nothing is read past the last row)."""
-    _, _, _, x_rows, _, key_end = _score_rows(
-        tile_rows(tile, BLOCK_M), n_rows, n_inner, seqlen_q, seqlen_k, x_ptr, stride_xb, stride_xh, stride_xm,
-        IS_CAUSAL)
-    return _raw_scores(x_rows, tl.arange(0, BLOCK_N), key_end, seqlen_k, seqlen_k, stride_xn)
 
 
 @triton.jit
@@ -241,13 +212,9 @@ def _masked_softmax_fwd_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr, PASS: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_IS_BOOL: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # A work item is (tile of BLOCK_M rows, chunk of columns); chunks exist only when rows are split (BLOCK_M = 1).
     n_items = tl.cdiv(n_rows, BLOCK_M) * n_splits
-    if PREFETCH:  # (fused tiles, SINGLE_BLOCK): each turn loads the next turn's scores, in flight during this one's
-        x_next = _tile_raw_scores(tl.program_id(0), n_rows, n_inner, seqlen_q, seqlen_k, x_ptr, stride_xb,
-                                  stride_xh, stride_xm, stride_xn, BLOCK_M, BLOCK_N, IS_CAUSAL)
     for item in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
         tile, col_start, col_end = work_item(item, n_items, n_splits, cols_per_split, seqlen_k, PASS)
         rows = tile_rows(tile, BLOCK_M)
@@ -268,17 +235,10 @@ def _masked_softmax_fwd_kernel(
             m, d = merge_partial_states(part_m, part_d, LOG2E)
         elif SINGLE_BLOCK:
             cols = tl.arange(0, BLOCK_N)
-            if PREFETCH:
-                x = x_next
-                x_next = _tile_raw_scores(item + tl.num_programs(0), n_rows, n_inner, seqlen_q, seqlen_k, x_ptr,
-                                          stride_xb, stride_xh, stride_xm, stride_xn, BLOCK_M, BLOCK_N, IS_CAUSAL)
-                s = _scaled_and_masked(x, mask_rows, q_idx, cols, seqlen_q, seqlen_k, scale, stride_mm, stride_mn,
-                                       IS_CAUSAL, HAS_MASK, MASK_IS_BOOL)
-            else:
-                s = _masked_scores(
-                    x_rows, mask_rows, q_idx, cols, key_end, col_end, seqlen_q, seqlen_k, scale,
-                    stride_xn, stride_mm, stride_mn, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
-                )
+            s = _masked_scores(
+                x_rows, mask_rows, q_idx, cols, key_end, col_end, seqlen_q, seqlen_k, scale,
+                stride_xn, stride_mm, stride_mn, IS_CAUSAL, HAS_MASK, MASK_IS_BOOL,
+            )
             m, d = empty_state(BLOCK_M)
             m, d, p, _ = online_update(m, d, s, LOG2E)
         else:
@@ -508,18 +468,15 @@ class _ForwardCall:
         self.sizes = (self.n_rows, sizes[1], seqlen_q, seqlen_k)
         self.chunks = (plan.n_splits, plan.cols_per_split or seqlen_k)  # the fused plan: one chunk, the whole row
         self.strides = (sx[0], sx[1], x.stride(-2), x.stride(-1), sm[0], sm[1], *mask_qk)
-        # Small fused tiles hold too few bytes in flight to keep the memory busy (TUNING.md#masked-prefetch):
-        # each program turn of theirs loads the next turn's scores first.
-        prefetch = fused and single_block and plan.block_m * plan.block_n <= MASKED_PREFETCH_TILE_ELEMS
-        key = ("masked_softmax_fwd", plan, x.dtype, None if mask is None else mask.dtype, causal, prefetch, x.device)
+        key = ("masked_softmax_fwd", plan, x.dtype, None if mask is None else mask.dtype, causal, x.device)
         # Constexprs from the host, not triton.heuristics: a kernel so wrapped takes Triton's own launch path,
         # tens of microseconds a call (core.runtime.launch).
         mask_kind = dict(HAS_MASK=mask is not None, MASK_IS_BOOL=mask is not None and mask.dtype == torch.uint8)
-        self.online_meta = dict(BLOCK_M=1, IS_CAUSAL=causal, SINGLE_BLOCK=single_block, PREFETCH=False, **mask_kind)
+        self.online_meta = dict(BLOCK_M=1, IS_CAUSAL=causal, SINGLE_BLOCK=single_block, **mask_kind)
         self.forward = PersistentLaunch(
             _masked_softmax_fwd_kernel, n_tiles, x.device, key, plan.num_warps, BLOCK_M=plan.block_m,
             BLOCK_N=plan.block_n, SPLITS_POW2=1, PASS=BOTH_PASSES.value, IS_CAUSAL=causal, SINGLE_BLOCK=single_block,
-            PREFETCH=prefetch, **mask_kind,
+            **mask_kind,
         ) if fused else None
         self.zero_hidden = PersistentLaunch(
             _zero_hidden_kernel, triton.cdiv(n_tiles, ZERO_HIDDEN_FLAGS), x.device,
