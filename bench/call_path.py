@@ -340,7 +340,7 @@ def run_breakdown(out: str) -> list[dict]:
     the autograd engine around a node that computes nothing; and a cProfile of the whole call on each family
     (call_path_breakdown_profile_<family>.txt)."""
     from flashlite.attention.backward import BackwardLaunch
-    from flashlite.attention.gluon_tiles import rebind_parts
+    from flashlite.core.runtime import bind_descriptors
 
     import torch.nn.functional as F
 
@@ -383,10 +383,9 @@ def run_breakdown(out: str) -> list[dict]:
             add("  hopper dq/dk/dv call", family, lambda: hopper(do, qd, kd, vd, lse, delta))
             dq, dk, dv = (torch.empty_like(t) for t in (qd, kd, vd))
             tensors = (qd, kd, vd, do, dk, dv)
-            add("  rebind 6 descriptors", family, lambda: rebind_parts(hopper.dkdv_descriptors, tensors))
-            descs = rebind_parts(hopper.dkdv_descriptors, tensors)
-            args = (*descs, lse, delta, None, None, *hopper.sizes, 0, *hopper.scalars)
-            add("  dK/dV launch alone (6 descriptors)", family, lambda: hopper.dkdv(*args))
+            add("  bind 6 descriptors", family, lambda: bind_descriptors(hopper.dkdv_descriptors, tensors))
+            rest = (lse, delta, None, None, *hopper.sizes, 0, *hopper.scalars)
+            add("  dK/dV launch alone (6 descriptors)", family, lambda: hopper.dkdv(tensors, *rest))
     _kernel_family("hopper")
     meta = environment() | {"dtype": "bfloat16", "shape": "B=1 H=16 L=128 D=64", "calls": LOOP_CALLS,
                             "command": "python bench/call_path.py --part breakdown"}

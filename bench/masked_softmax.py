@@ -18,6 +18,8 @@ bandwidth measured in the same run is the ceiling. Modes:
     python bench/masked_softmax.py --quick    # L = 2048 only
     python bench/masked_softmax.py --tune     # the fused tile: (MASKED_TILE_ELEMS, MASKED_ELEMS_PER_THREAD)
                                               # pairs, flashlite's forward and backward -> masked_softmax_tune.*
+    python bench/masked_softmax.py --tune warps   # (MASKED_FEWEST_WARPS, MASKED_ELEMS_PER_THREAD) pairs
+                                              # -> masked_softmax_warps.*
     python bench/masked_softmax.py --calls 5 --masks causal --dtypes bf16 --lengths 1024
                                               # flashlite's forward of that case 5 times, nothing timed (for a
                                               # profiler: ncu --kernel-name regex:masked_softmax_fwd ...)
@@ -143,17 +145,29 @@ def run_bench(args) -> None:
     print_summary(rows, copy)
 
 
-# --tune: (scores a fused tile holds at most, scores a thread holds) pairs, the same tile for causal rows and
+# --tune tiles: (scores a fused tile holds at most, scores a thread holds) pairs, the same tile for causal rows and
 # masked ones; the defaults: (4096, 32), causal rows without a mask 1024.
 TUNE_TILES = [(4096, 32), (4096, 16), (4096, 8), (2048, 32), (2048, 16), (1024, 32), (1024, 16)]
+# --tune warps: the fewest warps of a fused program and the scores a thread holds (the tiles as planned).
+TUNE_WARPS = [(4, 32), (1, 32), (1, 16), (1, 64)]
+
+
+def tune_variants(kind: str) -> dict:
+    """``--tune kind``'s variants: name -> the masked_softmax constants it sets."""
+    if kind == "tiles":
+        return {f"t{tile}e{per_thread}": {"MASKED_TILE_ELEMS": tile, "MASKED_CAUSAL_TILE_ELEMS": tile,
+                                          "MASKED_ELEMS_PER_THREAD": per_thread} for tile, per_thread in TUNE_TILES}
+    return {f"w{warps}e{per_thread}": {"MASKED_FEWEST_WARPS": warps, "MASKED_ELEMS_PER_THREAD": per_thread}
+            for warps, per_thread in TUNE_WARPS}
 
 
 def run_tune(args) -> None:
-    """flashlite's fused masked softmax, forward and backward alone, under each of TUNE_TILES (its plans and
-    planned calls cleared between them), on the sweep's cases; GB/s as the sweep counts them (the backward: y
-    and dy read, dx written)."""
+    """flashlite's fused masked softmax, forward and backward alone, under each variant of ``--tune``
+    (``tune_variants``; its plans and planned calls cleared between them), on the sweep's cases; GB/s as the
+    sweep counts them (the backward: y and dy read, dx written), and each variant's forward plan."""
     masked = importlib.import_module("flashlite.masked_softmax")
-    names = ("MASKED_TILE_ELEMS", "MASKED_CAUSAL_TILE_ELEMS", "MASKED_ELEMS_PER_THREAD")
+    variants = tune_variants(args.tune)
+    names = sorted({name for settings in variants.values() for name in settings})
     defaults = {name: getattr(masked, name) for name in names}
     rows = []
     try:
@@ -163,12 +177,12 @@ def run_tune(args) -> None:
                     s, _, kw = make_case(kind, (args.batch, args.heads, length, length), DTYPES[dname])
                     leaf = s.detach().requires_grad_()
                     row = {"mask": kind, "dtype": str(DTYPES[dname]).replace("torch.", ""), "L": length}
-                    for tile, per_thread in TUNE_TILES:
-                        for name, value in zip(names, (tile, tile, per_thread)):  # every mask, one tile
-                            setattr(masked, name, value)
+                    for name, settings in variants.items():
+                        for constant, value in (defaults | settings).items():
+                            setattr(masked, constant, value)
                         masked.clear_plans()
-                        plan = masked.masked_plan(args.batch * args.heads * length, length, s.device)
-                        name = f"t{tile}e{per_thread}"
+                        tile = masked.MASKED_CAUSAL_TILE_ELEMS if kind == "causal" else masked.MASKED_TILE_ELEMS
+                        plan = masked.masked_plan(args.batch * args.heads * length, length, s.device, tile_elems=tile)
                         call = lambda: flashlite.masked_softmax(s, scale=args.scale, **kw)  # noqa: E731
                         row[f"{name}_fwd"] = gbs(masked_softmax_bytes(s, kw.get("mask")), try_time_ms(call))
                         y = flashlite.masked_softmax(leaf, scale=args.scale, **kw)
@@ -187,11 +201,17 @@ def run_tune(args) -> None:
             setattr(masked, name, value)
         masked.clear_plans()
     meta = environment() | {"command": "python bench/masked_softmax.py " + " ".join(sys.argv[1:]),
-                            "scale": args.scale, "tiles": TUNE_TILES, "default": defaults}
-    names = [f"t{t}e{e}" for t, e in TUNE_TILES]
-    cols = ["mask", "dtype", "L"] + [f"{n}_fwd" for n in names] + [f"{n}_bwd" for n in names]
-    write_results("masked_softmax_tune", results_dir(args.out), meta, rows, cols,
-                  "Masked softmax: the fused tile (scores a tile at most, a thread), GB/s, forward and backward alone")
+                            "scale": args.scale, "variants": variants, "default": defaults}
+    cols = (["mask", "dtype", "L"] + [f"{n}_fwd" for n in variants] + [f"{n}_bwd" for n in variants]
+            + [f"{n}_plan" for n in variants])
+    if args.tune == "tiles":
+        write_results("masked_softmax_tune", results_dir(args.out), meta, rows, cols,
+                      "Masked softmax: the fused tile (scores a tile at most, a thread), GB/s, forward and backward "
+                      "alone")
+    else:
+        write_results("masked_softmax_warps", results_dir(args.out), meta, rows, cols,
+                      "Masked softmax: the fewest warps of a fused program (w) and the scores a thread holds (e), "
+                      "GB/s, forward and backward alone; plans of the forward")
 
 
 def run_calls(args) -> None:
@@ -227,7 +247,9 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--scale", type=float, default=0.125, help="score scale (1/sqrt(64))")
     parser.add_argument("--quick", action="store_true", help="L = 2048 only")
-    parser.add_argument("--tune", action="store_true", help="the fused tile's sizes (TUNE_TILES), flashlite alone")
+    parser.add_argument("--tune", nargs="?", const="tiles", choices=["tiles", "warps"],
+                        help="flashlite alone under each variant: tiles (TUNE_TILES, the default) or warps "
+                             "(TUNE_WARPS)")
     parser.add_argument("--calls", type=int, help="only run flashlite's forward of each case this many times")
     args = parser.parse_args(argv)
     if args.calls:

@@ -80,6 +80,9 @@ from .softmax.plan import ALGORITHMS, SoftmaxPlan, fused_warps, plan_softmax
 # (tuning.FUSED_ELEMS_PER_THREAD, half the warps from 8192 columns): causal masked rows were slower with 64.
 # H100 2026-11-25, no committed script; TUNING.md#masked-elems-per-thread
 MASKED_ELEMS_PER_THREAD = 32
+# Warps of a fused masked program at the fewest (plain softmax's tiles take 4 or more): a causal row of 1024 keys
+# on one warp, not four. python bench/masked_softmax.py --tune; TUNING.md#masked-row-warps
+MASKED_FEWEST_WARPS = 4
 # Scores a fused masked tile holds at most (plain softmax's tile, tuning.FUSED_TILE_ELEMS, when larger): rows of
 # up to MASKED_TILE_ELEMS keys share a tile. python bench/masked_softmax.py --tune; TUNING.md#masked-softmax-host
 MASKED_TILE_ELEMS = 4096
@@ -428,7 +431,7 @@ def masked_plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str
                 block_n: int | None = None, n_splits: int | None = None, tile_elems: int | None = None) -> SoftmaxPlan:
     """The plan of a masked softmax over ``n_rows`` rows of ``seqlen_k`` keys: plain softmax's (``plan_softmax``),
     a fused tile cut to ``tile_elems`` scores (default ``MASKED_TILE_ELEMS``; at least a row) on warps of
-    ``MASKED_ELEMS_PER_THREAD`` a thread."""
+    ``MASKED_ELEMS_PER_THREAD`` a thread, at least ``MASKED_FEWEST_WARPS``."""
     # Plain softmax's regimes, limits and block sizes (tuned on an H100 for softmax), not re-tuned for
     # the mask tile: bench/masked_softmax.py measures the fused regime (L <= 4096) only. Wide fused rows
     # keep the warps of MASKED_ELEMS_PER_THREAD.
@@ -436,7 +439,8 @@ def masked_plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str
     if plan.algorithm == "fused":
         block_m = max(1, min(plan.block_m, (tile_elems or MASKED_TILE_ELEMS) // plan.block_n))
         plan = dataclasses.replace(plan, block_m=block_m,
-                                   num_warps=fused_warps(block_m * plan.block_n, MASKED_ELEMS_PER_THREAD))
+                                   num_warps=fused_warps(block_m * plan.block_n, MASKED_ELEMS_PER_THREAD,
+                                                         MASKED_FEWEST_WARPS))
     return plan
 
 

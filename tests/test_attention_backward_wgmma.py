@@ -19,7 +19,7 @@ import triton
 from flashlite.attention import backward, backward_hopper, plan, tuning
 from flashlite.attention import gluon_tiles
 
-from .utils import fresh_process_report, hopper_qkv, on_hopper
+from .utils import fresh_process_report, hopper_qkv, on_hopper, spy_tma_launches
 
 pytestmark = pytest.mark.skipif(not gluon_tiles.wgmma_available(), reason="this Triton has no Gluon Hopper API")
 
@@ -174,7 +174,7 @@ def test_one_pass_planned_where_it_serves(hopper, monkeypatch, head_dim, head_di
     if not expected or packed:
         return
     launched = []
-    monkeypatch.setattr(backward_hopper.KernelLaunch, "__call__", lambda kl, *args: launched.append((kl, args)))
+    spy_tma_launches(monkeypatch, launched)
     lse = delta = torch.zeros(2, 4, 300)
     launch(do, q, k, v, lse, delta)
     assert [kl.kernel for kl, _ in launched] == [backward_hopper._attention_bwd_one_pass_kernel]
@@ -214,7 +214,7 @@ def test_backward_head_split_dispatch(hopper, monkeypatch, head_dim, head_dim_v)
     the second part of a head dim of one part, the parts' sums as the widths on chip, and the padded head dim's
     tiles (256: two warpgroups); unsplit, boxes as wide as the padded head dims."""
     launched = []
-    monkeypatch.setattr(backward_hopper.KernelLaunch, "__call__", lambda launch, *args: launched.append((launch, args)))
+    spy_tma_launches(monkeypatch, launched)
     q, k, _ = map(on_hopper, hopper_qkv(head_dim, torch.bfloat16, seqlen_q=300, seqlen_k=500, kv_heads=2))  # GQA
     v = on_hopper(torch.randn(2, 2, 500, head_dim_v, dtype=torch.bfloat16))
     do = on_hopper(torch.randn(2, 4, 300, head_dim_v, dtype=torch.bfloat16))
@@ -310,7 +310,7 @@ def test_packed_backward_dispatch(hopper, monkeypatch):
     from .utils import cu_seqlens
 
     launched = []
-    monkeypatch.setattr(backward_hopper.KernelLaunch, "__call__", lambda launch, *args: launched.append((launch, args)))
+    spy_tma_launches(monkeypatch, launched)
     lengths = [300, 0, 100, 517, 1]
     total, n_seqs = sum(lengths), len(lengths)
     q = on_hopper(torch.randn(1, 4, total, 192, dtype=torch.bfloat16))  # packed: (1, H, total, D), GQA

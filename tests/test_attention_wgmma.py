@@ -27,7 +27,7 @@ from flashlite.attention import forward_hopper as fw
 from flashlite.attention import gluon_tiles
 from flashlite.core import tiles
 
-from .utils import HOPPER, fresh_process_report, hopper_qkv, on_hopper
+from .utils import HOPPER, fresh_process_report, hopper_qkv, on_hopper, spy_tma_launches
 
 pytestmark = pytest.mark.skipif(not gluon_tiles.wgmma_available(), reason="this Triton has no Gluon Hopper API")
 
@@ -234,7 +234,7 @@ def test_head_split_dispatch(hopper, monkeypatch, head_dim, head_dim_v, causal):
     ``plan.head_dim_parts``), bound to the call's own tensors, None for the second part of a head dim of one part,
     and the parts' sums as its widths; unsplit, boxes as wide as the padded head dims."""
     launched = []
-    monkeypatch.setattr(fw.KernelLaunch, "__call__", lambda launch, *args: launched.append((launch, args)))
+    spy_tma_launches(monkeypatch, launched)
     q, k, _ = map(on_hopper, hopper_qkv(head_dim, torch.bfloat16, seqlen_k=3000, kv_heads=2))  # GQA
     v = on_hopper(torch.randn(2, 2, 3000, head_dim_v, dtype=torch.bfloat16))
     for split in (False, True):
@@ -356,7 +356,7 @@ def test_packed_batch_dispatch(hopper, monkeypatch):
     from .utils import cu_seqlens
 
     launched = []
-    monkeypatch.setattr(fw.KernelLaunch, "__call__", lambda launch, *args: launched.append((launch, args)))
+    spy_tma_launches(monkeypatch, launched)
     lengths = [300, 0, 100, 517]
     total = sum(lengths)
     q = on_hopper(torch.randn(1, 4, total, 128, dtype=torch.bfloat16))

@@ -166,7 +166,7 @@ def test_backward_is_bitwise_repeatable(head_dim, hopper, mode, monkeypatch):
 
 # The Hopper backward's one pass (FLASHLITE_BACKWARD_ONE_PASS=1: two key tiles a program, dQ added by TMA
 # reductions): lengths that cut the program's second key tile and the last query tile, GQA, Dv != D, and each
-# variant; the kernel that ran is recorded (``KernelLaunch`` spied on as the plans build it).
+# variant; the kernel that ran is recorded (``TmaLaunch`` spied on as the plans build it).
 ONE_PASS_CASES = [
     dict(lq=1000, lk=1100, h=(8, 2), d=(64, 64), kw=dict(causal=False)),
     dict(lq=1000, lk=1100, h=(8, 2), d=(128, 128), kw=dict(causal=True)),
@@ -190,12 +190,12 @@ def test_one_pass_backward_on_the_gpu(case, dtype, monkeypatch):
     require_hopper()
     ran = []
 
-    class Spy(backward_hopper.KernelLaunch):
+    class Spy(backward_hopper.TmaLaunch):
         def __call__(self, *args):
             ran.append(self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else str(self.kernel))
             super().__call__(*args)
 
-    monkeypatch.setattr(backward_hopper, "KernelLaunch", Spy)
+    monkeypatch.setattr(backward_hopper, "TmaLaunch", Spy)
     monkeypatch.setenv("FLASHLITE_BACKWARD_ONE_PASS", "1")
     api.clear_routes()
     (h, h_kv), (d, dv) = case["h"], case["d"]

@@ -96,3 +96,90 @@ def test_gluon_tma_add_exists_where_gluon_does():
     assert (add is None) == (not gluon_tiles.wgmma_available())
     if add is not None:
         assert callable(add)
+
+
+def _tma_kernel_stand_in(monkeypatch, metas, scratch: int = 0):
+    """A stand-in ``CompiledKernel`` whose launcher is Triton's own ``wrap_handle_tensordesc`` over a recording C
+    launcher, for a kernel of parameters (the descriptors of a's and c's first column parts, c's None, of their
+    second parts, then x_ptr, n, BLOCK);
+    ``make_tensordesc_arg`` replaced by a counting stand-in (the real one needs the CUDA driver)."""
+    from triton.backends.nvidia import driver as nvidia
+
+    recorded, encoded = [], []
+
+    def make_arg(desc, meta):  # (Triton 3.6's parameters)
+        encoded.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), tuple(desc.block_shape), meta), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", make_arg)
+    signature = {"a0": "tensordesc<fp32[16, 32]>", "c0": "constexpr", "a1": "tensordesc<fp32[16, 16]>",
+                 "c1": "tensordesc<fp32[8, 16]>", "x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    inner = nvidia.wrap_handle_tensordesc(lambda *args: recorded.append(args), signature, metas)
+
+    class Run:
+        launch = staticmethod(inner)
+        global_scratch_size = profile_scratch_size = scratch
+        launch_cooperative_grid, launch_pdl = False, False
+
+    class Compiled:
+        function, packed_metadata, run = "function", "metadata", Run()
+
+    monkeypatch.setattr(triton_compat, "current_stream", lambda device: "stream")
+    return Compiled(), recorded, encoded
+
+
+def _launcher_as_in_triton_3_6() -> bool:
+    """Whether this Triton's descriptor arguments are expanded as 3.6's are (``make_tensordesc_arg(arg, metadata)``
+    called by ``wrap_handle_tensordesc``'s ``inner``): what ``tma_launcher`` serves."""
+    import inspect
+
+    from triton.backends.nvidia import driver as nvidia
+
+    make_arg = getattr(nvidia, "make_tensordesc_arg", None)
+    return make_arg is not None and len(inspect.signature(make_arg).parameters) == 2
+
+
+def test_tma_launcher_hands_the_launcher_what_triton_does(monkeypatch):
+    from triton.backends.nvidia import driver as nvidia
+
+    as_in_3_6 = _launcher_as_in_triton_3_6()
+    compiled, recorded, encoded = _tma_kernel_stand_in(monkeypatch, [{"swizzle": 1}, {"swizzle": 2}, {"swizzle": 3}])
+    x = torch.randn(4)
+    tensors = [(torch.randn(1, 2, 64, 48), torch.randn(1, 2, 40, 48)) for _ in range(2)]
+    a, c = tensors[0]
+    templates = tuple(None if d is None else triton_compat.descriptor_template(d) for d in (
+        tensor_descriptor(a, 16, 32), None, tensor_descriptor(a, 16, 16), tensor_descriptor(c, 8, 16)))
+    launch = triton_compat.tma_launcher(compiled, 0, (5, 1, 1), templates, (64,))
+    if not as_in_3_6:
+        assert launch is None  # a Triton whose launcher is built otherwise (3.9): the caller's own path
+        return
+    assert launch is not None
+    base = (5, 1, 1, "stream", "function", False, False, None, None, "metadata", None, None, None)
+    for a, c in tensors + tensors:  # each pair twice: encoded once per address
+        launch((a, c), (x, 9))
+        bound = [None if t is None else triton_compat.rebind_descriptor(t, u) for t, u in zip(templates, (a, c, a, c))]
+        compiled.run.launch(*base, *bound, x, 9, 64)  # Triton's own path, on the same descriptors
+        assert recorded[-2] == recorded[-1]
+    # Ours: once a descriptor and address (the first launch of each pair, before Triton's path); Triton's: every time.
+    assert encoded[:3] == [tensors[0][0].data_ptr(), tensors[0][0].data_ptr(), tensors[0][1].data_ptr()]
+    assert len(encoded) == 2 * 3 + 4 * 3
+    assert len(nvidia._BASE_ARGS_FORMAT) == len(base)
+
+
+def test_tma_launcher_declines_what_it_cannot_serve(monkeypatch):
+    t = torch.randn(1, 2, 64, 32)
+    template = triton_compat.descriptor_template(tensor_descriptor(t, 16, 32))
+    templates, metas = (template, None, template, template), [{"swizzle": 1}] * 3
+    for metas, scratch, temps in ((metas, 128, templates),  # scratch memory
+                                  (None, 0, templates),  # descriptors not lowered to TMA
+                                  (metas, 0, (template, template, None, template))):  # not the kernel's slots
+        compiled, _, _ = _tma_kernel_stand_in(monkeypatch, metas, scratch)
+        assert triton_compat.tma_launcher(compiled, 0, (1, 1, 1), temps, ()) is None
+
+    class Plain:
+        function, packed_metadata = "function", "metadata"
+
+        class run:  # noqa: N801 - a launcher without Triton 3.6's descriptor closure
+            launch = staticmethod(lambda *args: None)
+
+    assert triton_compat.tma_launcher(Plain(), 0, (1, 1, 1), templates, ()) is None

@@ -377,3 +377,14 @@ def made_once(make):
         return made[key]
 
     return get
+
+
+def spy_tma_launches(monkeypatch, launched: list) -> None:
+    """Record instead of run every ``core.runtime.TmaLaunch`` call: ``(launch, args)`` with ``args`` the arguments
+    its kernel gets, the descriptors bound to the call's tensors first (``bind_descriptors``)."""
+    from flashlite.core import runtime
+
+    def record(launch, tensors, *rest):
+        launched.append((launch, (*runtime.bind_descriptors(launch.templates, tensors), *rest)))
+
+    monkeypatch.setattr(runtime.TmaLaunch, "__call__", record)

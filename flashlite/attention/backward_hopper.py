@@ -66,16 +66,16 @@ import triton
 
 from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
-from ..core.runtime import KernelLaunch, device_info
+from ..core.runtime import TmaLaunch, device_info
 from ..core.tiles import tma_usable
-from ..core.triton_compat import descriptor_template, gluon_source, mangle_type, rebind_descriptor
+from ..core.triton_compat import descriptor_template, gluon_source, mangle_type
 from . import tuning
 from .forward import alibi_slope
 from . import plan
 from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, boxes_nbytes, copy_boxes, descriptor_parts,
     gluon, gluon_descriptor, issue_kv_load, packed_program, part_descriptors, part_templates, query_program,
-    rebind_parts, register_operands, ring_slots, slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier,
+    register_operands, ring_slots, slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier,
     tile_boxes, tile_bounds, tma_add, wait_kv, zero_accumulators, zero_rows_past,
 )
 from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, packed_schedule
@@ -916,8 +916,8 @@ class HopperBackwardLaunch:
         else:
             grids = ((triton.cdiv(seqlen_k, config.block_n) * batch * k.shape[1],),
                      (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,))
-        self.dkdv = KernelLaunch(_attention_bwd_wgmma_kernel, grids[0], **dkdv_meta)
-        self.dq = KernelLaunch(_attention_bwd_dq_wgmma_kernel, grids[1], **dq_meta)
+        self.dkdv = TmaLaunch(_attention_bwd_wgmma_kernel, grids[0], self.dkdv_descriptors, **dkdv_meta)
+        self.dq = TmaLaunch(_attention_bwd_dq_wgmma_kernel, grids[1], self.dq_descriptors, **dq_meta)
         # One pass where the tiles (or FLASHLITE_BACKWARD_ONE_PASS=1) ask for it and the kernel serves the call:
         # dense, one column part each, a warpgroup's 64 keys a key tile; deterministic calls keep the two passes
         # (``__call__``).
@@ -927,11 +927,12 @@ class HopperBackwardLaunch:
             # dQ's fp32 workspace: whole query tiles (a TMA reduction adds a tile), the padded head dim.
             rows_padded = triton.cdiv(seqlen_q, config.block_m) * config.block_m
             self.workspace = (batch, n_heads, rows_padded, q_parts[0])
-            self.workspace_descriptor = descriptor_template(gluon_descriptor(
+            workspace_descriptor = descriptor_template(gluon_descriptor(
                 torch.empty(self.workspace, dtype=torch.float32, device="meta"), config.block_m, q_parts[0]))
-            self.one_pass = KernelLaunch(
+            self.one_pass = TmaLaunch(
                 _attention_bwd_one_pass_kernel,
                 (triton.cdiv(seqlen_k, 2 * config.block_n) * batch * k.shape[1],),
+                (*self.dkdv_descriptors[:6], workspace_descriptor),  # (the six first parts, then the workspace)
                 **one_pass_kernel_meta(config, *widths, causal, variant_meta))
 
     def __call__(
@@ -947,16 +948,14 @@ class HopperBackwardLaunch:
             n_seqs, dq_layout, dk_layout, dv_layout = self.packed_layouts
             dkdv_packed = (*seqs, n_seqs, dk, *dk_layout, dv, *dv_layout)
             dq_packed = (*seqs, n_seqs, dq, *dq_layout)
-        descs = rebind_parts(self.dkdv_descriptors, (q, k, v, do, dk, dv))
         if self.one_pass is not None and not torch.are_deterministic_algorithms_enabled():
             workspace = torch.zeros(self.workspace, dtype=torch.float32, device=q.device)
-            self.one_pass(*descs[:6], rebind_descriptor(self.workspace_descriptor, workspace), lse, delta, alibi,
-                          *self.sizes, stride_alibi, *self.scalars)
+            self.one_pass((q, k, v, do, dk, dv, workspace), lse, delta, alibi, *self.sizes, stride_alibi,
+                          *self.scalars)
             dq.copy_(workspace[:, :, :q.shape[2], :q.shape[3]])
             return dq, dk, dv
-        self.dkdv(*descs, lse, delta, alibi, dkdv_packed, *self.sizes, stride_alibi, *self.scalars)
-        descs = rebind_parts(self.dq_descriptors, (q, k, v, do, dq))
-        self.dq(*descs, lse, delta, alibi, dq_packed, *self.sizes, stride_alibi, *self.scalars)
+        self.dkdv((q, k, v, do, dk, dv), lse, delta, alibi, dkdv_packed, *self.sizes, stride_alibi, *self.scalars)
+        self.dq((q, k, v, do, dq), lse, delta, alibi, dq_packed, *self.sizes, stride_alibi, *self.scalars)
         return dq, dk, dv
 
 

@@ -76,14 +76,14 @@ import triton
 
 from ..core.masking import apply_masks, key_ranges, modified_scores_scaled
 from ..core.online_softmax import BASE2_UNITS, LOG2E, merge_sink, normalize, online_update_scaled, state_logsumexp
-from ..core.runtime import KernelLaunch, device_info
+from ..core.runtime import TmaLaunch, device_info
 from ..core.tiles import tma_usable
 from ..core.triton_compat import gluon_source, mangle_type
 from . import tuning
 from .forward import alibi_slope
 from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, descriptor_parts, gluon, issue_kv_load,
-    load_boxes, part_descriptors, part_templates, query_program, rebind_parts, register_operands, ring_slots,
+    load_boxes, part_descriptors, part_templates, query_program, register_operands, ring_slots,
     slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier, tile_boxes, wait_kv, wait_products,
     zero_accumulators, zero_rows_past,
 )
@@ -607,7 +607,7 @@ class HopperForwardLaunch:
             seq_block = 0
             grid = (triton.cdiv(seqlen_q, config.rows_per_program) * batch * n_heads,)
         kernel, meta = kernel_for(config, sum(q_parts), sum(v_parts), causal, write_lse, variant_meta, seq_block)
-        self.kernel = KernelLaunch(kernel, grid, **meta)
+        self.kernel = TmaLaunch(kernel, grid, self.descriptors, **meta)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi: torch.Tensor | None = None,
@@ -616,12 +616,11 @@ class HopperForwardLaunch:
         """``(o, lse)``: o (B, H, Lq, Dv), lse (B, H, Lq) fp32 or None; a packed batch brings ``seqs``."""
         o = self.output.empty(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if self.lse_shape else None
-        descs = rebind_parts(self.descriptors, (q, k, v, o))
         packed = None
         if self.varlen is not None:
             n_seqs, stride_h, stride_l, head_dim_v = self.packed_strides
             packed = (*seqs, n_seqs, o, stride_h, stride_l, head_dim_v)
-        self.kernel(*descs, lse if lse is not None else o, alibi, sinks, packed, *self.sizes,
+        self.kernel((q, k, v, o), lse if lse is not None else o, alibi, sinks, packed, *self.sizes,
                     alibi.stride(0) if alibi is not None else 0, *self.scalars)
         return o, lse
 

@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - older Triton: the triton.language kern
 
 from ..core.packed import sequence_bounds
 from ..core.tiles import descriptor_strides
-from ..core.triton_compat import descriptor_template, gluon_tma_add, new_descriptor, rebind_descriptor
+from ..core.triton_compat import descriptor_template, gluon_tma_add, new_descriptor
 from .plan import packed_tile, query_tile
 
 # TMA reductions (cp.reduce.async.bulk.tensor .add): Triton 3.9's async_atomic_add, or 3.6's op (triton_compat).
@@ -372,11 +372,5 @@ def part_descriptors(specs: tuple) -> tuple:
 
 def part_templates(specs: tuple) -> tuple:
     """``part_descriptors``' as templates (``descriptor_template``; None stays None), planned once a call
-    signature and rebound to each call's tensors by ``rebind_parts``."""
+    signature and bound to each call's tensors by ``core.runtime.TmaLaunch`` (``bind_descriptors``' order)."""
     return tuple(None if d is None else descriptor_template(d) for d in part_descriptors(specs))
-
-
-def rebind_parts(templates: tuple, tensors: tuple) -> list:
-    """``part_templates``' bound to a call's ``tensors`` (one a spec, in the specs' order: the templates come as
-    ``part_descriptors`` orders them, first parts then second parts)."""
-    return [None if d is None else rebind_descriptor(d, tensors[i % len(tensors)]) for i, d in enumerate(templates)]

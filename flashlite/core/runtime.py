@@ -22,7 +22,9 @@ import numpy as np
 import torch
 import triton
 
-from .triton_compat import is_compiled_kernel, is_reusable, load_compiled, run_compiled
+from .triton_compat import (
+    is_compiled_kernel, is_reusable, launch_hooks_set, load_compiled, rebind_descriptor, run_compiled, tma_launcher,
+)
 
 
 @triton.jit
@@ -137,6 +139,11 @@ _PROGRAMS_PER_SM: dict = {}
 loaded = load_compiled  # (bench scripts read registers through this name)
 
 
+# Resident programs (thread blocks) a multiprocessor holds at most, whatever their size: 32 from Volta to Hopper
+# (16 on Turing, where a grid so sized takes two waves).
+MAX_PROGRAMS_PER_SM = 32
+
+
 def occupancy(compiled, num_warps: int, info: DeviceInfo) -> int | None:
     """Programs of ``compiled`` that fit on one multiprocessor, or None if Triton does not say."""
     try:
@@ -144,7 +151,7 @@ def occupancy(compiled, num_warps: int, info: DeviceInfo) -> int | None:
         shared = int(compiled.metadata.shared)
     except Exception:  # interpreter, or an API this Triton does not have
         return None
-    fits = info.max_warps_per_sm // num_warps
+    fits = min(info.max_warps_per_sm // num_warps, MAX_PROGRAMS_PER_SM)
     if n_regs > 0:
         fits = min(fits, info.regs_per_sm // (n_regs * 32 * num_warps))
     if shared > 0:
@@ -268,6 +275,20 @@ def record_residency(key: tuple, compiled, num_warps: int, device: torch.device)
         _PROGRAMS_PER_SM[key] = measured if measured is not None else 2
 
 
+def _compiled_entry(kernel, args: tuple, options: dict):
+    """``(compiled kernel, trailing arguments, device)`` of a launch already made through ``launch``, or None
+    (Triton's uncached path, or no such launch yet)."""
+    if not is_compiled_kernel(kernel):
+        return None
+    device = torch.cuda.current_device()
+    try:
+        key = (kernel, device, *options.items(), *map(_specialization, args))
+    except _Unmodeled:
+        return None
+    entry = _COMPILED.get(key)
+    return None if entry is None else (*entry, device)
+
+
 def compiled_launcher(kernel, grid: tuple, args: tuple, **options):
     """A function of new arguments only that repeats a launch already made through ``launch``, or None.
 
@@ -278,19 +299,20 @@ def compiled_launcher(kernel, grid: tuple, args: tuple, **options):
     cheaply themselves. None on Triton's uncached path (the interpreter,
     wrapped kernels, unmodeled arguments) or before the first launch.
     """
-    if not is_compiled_kernel(kernel):
-        return None
-    device = torch.cuda.current_device()
-    try:
-        key = (kernel, device, *options.items(), *map(_specialization, args))
-    except _Unmodeled:
-        return None
-    entry = _COMPILED.get(key)
+    entry = _compiled_entry(kernel, args, options)
     if entry is None:
         return None
-    compiled, trailing = entry
+    compiled, trailing, device = entry
     grid = (*grid, 1, 1)[:3]
     return lambda new_args: run_compiled(compiled, device, grid, (*new_args, *trailing))
+
+
+def bind_descriptors(templates: tuple, tensors: tuple) -> list:
+    """Host TMA descriptor templates (``triton_compat.descriptor_template``'s; None stays None) bound to a call's
+    tensors: template ``j`` to ``tensors[j % len(tensors)]`` (a kernel's descriptors of every tensor's first
+    column part, then of every one's second part, come so)."""
+    n = len(tensors)
+    return [None if d is None else rebind_descriptor(d, tensors[j % n]) for j, d in enumerate(templates)]
 
 
 class KernelLaunch:
@@ -312,6 +334,40 @@ class KernelLaunch:
             return
         launch(self.kernel, self.grid, args, **self.options)
         self._run = compiled_launcher(self.kernel, self.grid, args, **self.options)
+
+
+class TmaLaunch:
+    """A ``KernelLaunch`` of a kernel whose leading parameters are host TMA descriptors, planned as ``templates``
+    (``triton_compat.descriptor_template``'s, None where the kernel takes None): a call gives the tensors they
+    describe (``bind_descriptors``' order), then the other arguments, under ``KernelLaunch``'s promise (and
+    each tensor of the shape and strides its templates were planned for).
+
+    Once compiled, a call hands the launcher each descriptor's encoded form, kept per tensor address
+    (``triton_compat.tma_launcher``): no descriptor object built and none encoded again for an address seen
+    before, where building and encoding them cost a few microseconds each a call (TUNING.md#tma-launch).
+    Where that launcher is not there (Triton other than 3.6, the interpreter) or a profiler's hooks are set,
+    each call binds the templates and launches as ``KernelLaunch`` does."""
+
+    __slots__ = ("kernel", "grid", "templates", "options", "_run", "_direct")
+
+    def __init__(self, kernel, grid: tuple, templates: tuple, **options):
+        self.kernel, self.grid, self.templates, self.options = kernel, grid, templates, options
+        self._run = self._direct = None
+
+    def __call__(self, tensors: tuple, *rest) -> None:
+        if self._direct is not None and not launch_hooks_set():
+            self._direct(tensors, rest)
+            return
+        args = (*bind_descriptors(self.templates, tensors), *rest)
+        if self._run is not None:
+            self._run(args)
+            return
+        launch(self.kernel, self.grid, args, **self.options)
+        self._run = compiled_launcher(self.kernel, self.grid, args, **self.options)
+        entry = _compiled_entry(self.kernel, args, self.options)
+        if entry is not None:
+            compiled, trailing, device = entry
+            self._direct = tma_launcher(compiled, device, (*self.grid, 1, 1)[:3], self.templates, trailing)
 
 
 class PersistentLaunch:

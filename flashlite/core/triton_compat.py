@@ -12,6 +12,8 @@ one module to check (tests/test_triton_compat.py runs each function on the CPU):
 * ``descriptor_template``: a host tensor descriptor without its base tensor, for ``rebind_descriptor``;
 * ``rebind_descriptor``: a host tensor descriptor of another tensor with the same shape, strides and box,
   without the dataclass's checks (``object.__new__``);
+* ``tma_launcher``: launch a ``CompiledKernel`` whose leading parameters are TMA descriptors straight through
+  Triton 3.6's C launcher, each descriptor's encoded form (``make_tensordesc_arg``) kept per base address;
 * ``gluon_source`` and ``mangle_type``: what ``triton.compile`` takes to build a Gluon kernel for a GPU
   that is not here (the CPU build tests, ``bench/backward_resources.py``);
 * ``gluon_available``: whether this Triton has Gluon's Hopper API at all;
@@ -93,6 +95,76 @@ def new_descriptor(cls, **fields):
     desc = object.__new__(cls)
     desc.__dict__.update(fields)
     return desc
+
+
+# Encoded descriptors a descriptor parameter of ``tma_launcher`` keeps (tensor addresses seen), before starting over.
+ENCODED_KEPT = 16
+
+
+def tma_launcher(compiled, device: int, grid: tuple, templates: tuple, trailing: tuple):
+    """``f(tensors, rest)``: a launch of the loaded ``compiled`` on the 3-D ``grid`` whose leading parameters are
+    the TMA descriptors ``templates`` (``descriptor_template``'s; None where the parameter is None) bound to
+    ``tensors`` (descriptor ``j`` to ``tensors[j % len(tensors)]``), then the arguments ``rest`` and
+    ``trailing`` (constexprs and defaults, as ``run_compiled`` takes them), on ``device``'s current stream.
+
+    What ``run_compiled`` does with descriptors bound by ``rebind_descriptor``, without building them: Triton
+    3.6's launcher (``CudaLauncher.launch``, the ``inner`` of ``driver.wrap_handle_tensordesc``) turns each
+    descriptor into ``make_tensordesc_arg``'s list (an encoded CUtensorMap, then the shape and strides) on every
+    launch; here that list is computed once per base address of each parameter, by the same function (it
+    depends on nothing else: a plan binds its templates only to tensors of their shape and strides), and the
+    C launcher gets the lists. The caller checks ``launch_hooks_set()`` first (this path calls no hook).
+
+    None where this Triton's launcher is not built that way (3.9's is not), a descriptor is not lowered to TMA
+    (no metadata), the kernel needs scratch memory, or the templates are not the kernel's descriptor
+    parameters.
+    """
+    import inspect
+
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:  # pragma: no cover - no CUDA backend
+        return None
+    run = compiled.run
+    inner = getattr(run, "launch", None)
+    cells = getattr(inner, "__closure__", None) or ()
+    names = dict(zip(getattr(getattr(inner, "__code__", None), "co_freevars", ()), cells))
+    if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= names.keys():
+        return None
+    make_arg = getattr(nvidia, "make_tensordesc_arg", None)
+    if make_arg is None or len(inspect.signature(make_arg).parameters) != 2 or not hasattr(nvidia, "_BASE_ARGS_FORMAT"):
+        return None
+    metas = names["tensordesc_meta"].cell_contents
+    slots = [j for j, template in enumerate(templates) if template is not None]
+    if (sorted(names["tensordesc_indices"].cell_contents) != slots or not metas or any(m is None for m in metas)
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)):
+        return None
+    launcher = names["launcher"].cell_contents
+    head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+            None, None, None)  # (function, cooperative, PDL, the two scratch buffers, metadata, launch metadata, hooks)
+    caches = {j: {} for j in slots}
+    meta_of = dict(zip(slots, metas))
+
+    def encoded(j: int, tensor) -> list:
+        cache = caches[j]
+        address = tensor.data_ptr()
+        found = cache.get(address)
+        if found is None:
+            if len(cache) >= ENCODED_KEPT:
+                cache.clear()
+            found = cache[address] = make_arg(rebind_descriptor(templates[j], tensor), meta_of[j])
+        return found
+
+    def launch(tensors: tuple, rest: tuple) -> None:
+        args = [*grid, current_stream(device), *head]
+        n = len(tensors)
+        for j, template in enumerate(templates):
+            if template is None:
+                args.append(None)
+            else:
+                args.extend(encoded(j, tensors[j % n]))
+        launcher(*args, *rest, *trailing)
+
+    return launch
 
 
 def gluon_source(kernel, signature: dict, constants: dict, aligned: tuple = ()):

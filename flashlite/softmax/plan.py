@@ -73,10 +73,10 @@ def clusters_supported(device: torch.device) -> bool:
     return device.type == "cuda" and device_info(device).capability[0] == 9 and gluon_available()
 
 
-def fused_warps(tile_elems: int, elems_per_thread: int | None = None) -> int:
+def fused_warps(tile_elems: int, elems_per_thread: int | None = None, fewest: int = 4) -> int:
     """Warps of a fused program holding ``tile_elems`` elements, ``elems_per_thread`` a thread (default
-    ``tuning.FUSED_ELEMS_PER_THREAD``, read at the call: bench/softmax.py --tune sets it): 4 to 16."""
-    return min(16, max(4, tile_elems // (32 * (elems_per_thread or tuning.FUSED_ELEMS_PER_THREAD))))
+    ``tuning.FUSED_ELEMS_PER_THREAD``, read at the call: bench/softmax.py --tune sets it): ``fewest`` to 16."""
+    return min(16, max(fewest, tile_elems // (32 * (elems_per_thread or tuning.FUSED_ELEMS_PER_THREAD))))
 
 
 @functools.lru_cache(maxsize=4096)
