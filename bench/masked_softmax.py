@@ -18,8 +18,9 @@ bandwidth measured in the same run is the ceiling. Modes:
     python bench/masked_softmax.py --quick    # L = 2048 only
     python bench/masked_softmax.py --tune     # the fused tile: (MASKED_TILE_ELEMS, MASKED_ELEMS_PER_THREAD)
                                               # pairs, flashlite's forward and backward -> masked_softmax_tune.*
-    python bench/masked_softmax.py --tune warps   # (MASKED_FEWEST_WARPS, MASKED_ELEMS_PER_THREAD) pairs
-                                              # -> masked_softmax_warps.*
+    python bench/masked_softmax.py --tune causal-warps --masks causal
+                                              # (MASKED_CAUSAL_FEWEST_WARPS, MASKED_CAUSAL_THREAD_BYTES)
+                                              # pairs -> masked_softmax_causal_warps.*
     python bench/masked_softmax.py --calls 5 --masks causal --dtypes bf16 --lengths 1024
                                               # flashlite's forward of that case 5 times, nothing timed (for a
                                               # profiler: ncu --kernel-name regex:masked_softmax_fwd ...)
@@ -148,8 +149,8 @@ def run_bench(args) -> None:
 # --tune tiles: (scores a fused tile holds at most, scores a thread holds) pairs, the same tile for causal rows and
 # masked ones; the defaults: (4096, 32), causal rows without a mask 1024.
 TUNE_TILES = [(4096, 32), (4096, 16), (4096, 8), (2048, 32), (2048, 16), (1024, 32), (1024, 16)]
-# --tune warps: the fewest warps of a fused program and the scores a thread holds (the tiles as planned).
-TUNE_WARPS = [(4, 32), (1, 32), (1, 16), (1, 64)]
+# --tune causal-warps: the fewest warps of the forward's causal-row tiles and the bytes a thread holds there.
+TUNE_CAUSAL_WARPS = [(4, 64), (1, 64), (2, 64), (1, 128), (1, 32)]
 
 
 def tune_variants(kind: str) -> dict:
@@ -157,8 +158,8 @@ def tune_variants(kind: str) -> dict:
     if kind == "tiles":
         return {f"t{tile}e{per_thread}": {"MASKED_TILE_ELEMS": tile, "MASKED_CAUSAL_TILE_ELEMS": tile,
                                           "MASKED_ELEMS_PER_THREAD": per_thread} for tile, per_thread in TUNE_TILES}
-    return {f"w{warps}e{per_thread}": {"MASKED_FEWEST_WARPS": warps, "MASKED_ELEMS_PER_THREAD": per_thread}
-            for warps, per_thread in TUNE_WARPS}
+    return {f"w{warps}b{size}": {"MASKED_CAUSAL_FEWEST_WARPS": warps, "MASKED_CAUSAL_THREAD_BYTES": size}
+            for warps, size in TUNE_CAUSAL_WARPS}
 
 
 def run_tune(args) -> None:
@@ -181,8 +182,7 @@ def run_tune(args) -> None:
                         for constant, value in (defaults | settings).items():
                             setattr(masked, constant, value)
                         masked.clear_plans()
-                        tile = masked.MASKED_CAUSAL_TILE_ELEMS if kind == "causal" else masked.MASKED_TILE_ELEMS
-                        plan = masked.masked_plan(args.batch * args.heads * length, length, s.device, tile_elems=tile)
+                        plan = masked.forward_plan(s, kw.get("mask"), kind == "causal")
                         call = lambda: flashlite.masked_softmax(s, scale=args.scale, **kw)  # noqa: E731
                         row[f"{name}_fwd"] = gbs(masked_softmax_bytes(s, kw.get("mask")), try_time_ms(call))
                         y = flashlite.masked_softmax(leaf, scale=args.scale, **kw)
@@ -209,9 +209,9 @@ def run_tune(args) -> None:
                       "Masked softmax: the fused tile (scores a tile at most, a thread), GB/s, forward and backward "
                       "alone")
     else:
-        write_results("masked_softmax_warps", results_dir(args.out), meta, rows, cols,
-                      "Masked softmax: the fewest warps of a fused program (w) and the scores a thread holds (e), "
-                      "GB/s, forward and backward alone; plans of the forward")
+        write_results("masked_softmax_causal_warps", results_dir(args.out), meta, rows, cols,
+                      "Masked softmax: the fewest warps (w) and the bytes a thread holds (b) of causal rows' forward "
+                      "tiles, GB/s, forward and backward alone; plans of the forward")
 
 
 def run_calls(args) -> None:
@@ -247,9 +247,9 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--scale", type=float, default=0.125, help="score scale (1/sqrt(64))")
     parser.add_argument("--quick", action="store_true", help="L = 2048 only")
-    parser.add_argument("--tune", nargs="?", const="tiles", choices=["tiles", "warps"],
-                        help="flashlite alone under each variant: tiles (TUNE_TILES, the default) or warps "
-                             "(TUNE_WARPS)")
+    parser.add_argument("--tune", nargs="?", const="tiles", choices=["tiles", "causal-warps"],
+                        help="flashlite alone under each variant: tiles (TUNE_TILES, the default) or causal-warps "
+                             "(TUNE_CAUSAL_WARPS)")
     parser.add_argument("--calls", type=int, help="only run flashlite's forward of each case this many times")
     args = parser.parse_args(argv)
     if args.calls:

@@ -80,9 +80,6 @@ from .softmax.plan import ALGORITHMS, SoftmaxPlan, fused_warps, plan_softmax
 # (tuning.FUSED_ELEMS_PER_THREAD, half the warps from 8192 columns): causal masked rows were slower with 64.
 # H100 2026-11-25, no committed script; TUNING.md#masked-elems-per-thread
 MASKED_ELEMS_PER_THREAD = 32
-# Warps of a fused masked program at the fewest (plain softmax's tiles take 4 or more): a causal row of 1024 keys
-# on one warp, not four. python bench/masked_softmax.py --tune; TUNING.md#masked-row-warps
-MASKED_FEWEST_WARPS = 4
 # Scores a fused masked tile holds at most (plain softmax's tile, tuning.FUSED_TILE_ELEMS, when larger): rows of
 # up to MASKED_TILE_ELEMS keys share a tile. python bench/masked_softmax.py --tune; TUNING.md#masked-softmax-host
 MASKED_TILE_ELEMS = 4096
@@ -90,6 +87,12 @@ MASKED_TILE_ELEMS = 4096
 # against 4096-score tiles, bf16 and fp32; rows with a mask lost; the backward keeps its tiles:
 # TUNING.md#masked-softmax-host).
 MASKED_CAUSAL_TILE_ELEMS = 1024
+# Those tiles take as few as MASKED_CAUSAL_FEWEST_WARPS warps (plain softmax's take 4 or more) holding
+# MASKED_CAUSAL_THREAD_BYTES a thread (32 bf16 or 16 fp32 scores): a row of 1024 keys on 4 warps is issue-bound
+# (each warp's share of the row's index work, reductions across warps), and one warp (bf16) or two (fp32) issue
+# less. python bench/masked_softmax.py --tune causal-warps; TUNING.md#masked-row-warps
+MASKED_CAUSAL_FEWEST_WARPS = 1
+MASKED_CAUSAL_THREAD_BYTES = 64
 # Additive masks are in the same natural-log units as the scores here.
 NATURAL_UNITS = tl.constexpr(1.0)
 # Causal loads stop at a multiple of this many keys: 16 bytes of a bool mask, 32 of bf16, 64 of fp32,
@@ -428,10 +431,11 @@ def batch_layout(x: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[int],
 
 
 def masked_plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str = "auto",
-                block_n: int | None = None, n_splits: int | None = None, tile_elems: int | None = None) -> SoftmaxPlan:
+                block_n: int | None = None, n_splits: int | None = None, tile_elems: int | None = None,
+                elems_per_thread: int | None = None, fewest_warps: int = 4) -> SoftmaxPlan:
     """The plan of a masked softmax over ``n_rows`` rows of ``seqlen_k`` keys: plain softmax's (``plan_softmax``),
     a fused tile cut to ``tile_elems`` scores (default ``MASKED_TILE_ELEMS``; at least a row) on warps of
-    ``MASKED_ELEMS_PER_THREAD`` a thread, at least ``MASKED_FEWEST_WARPS``."""
+    ``elems_per_thread`` a thread (default ``MASKED_ELEMS_PER_THREAD``), ``fewest_warps`` at the fewest."""
     # Plain softmax's regimes, limits and block sizes (tuned on an H100 for softmax), not re-tuned for
     # the mask tile: bench/masked_softmax.py measures the fused regime (L <= 4096) only. Wide fused rows
     # keep the warps of MASKED_ELEMS_PER_THREAD.
@@ -439,9 +443,22 @@ def masked_plan(n_rows: int, seqlen_k: int, device: torch.device, algorithm: str
     if plan.algorithm == "fused":
         block_m = max(1, min(plan.block_m, (tile_elems or MASKED_TILE_ELEMS) // plan.block_n))
         plan = dataclasses.replace(plan, block_m=block_m,
-                                   num_warps=fused_warps(block_m * plan.block_n, MASKED_ELEMS_PER_THREAD,
-                                                         MASKED_FEWEST_WARPS))
+                                   num_warps=fused_warps(block_m * plan.block_n,
+                                                         elems_per_thread or MASKED_ELEMS_PER_THREAD, fewest_warps))
     return plan
+
+
+def forward_plan(x: torch.Tensor, mask: torch.Tensor | None, causal: bool, algorithm: str = "auto",
+                 block_n: int | None = None, n_splits: int | None = None) -> SoftmaxPlan:
+    """The forward's plan (``masked_plan``) for scores ``x`` (..., Lq, Lk) under ``mask`` (None or a tensor) and
+    ``causal``: causal rows without a mask tensor on their own tiles (``MASKED_CAUSAL_*``), the rest on
+    ``MASKED_TILE_ELEMS``'."""
+    seqlen_k = x.shape[-1]
+    n_rows = x.numel() // seqlen_k
+    if causal and mask is None:
+        return masked_plan(n_rows, seqlen_k, x.device, algorithm, block_n, n_splits, MASKED_CAUSAL_TILE_ELEMS,
+                           MASKED_CAUSAL_THREAD_BYTES // x.element_size(), MASKED_CAUSAL_FEWEST_WARPS)
+    return masked_plan(n_rows, seqlen_k, x.device, algorithm, block_n, n_splits)
 
 
 # Tile flags one program of the hidden-zero kernel scans with one load (a dependent load a tile took 0.1-0.4 ms
@@ -460,8 +477,7 @@ class _ForwardCall:
                  sm: list[int], causal: bool, algorithm: str, block_n: int | None, n_splits: int | None):
         seqlen_q, seqlen_k = x.shape[-2:]
         self.n_rows = sizes[0] * sizes[1] * seqlen_q
-        tile = MASKED_CAUSAL_TILE_ELEMS if causal and mask is None else MASKED_TILE_ELEMS
-        self.plan = plan = masked_plan(self.n_rows, seqlen_k, x.device, algorithm, block_n, n_splits, tile)
+        self.plan = plan = forward_plan(x, mask, causal, algorithm, block_n, n_splits)
         fused = plan.algorithm == "fused"
         block_m = plan.block_m if fused else 1
         n_tiles = triton.cdiv(self.n_rows, block_m)

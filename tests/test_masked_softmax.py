@@ -490,6 +490,24 @@ def test_causal_rows_without_a_mask_take_one_row_a_tile():
         assert backward.plan.block_m == masked_rows
 
 
+def test_causal_row_tiles_take_fewer_warps():
+    # Their forward tiles hold MASKED_CAUSAL_THREAD_BYTES a thread (32 bf16 or 16 fp32 scores) on as few as
+    # MASKED_CAUSAL_FEWEST_WARPS warps; masked rows and the backward keep 4 warps at the fewest.
+    masked_module = importlib.import_module("flashlite.masked_softmax")
+    assert (masked_module.MASKED_CAUSAL_THREAD_BYTES, masked_module.MASKED_CAUSAL_FEWEST_WARPS) == (64, 1)
+    for dtype, warps in ((torch.bfloat16, (1, 1, 2, 4)), (torch.float32, (2, 2, 4, 8))):
+        for seqlen, causal_warps in zip((256, 1024, 2048, 4096), warps):
+            x = torch.empty(4, 16, seqlen, seqlen, dtype=dtype)
+            mask = broadcast_mask(torch.ones(4, 1, 1, seqlen, dtype=torch.bool), x.shape)[0]
+            causal = masked_module.forward_plan(x, None, True)
+            assert (causal.algorithm, causal.num_warps) == ("fused", causal_warps), (dtype, seqlen)
+            assert causal.block_m * causal.block_n * x.element_size() == 64 * 32 * causal_warps
+            assert masked_module.forward_plan(x, mask, True).num_warps == 4
+            backward = masked_module._BackwardCall(x.view(-1, seqlen), x.view(-1, seqlen), seqlen, True, x.dtype,
+                                                   "auto", None, None)
+            assert backward.plan.num_warps == 4
+
+
 def test_wide_fused_rows_keep_their_warps():
     # Plain softmax gives wide fused rows half the warps (64 elements a thread); masked rows keep 32 a
     # thread (they lost 4-10% at 64 on the H100: TUNING.md#masked-elems-per-thread). Rows of up to 8192 keys agree.
