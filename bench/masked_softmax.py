@@ -147,7 +147,8 @@ def run_bench(args) -> None:
 
 
 # --tune tiles: (scores a fused tile holds at most, scores a thread holds) pairs, the same tile for causal rows and
-# masked ones; the defaults: (4096, 32), causal rows without a mask 1024.
+# masked ones; the defaults: (4096, 32), causal rows without a mask 1024. (Since --tune causal-warps, causal rows'
+# forward holds MASKED_CAUSAL_THREAD_BYTES a thread: a pair's second number reaches their backward only.)
 TUNE_TILES = [(4096, 32), (4096, 16), (4096, 8), (2048, 32), (2048, 16), (1024, 32), (1024, 16)]
 # --tune causal-warps: the fewest warps of the forward's causal-row tiles and the bytes a thread holds there.
 TUNE_CAUSAL_WARPS = [(4, 64), (1, 64), (2, 64), (1, 128), (1, 32)]

@@ -98,3 +98,60 @@ def test_compiled_training_step_of_the_layer(mode):
         torch.testing.assert_close(loss, loss_eager, atol=2e-2, rtol=2e-2)
         for g, g_eager in zip(grads, grads_eager):
             torch.testing.assert_close(g.float(), g_eager.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 192])
+def test_hopper_launches_keep_their_encoded_descriptors(head_dim, monkeypatch):
+    # On Triton 3.6 a Hopper kernel's second call hands the C launcher descriptors encoded once per tensor address
+    # (core.runtime.TmaLaunch): calls on tensors at new addresses, then on ones seen before (their encodings reused),
+    # and many more addresses than a descriptor parameter keeps (ENCODED_KEPT: older ones dropped), each give the
+    # output and gradients of an eager reference under FlashAttention's rule; poisoned gradients, fresh data.
+    from flashlite.attention import api, backward_hopper, forward_hopper
+    from flashlite.core import runtime, triton_compat
+
+    from .test_gpu_decode import require_hopper
+    from .test_triton_compat import _launcher_as_in_triton_3_6
+
+    require_hopper()
+    if not _launcher_as_in_triton_3_6():
+        pytest.skip("this Triton's launcher is not 3.6's: TmaLaunch binds descriptors at every call")
+    launches = []
+    real_init = runtime.TmaLaunch.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        launches.append(self)
+
+    monkeypatch.setattr(runtime.TmaLaunch, "__init__", spy)
+    api.clear_routes()
+    b, h, length = 1, 4, 384
+    sets = [[torch.randn(b, h, length, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+             for _ in range(4)] for _ in range(3)]
+    try:
+        order = [0, 1, 2, 0, 1, 0, 2]  # new, new, new, seen, seen, seen, seen
+        for turn, which in enumerate(order):
+            q, k, v, do = sets[which]
+            with torch.no_grad():
+                for t in (q, k, v, do):
+                    t.copy_(torch.randn_like(t))  # fresh data at the same address
+            o = flashlite.flash_attention(q, k, v, causal=True)
+            grads = torch.autograd.grad(o, (q, k, v), do)
+            ref = attention_ref(q, k, v, causal=True)
+            torch_out = attention_ref(q, k, v, causal=True, dtype=torch.bfloat16)
+            assert_attention_close(o, ref, torch_out, torch.bfloat16)
+            for got, ref64, ref16 in zip(grads, attention_grads_ref(q, k, v, do, causal=True),
+                                         attention_grads_ref(q, k, v, do, dtype=torch.bfloat16, causal=True)):
+                assert_attention_close(got, ref64, ref16, torch.bfloat16)
+        kinds = {launch.kernel for launch in launches}
+        assert kinds & {forward_hopper._attention_fwd_wgmma_kernel, forward_hopper._attention_fwd_ws_kernel}
+        assert kinds & {backward_hopper._attention_bwd_wgmma_kernel, backward_hopper._attention_bwd_one_pass_kernel}
+        direct = [launch._direct is not None for launch in launches]
+        assert all(direct), f"a Hopper launch did not take the encoded-descriptor path: {direct}"
+        monkeypatch.setattr(triton_compat, "ENCODED_KEPT", 2)  # past it the older half goes: encoded afresh
+        for which in (0, 1, 2, 0):
+            q, k, v, do = sets[which]
+            o = flashlite.flash_attention(q, k, v, causal=True)
+            assert_attention_close(o, attention_ref(q, k, v, causal=True),
+                                   attention_ref(q, k, v, causal=True, dtype=torch.bfloat16), torch.bfloat16)
+    finally:
+        api.clear_routes()

@@ -8,6 +8,7 @@ so the real reuse runs on the GPU only: every ``pytest -m gpu`` test goes
 through it; kernels wrapped in ``triton.heuristics`` take Triton's path).
 """
 
+import dataclasses
 import enum
 import itertools
 from types import SimpleNamespace
@@ -163,3 +164,20 @@ def test_interpreter_functions_take_tritons_path():
     assert _runtime.launch(interpreted, (2,), (1, 2), BLOCK=4) == "ran"
     assert _runtime.launch(interpreted, (2,), (1, 2), BLOCK=4) == "ran"
     assert calls == [((2,), (1, 2), {"BLOCK": 4})] * 2
+
+
+def test_occupancy_counts_allocated_registers_and_the_programs_limit():
+    # Registers go to a thread 8 at a time, and a multiprocessor holds at most 32 programs (16 on sm_86/87, 24 on
+    # sm_89), whatever their size: a cooperative launch sized past what is resident would fail.
+    from flashlite.core.runtime import DeviceInfo, occupancy
+
+    class Compiled:
+        def __init__(self, n_regs, shared=0):
+            self.n_regs, self.metadata = n_regs, type("Metadata", (), {"shared": shared})()
+
+    hopper = DeviceInfo(num_sms=132, regs_per_sm=65536, smem_per_sm=232448, max_warps_per_sm=64, capability=(9, 0))
+    assert occupancy(Compiled(41), 4, hopper) == 10  # 48 registers allocated: 65536 // (48 * 128); 41 would give 12
+    assert occupancy(Compiled(24), 1, hopper) == 32  # 64 warps would fit; 32 programs at most
+    ampere = dataclasses.replace(hopper, capability=(8, 6))
+    assert occupancy(Compiled(24), 1, ampere) == 16
+    assert occupancy(Compiled(24, shared=100_000), 1, hopper) == 2

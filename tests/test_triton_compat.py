@@ -152,7 +152,7 @@ def test_tma_launcher_hands_the_launcher_what_triton_does(monkeypatch):
     launch = triton_compat.tma_launcher(compiled, 0, (5, 1, 1), templates, (64,))
     if not as_in_3_6:
         assert launch is None  # a Triton whose launcher is built otherwise (3.9): the caller's own path
-        return
+        pytest.skip("this Triton's launcher is not 3.6's: tma_launcher declines it (checked), nothing to compare")
     assert launch is not None
     base = (5, 1, 1, "stream", "function", False, False, None, None, "metadata", None, None, None)
     for a, c in tensors + tensors:  # each pair twice: encoded once per address

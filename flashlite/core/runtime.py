@@ -139,9 +139,16 @@ _PROGRAMS_PER_SM: dict = {}
 loaded = load_compiled  # (bench scripts read registers through this name)
 
 
-# Resident programs (thread blocks) a multiprocessor holds at most, whatever their size: 32 from Volta to Hopper
-# (16 on Turing, where a grid so sized takes two waves).
-MAX_PROGRAMS_PER_SM = 32
+# Resident programs (thread blocks) a multiprocessor holds at most, whatever their size, by compute capability
+# (CUDA's "maximum number of resident blocks per SM"): 32 unless listed.
+MAX_PROGRAMS_PER_SM = {(7, 5): 16, (8, 6): 16, (8, 7): 16, (8, 9): 24}
+# Registers are given to a thread in steps of this many (256 a warp).
+REGISTER_STEP = 8
+
+
+def max_programs_per_sm(capability: tuple[int, int]) -> int:
+    """Resident programs a multiprocessor of ``capability`` holds at most (``MAX_PROGRAMS_PER_SM``)."""
+    return MAX_PROGRAMS_PER_SM.get(tuple(capability), 32)
 
 
 def occupancy(compiled, num_warps: int, info: DeviceInfo) -> int | None:
@@ -151,9 +158,10 @@ def occupancy(compiled, num_warps: int, info: DeviceInfo) -> int | None:
         shared = int(compiled.metadata.shared)
     except Exception:  # interpreter, or an API this Triton does not have
         return None
-    fits = min(info.max_warps_per_sm // num_warps, MAX_PROGRAMS_PER_SM)
+    fits = min(info.max_warps_per_sm // num_warps, max_programs_per_sm(info.capability))
     if n_regs > 0:
-        fits = min(fits, info.regs_per_sm // (n_regs * 32 * num_warps))
+        allocated = -(-n_regs // REGISTER_STEP) * REGISTER_STEP
+        fits = min(fits, info.regs_per_sm // (allocated * 32 * num_warps))
     if shared > 0:
         fits = min(fits, info.smem_per_sm // shared)
     return max(1, fits)
@@ -275,7 +283,7 @@ def record_residency(key: tuple, compiled, num_warps: int, device: torch.device)
         _PROGRAMS_PER_SM[key] = measured if measured is not None else 2
 
 
-def _compiled_entry(kernel, args: tuple, options: dict):
+def _compiled_entry(kernel, args: tuple, options: dict) -> tuple | None:
     """``(compiled kernel, trailing arguments, device)`` of a launch already made through ``launch``, or None
     (Triton's uncached path, or no such launch yet)."""
     if not is_compiled_kernel(kernel):

@@ -24,6 +24,7 @@ one module to check (tests/test_triton_compat.py runs each function on the CPU):
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import triton
 
@@ -97,11 +98,12 @@ def new_descriptor(cls, **fields):
     return desc
 
 
-# Encoded descriptors a descriptor parameter of ``tma_launcher`` keeps (tensor addresses seen), before starting over.
-ENCODED_KEPT = 16
+# Encoded descriptors a descriptor parameter of ``tma_launcher`` keeps (one a tensor address: a model's layers share
+# a plan, so each layer's tensors are addresses of their own); past it the older half goes. About 200 bytes each.
+ENCODED_KEPT = 512
 
 
-def tma_launcher(compiled, device: int, grid: tuple, templates: tuple, trailing: tuple):
+def tma_launcher(compiled, device: int, grid: tuple, templates: tuple, trailing: tuple) -> "Callable | None":
     """``f(tensors, rest)``: a launch of the loaded ``compiled`` on the 3-D ``grid`` whose leading parameters are
     the TMA descriptors ``templates`` (``descriptor_template``'s; None where the parameter is None) bound to
     ``tensors`` (descriptor ``j`` to ``tensors[j % len(tensors)]``), then the arguments ``rest`` and
@@ -131,7 +133,10 @@ def tma_launcher(compiled, device: int, grid: tuple, templates: tuple, trailing:
     if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= names.keys():
         return None
     make_arg = getattr(nvidia, "make_tensordesc_arg", None)
-    if make_arg is None or len(inspect.signature(make_arg).parameters) != 2 or not hasattr(nvidia, "_BASE_ARGS_FORMAT"):
+    head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+            None, None, None)  # (function, cooperative, PDL, the two scratch buffers, metadata, launch metadata, hooks)
+    if (make_arg is None or len(inspect.signature(make_arg).parameters) != 2
+            or len(getattr(nvidia, "_BASE_ARGS_FORMAT", "")) != 4 + len(head)):  # (the grid and the stream first)
         return None
     metas = names["tensordesc_meta"].cell_contents
     slots = [j for j, template in enumerate(templates) if template is not None]
@@ -139,8 +144,6 @@ def tma_launcher(compiled, device: int, grid: tuple, templates: tuple, trailing:
             or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)):
         return None
     launcher = names["launcher"].cell_contents
-    head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
-            None, None, None)  # (function, cooperative, PDL, the two scratch buffers, metadata, launch metadata, hooks)
     caches = {j: {} for j in slots}
     meta_of = dict(zip(slots, metas))
 
@@ -150,7 +153,8 @@ def tma_launcher(compiled, device: int, grid: tuple, templates: tuple, trailing:
         found = cache.get(address)
         if found is None:
             if len(cache) >= ENCODED_KEPT:
-                cache.clear()
+                for seen in list(cache)[:ENCODED_KEPT // 2]:  # (the oldest half: dicts keep their order)
+                    del cache[seen]
             found = cache[address] = make_arg(rebind_descriptor(templates[j], tensor), meta_of[j])
         return found
 
