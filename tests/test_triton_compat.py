@@ -12,6 +12,8 @@ from flashlite.core import triton_compat
 from flashlite.core.runtime import interpreter_enabled
 from flashlite.core.tiles import tensor_descriptor
 
+from .utils import launcher_as_in_triton_3_6
+
 
 @triton.jit
 def _copy_kernel(x_ptr, y_ptr, N: tl.constexpr):
@@ -128,21 +130,10 @@ def _tma_kernel_stand_in(monkeypatch, metas, scratch: int = 0):
     return Compiled(), recorded, encoded
 
 
-def _launcher_as_in_triton_3_6() -> bool:
-    """Whether this Triton's descriptor arguments are expanded as 3.6's are (``make_tensordesc_arg(arg, metadata)``
-    called by ``wrap_handle_tensordesc``'s ``inner``): what ``tma_launcher`` serves."""
-    import inspect
-
-    from triton.backends.nvidia import driver as nvidia
-
-    make_arg = getattr(nvidia, "make_tensordesc_arg", None)
-    return make_arg is not None and len(inspect.signature(make_arg).parameters) == 2
-
-
 def test_tma_launcher_hands_the_launcher_what_triton_does(monkeypatch):
     from triton.backends.nvidia import driver as nvidia
 
-    as_in_3_6 = _launcher_as_in_triton_3_6()
+    as_in_3_6 = launcher_as_in_triton_3_6()
     compiled, recorded, encoded = _tma_kernel_stand_in(monkeypatch, [{"swizzle": 1}, {"swizzle": 2}, {"swizzle": 3}])
     x = torch.randn(4)
     tensors = [(torch.randn(1, 2, 64, 48), torch.randn(1, 2, 40, 48)) for _ in range(2)]
