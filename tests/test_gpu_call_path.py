@@ -110,10 +110,9 @@ def test_hopper_launches_keep_their_encoded_descriptors(head_dim, monkeypatch):
     from flashlite.core import runtime, triton_compat
 
     from .test_gpu_decode import require_hopper
-    from .utils import launcher_as_in_triton_3_6
 
     require_hopper()
-    if not launcher_as_in_triton_3_6():
+    if not triton_compat.launcher_expands_descriptors_as_3_6():
         pytest.skip("this Triton's launcher is not 3.6's: TmaLaunch binds descriptors at every call")
     launches = []
     real_init = runtime.TmaLaunch.__init__

@@ -12,8 +12,6 @@ from flashlite.core import triton_compat
 from flashlite.core.runtime import interpreter_enabled
 from flashlite.core.tiles import tensor_descriptor
 
-from .utils import launcher_as_in_triton_3_6
-
 
 @triton.jit
 def _copy_kernel(x_ptr, y_ptr, N: tl.constexpr):
@@ -133,7 +131,7 @@ def _tma_kernel_stand_in(monkeypatch, metas, scratch: int = 0):
 def test_tma_launcher_hands_the_launcher_what_triton_does(monkeypatch):
     from triton.backends.nvidia import driver as nvidia
 
-    as_in_3_6 = launcher_as_in_triton_3_6()
+    as_in_3_6 = triton_compat.launcher_expands_descriptors_as_3_6()
     compiled, recorded, encoded = _tma_kernel_stand_in(monkeypatch, [{"swizzle": 1}, {"swizzle": 2}, {"swizzle": 3}])
     x = torch.randn(4)
     tensors = [(torch.randn(1, 2, 64, 48), torch.randn(1, 2, 40, 48)) for _ in range(2)]

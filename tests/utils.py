@@ -389,13 +389,3 @@ def spy_tma_launches(monkeypatch, launched: list) -> None:
 
     monkeypatch.setattr(runtime.TmaLaunch, "__call__", record)
 
-
-def launcher_as_in_triton_3_6() -> bool:
-    """Whether this Triton's descriptor arguments are expanded as 3.6's are (``make_tensordesc_arg(arg, metadata)``
-    called by ``wrap_handle_tensordesc``'s ``inner``): what ``core.triton_compat.tma_launcher`` serves."""
-    import inspect
-
-    from triton.backends.nvidia import driver as nvidia
-
-    make_arg = getattr(nvidia, "make_tensordesc_arg", None)
-    return make_arg is not None and len(inspect.signature(make_arg).parameters) == 2

@@ -13,7 +13,8 @@ one module to check (tests/test_triton_compat.py runs each function on the CPU):
 * ``rebind_descriptor``: a host tensor descriptor of another tensor with the same shape, strides and box,
   without the dataclass's checks (``object.__new__``);
 * ``tma_launcher``: launch a ``CompiledKernel`` whose leading parameters are TMA descriptors straight through
-  Triton 3.6's C launcher, each descriptor's encoded form (``make_tensordesc_arg``) kept per base address;
+  Triton 3.6's C launcher, each descriptor's encoded form (``make_tensordesc_arg``) kept per base address, where
+  ``launcher_expands_descriptors_as_3_6``;
 * ``gluon_source`` and ``mangle_type``: what ``triton.compile`` takes to build a Gluon kernel for a GPU
   that is not here (the CPU build tests, ``bench/backward_resources.py``);
 * ``gluon_available``: whether this Triton has Gluon's Hopper API at all;
@@ -103,6 +104,19 @@ def new_descriptor(cls, **fields):
 ENCODED_KEPT = 512
 
 
+def launcher_expands_descriptors_as_3_6() -> bool:
+    """Whether this Triton's launcher expands descriptor arguments as 3.6's does (``make_tensordesc_arg(arg,
+    metadata)``, called by ``wrap_handle_tensordesc``'s ``inner``): the launcher ``tma_launcher`` serves."""
+    import inspect
+
+    try:
+        from triton.backends.nvidia import driver as nvidia
+    except ImportError:  # pragma: no cover - no CUDA backend
+        return False
+    make_arg = getattr(nvidia, "make_tensordesc_arg", None)
+    return make_arg is not None and len(inspect.signature(make_arg).parameters) == 2
+
+
 def tma_launcher(compiled, device: int, grid: tuple, templates: tuple, trailing: tuple) -> "Callable | None":
     """``f(tensors, rest)``: a launch of the loaded ``compiled`` on the 3-D ``grid`` whose leading parameters are
     the TMA descriptors ``templates`` (``descriptor_template``'s; None where the parameter is None) bound to
@@ -120,23 +134,20 @@ def tma_launcher(compiled, device: int, grid: tuple, templates: tuple, trailing:
     (no metadata), the kernel needs scratch memory, or the templates are not the kernel's descriptor
     parameters.
     """
-    import inspect
-
-    try:
-        from triton.backends.nvidia import driver as nvidia
-    except ImportError:  # pragma: no cover - no CUDA backend
+    if not launcher_expands_descriptors_as_3_6():
         return None
+    from triton.backends.nvidia import driver as nvidia
+
     run = compiled.run
     inner = getattr(run, "launch", None)
     cells = getattr(inner, "__closure__", None) or ()
     names = dict(zip(getattr(getattr(inner, "__code__", None), "co_freevars", ()), cells))
     if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= names.keys():
         return None
-    make_arg = getattr(nvidia, "make_tensordesc_arg", None)
+    make_arg = nvidia.make_tensordesc_arg
     head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
             None, None, None)  # (function, cooperative, PDL, the two scratch buffers, metadata, launch metadata, hooks)
-    if (make_arg is None or len(inspect.signature(make_arg).parameters) != 2
-            or len(getattr(nvidia, "_BASE_ARGS_FORMAT", "")) != 4 + len(head)):  # (the grid and the stream first)
+    if len(getattr(nvidia, "_BASE_ARGS_FORMAT", "")) != 4 + len(head):  # (the grid and the stream first)
         return None
     metas = names["tensordesc_meta"].cell_contents
     slots = [j for j, template in enumerate(templates) if template is not None]
