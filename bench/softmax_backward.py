@@ -11,6 +11,8 @@ moving the same number of bytes, timed the same way. The shapes are the forward
 sweep's (bench/softmax.py).
 
     python bench/softmax_backward.py     # -> bench/results/<gpu>/softmax_backward.{json,md,png}
+    python bench/softmax_backward.py --tune cluster   # rows over a cluster (tuning.BWD_CLUSTER), printed
+    python bench/softmax_backward.py --tune short     # short rows' tiles, printed
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import sys
 import time
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from flashlite.softmax import api, tuning  # noqa: E402
 from flashlite.softmax.backward import softmax_backward  # noqa: E402
-from flashlite.softmax.plan import plan_rows  # noqa: E402
+from flashlite.softmax.cluster import launch_backward_cluster  # noqa: E402
+from flashlite.softmax.plan import SoftmaxPlan, plan_rows  # noqa: E402
 
 from common import (  # noqa: E402
     copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, quack_provider, quack_softmax, results_dir,
@@ -150,11 +155,122 @@ def print_summary(rows, copy) -> None:
               f"{r['x_best_peer']:>7.2f}")
 
 
+BWD_CLUSTER_TUNE_SHAPES = {torch.bfloat16: ((128, 131072), (1024, 131072), (4096, 65536), (4096, 32768)),
+                           torch.float32: ((128, 131072), (1024, 131072), (4096, 65536), (256, 65536))}
+SHORT_TUNE_SHAPES = {torch.float32: ((4096, 256), (4096, 1024), (4096, 2048)),
+                     torch.bfloat16: ((4096, 256), (4096, 1024), (4096, 4096))}
+
+
+def _grad_inputs(dtype: torch.dtype, shape: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, dy, dx64)``: y a softmax of random logits, dy random, and the float64 gradient."""
+    y = torch.softmax(torch.randn(*shape, device="cuda", dtype=torch.float32), dim=-1).to(dtype)
+    dy = torch.randn(*shape, device="cuda", dtype=dtype)
+    y64, dy64 = y.double(), dy.double()
+    return y, dy, y64 * (dy64 - (y64 * dy64).sum(-1, keepdim=True))
+
+
+def _tune_round(y, dy, ref, variants: dict, peers: dict, r: int) -> str:
+    """'name:GB/s' of each variant (``fn(y, dy)``, checked against ``ref`` relative to its largest value; in reverse
+    order on odd rounds) and of each peer, each on fresh copies of y and dy."""
+    line = []
+    for name, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
+        yc, dyc = fresh_copy(y), fresh_copy(dy)
+        err = ((fn(yc, dyc).double() - ref).abs().max() / ref.abs().max()).item()
+        ms = try_time_ms(functools.partial(fn, yc, dyc))
+        line.append(f"{name}:{gbs(backward_bytes(y), ms) or 0:.0f}" + ("" if err < 3e-2 else f"(ERR {err:.1e})"))
+        del yc, dyc
+    for name, fn in peers.items():
+        yc, dyc = fresh_copy(y), fresh_copy(dy)
+        ms = try_time_ms(functools.partial(fn, yc, dyc)) if fn(yc, dyc) is not None else None
+        line.append(f"{name}:{gbs(backward_bytes(y), ms) or 0:.0f}")
+        del yc, dyc
+    return "  ".join(line)
+
+
+def tune_cluster(rounds: int = 2) -> None:
+    """The backward over a thread-block cluster (tuning.BWD_CLUSTER): flashlite's plan (the table as it stands),
+    its plan without the table, and the cluster kernel on 2/4/8 CTAs of 4/8/16 warps (16-64 columns of y and dy a
+    thread), against torch.compile, quack and a copy; do_bench GB/s, ``rounds`` rounds in alternating order."""
+    peers = {"compile": _compiled_backward(), "quack": (lambda y, dy, q=quack_provider(backward=True): q(dy, y)),
+             "copy": lambda y, dy: y.clone()}
+    print(f"backward cluster rows: plan -> GB/s do_bench (CTAs x warps, columns a CTA); quack {quack_softmax()[1]}")
+    for dtype, shapes in BWD_CLUSTER_TUNE_SHAPES.items():
+        for shape in shapes:
+            y, dy, ref = _grad_inputs(dtype, shape)
+            saved = tuning.BWD_CLUSTER
+            tuning.BWD_CLUSTER = {}
+            api.clear_plans()
+            without = backward_plan(y)[0]
+            tuning.BWD_CLUSTER = saved
+            api.clear_plans()
+            variants = {"auto": flashlite_backward,
+                        "no-cluster": lambda y, dy, p=without: softmax_backward(y, dy, y.dtype, p)}
+            for ctas in (2, 4, 8):
+                for warps in (4, 8, 16):
+                    part = triton.next_power_of_2(shape[1]) // ctas
+                    if 16 <= part // (32 * warps) <= 64:
+                        plan = SoftmaxPlan("cluster", 1, part, warps, ctas, part)
+                        variants[f"c{ctas}w{warps}"] = (lambda y, dy, p=plan: _cluster_dx(y, dy, p))
+            for r in range(rounds):
+                print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + _tune_round(y, dy, ref, variants, peers, r),
+                      flush=True)
+            del y, dy, ref
+            torch.cuda.empty_cache()
+    api.clear_plans()
+
+
+def _cluster_dx(y: torch.Tensor, dy: torch.Tensor, plan: SoftmaxPlan) -> torch.Tensor:
+    dx = torch.empty_like(y)
+    launch_backward_cluster(y, dy, dx, plan)
+    return dx
+
+
+def tune_short(rounds: int = 2) -> None:
+    """Short rows (the backward keeps the forward's tiles): the plan, and tiles of 1-16 rows on 1-8 warps (8-64
+    columns of y and dy a thread), on the persistent grid (P) or a program a tile (G), against torch, torch.compile
+    and quack; do_bench GB/s, ``rounds`` rounds in alternating order."""
+    peers = {"torch": torch_backward, "compile": _compiled_backward(),
+             "quack": (lambda y, dy, q=quack_provider(backward=True): q(dy, y))}
+    print("backward short rows: rows x warps, persistent (P) or a program a tile (G) -> GB/s do_bench")
+    for dtype, shapes in SHORT_TUNE_SHAPES.items():
+        for shape in shapes:
+            y, dy, ref = _grad_inputs(dtype, shape)
+            variants = {"auto": flashlite_backward}
+            for bm in (1, 2, 4, 8, 16):
+                for warps in (1, 2, 4, 8):
+                    per_thread = bm * shape[1] // (32 * warps)
+                    if 8 <= per_thread <= 64:
+                        plan = SoftmaxPlan("fused", bm, shape[1], warps)
+                        for grid, bound in (("P", 1 << 30), ("G", 0)):
+                            variants[f"{bm}x{warps}{grid}"] = (
+                                lambda y, dy, p=plan, b=bound: _with_persistent_bound(b, y, dy, p))
+            for r in range(rounds):
+                print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + _tune_round(y, dy, ref, variants, peers, r),
+                      flush=True)
+            del y, dy, ref
+            torch.cuda.empty_cache()
+
+
+def _with_persistent_bound(bound: int, y: torch.Tensor, dy: torch.Tensor, plan: SoftmaxPlan) -> torch.Tensor:
+    saved, tuning.FUSED_PERSISTENT_MAX_COLS = tuning.FUSED_PERSISTENT_MAX_COLS, bound  # read at the call
+    try:  # persistent while block_n <= bound
+        return softmax_backward(y, dy, y.dtype, plan)
+    finally:
+        tuning.FUSED_PERSISTENT_MAX_COLS = saved
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
-    run_bench(parser.parse_args(argv))
+    parser.add_argument("--tune", choices=["cluster", "short"], help="time a tuning table's candidates instead")
+    args = parser.parse_args(argv)
+    if args.tune == "cluster":
+        tune_cluster()
+    elif args.tune == "short":
+        tune_short()
+    else:
+        run_bench(args)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 import flashlite
 from flashlite.core import runtime
 from flashlite.core.partials import BOTH_PASSES, FINAL_PASS, PARTIAL_PASS
-from flashlite.softmax import api, backward, cluster, fused, online, plan as softmax_plan, shared_rows
+from flashlite.softmax import api, backward, cluster, fused, online, plan as softmax_plan, shared_rows, tuning
 
 from .utils import need_memory, poison
 
@@ -110,7 +111,8 @@ def assert_launched(calls: list, label: str, forward: bool) -> None:
         assert kernels == {kernel}, f"{label}: launched {kernels}"
         assert all(o["REREAD"] == (name == "reread") for _, o in calls)
     elif name == "cluster":
-        assert forward and kernels == {cluster.softmax_cluster_kernel}, f"{label}: launched {kernels}"
+        kernel = cluster.softmax_cluster_kernel if forward else cluster.softmax_bwd_cluster_kernel
+        assert kernels == {kernel}, f"{label}: launched {kernels}"
         assert all(o["num_ctas"] == o["CTAS"] > 1 for _, o in calls)
     elif name.startswith("shared"):
         kernel = shared_rows.softmax_shared_rows_kernel if forward else backward.softmax_bwd_shared_rows_kernel
@@ -229,6 +231,50 @@ def test_backward(dtype):
     dy = torch.randn(40, 3100, device="cuda", dtype=dtype)[:, :3001]
     (dx,) = torch.autograd.grad(flashlite.softmax(x), x, dy)
     assert_relative(dx, softmax_grad64(x, dy), GRAD_TOL[dtype], "dy a strided view")
+
+
+# The backward over a cluster, whatever tuning.BWD_CLUSTER holds: (shape, dtype, CTAs, warps a CTA).
+BACKWARD_CLUSTERS = [
+    ((128, 131072), torch.bfloat16, 8, 8),
+    ((64, 65536), torch.float32, 4, 16),
+    ((33, 100_000), torch.float16, 8, 4),  # the last CTA past the row's end
+    ((70, 32768), torch.bfloat16, 2, 8),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,ctas,warps", BACKWARD_CLUSTERS,
+                         ids=[f"{s[0]}x{s[1]}-{str(d)[6:]}-c{c}w{w}" for s, d, c, w in BACKWARD_CLUSTERS])
+def test_backward_cluster(shape, dtype, ctas, warps, launched, monkeypatch):
+    # Rows over a thread-block cluster, their parts' sums traded through L2: through autograd (dy as y), then
+    # the kernel alone with dy a view of its own strides (a row stride past the row, then a column stride 3).
+    tile = triton.next_power_of_2(shape[1])
+    monkeypatch.setattr(tuning, "BWD_CLUSTER", {dtype.itemsize: {tile: (ctas, warps)}})
+    api.clear_plans()
+    try:
+        x = (torch.randn(*shape, device="cuda", dtype=dtype) * 3).requires_grad_()
+        y = flashlite.softmax(x)
+        dy = torch.randn_like(y)
+        assert backward_label(softmax_plan.plan_rows(x, dtype), y, dy) == "cluster"
+        poison()
+        launched.clear()
+        (dx,) = torch.autograd.grad(y, x, dy)
+        assert_launched(launched, "cluster", forward=False)
+        assert all(o["CTAS"] == ctas and o["num_warps"] == warps for _, o in launched)
+        ref = softmax_grad64(x, dy)
+        assert_relative(dx, ref, GRAD_TOL[dtype], f"cluster backward {ctas}x{warps}")
+        p = softmax_plan.plan_backward(softmax_plan.plan_rows(x, dtype), *shape, x.element_size(), x.device)
+        wide = torch.randn(shape[0], shape[1] + 48, device="cuda", dtype=dtype)
+        wide[:, :shape[1]] = dy
+        cols = torch.randn(shape[1], 3 * shape[0], device="cuda", dtype=dtype)
+        cols[:, ::3] = dy.t()
+        for view in (wide[:, :shape[1]], cols[:, ::3].t()):
+            poison()
+            launched.clear()
+            dx = backward.softmax_backward(y.detach(), view, dtype, p)
+            assert_launched(launched, "cluster", forward=False)
+            assert_relative(dx, ref, GRAD_TOL[dtype], f"cluster backward, dy strides {view.stride()}")
+    finally:
+        api.clear_plans()
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2], ids=lambda d: str(d)[6:])

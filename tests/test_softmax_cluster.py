@@ -123,3 +123,67 @@ def test_cluster_kernel_builds_for_sm90():
         assert built["vector_loads"] == vectors, built
         assert built["vector_stores"] == (vectors if write_y else 0), built
         assert held <= built["exponentials"] <= held + 2 * ctas + 4, built
+
+
+def test_backward_cluster_plans(hopper, monkeypatch):
+    # The backward's table (tuning.BWD_CLUSTER) as a tune might fill it: rows of its lengths over a cluster,
+    # whatever the forward ran (fused, a cluster, shared rows), but not online plans, rows of a length that is not
+    # a multiple of 16, rows under CLUSTER_MIN_FILL of the tile, the interpreter, or other lengths.
+    monkeypatch.setattr(tuning, "BWD_CLUSTER", {2: {131072: (8, 8)}, 4: {65536: (4, 16)}})
+    api.clear_plans()
+    backward = softmax_plan.plan_backward
+    shared = softmax_plan.plan_softmax(128, 131072, GPU, shared_rows=torch.bfloat16)
+    assert shared.shares_rows
+    assert backward(shared, 128, 131072, 2, GPU) == softmax_plan.SoftmaxPlan("cluster", 1, 16384, 8, 8, 16384)
+    assert backward(shared, 128, 100_000, 2, GPU) == softmax_plan.SoftmaxPlan("cluster", 1, 16384, 8, 8, 16384)
+    assert backward(cluster_plan(4, 16384), 4096, 65536, 4, GPU) == softmax_plan.SoftmaxPlan(
+        "cluster", 1, 16384, 16, 4, 16384)
+    fused = softmax_plan.SoftmaxPlan("fused", 1, 65536, 16)
+    assert backward(fused, 4096, 65536, 4, GPU).algorithm == "cluster"
+    online = softmax_plan.plan_softmax(128, 131072, GPU, "online")
+    assert backward(online, 128, 131072, 2, GPU) == online
+    others = [
+        backward(shared, 128, 100_001, 2, GPU),  # not a multiple of 16
+        backward(shared, 128, 98_288, 2, GPU),  # under 75% of the tile
+        backward(shared, 128, 131072, 4, GPU),  # no fp32 entry at this length
+        backward(shared, 128, 65536, 2, GPU),  # nor a bf16 one at this
+        backward(shared, 128, 131072, 2, CPU),  # the interpreter
+    ]
+    assert all(p.algorithm != "cluster" for p in others)
+
+
+BACKWARD_BUILDS = [  # (CTAs, columns a CTA, warps, dtype, even)
+    (8, 16384, 8, "bfloat16", True),
+    (4, 16384, 16, "float32", False),  # masked columns
+]
+
+
+def _backward_build_report(cases: list) -> list:
+    """What the CPU build test checks in the sm_90 PTX of each case of BACKWARD_BUILDS (a fresh process, as
+    ``_build_report``)."""
+    report = []
+    for ctas, part, warps, dtype, even in cases:
+        ptx = cluster.build_for_sm90(ctas, part, warps, getattr(torch, dtype), even, backward=True).asm["ptx"]
+        report.append({
+            "cluster": f".reqnctapercluster {ctas}" in ptx,
+            "barrier": all(f"barrier.cluster.{step}.aligned" in ptx for step in ("arrive.release", "wait.acquire")),
+            "sums_from_l2": ptx.count("ld.global.cg"),
+            "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
+            "vector_stores": len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)),
+            "local_memory": ptx.count("ld.local") + ptx.count("st.local"),
+        })
+    return report
+
+
+@gluon
+def test_backward_cluster_kernel_builds_for_sm90():
+    # A cluster launch meeting at one barrier; y and dy loaded once each in 16-byte vectors and held (no spills),
+    # dx stored so, the parts' sums from L2.
+    report = fresh_process_report("tests.test_softmax_cluster", "_backward_build_report", BACKWARD_BUILDS)
+    for (ctas, part, warps, dtype, even), built in zip(BACKWARD_BUILDS, report):
+        vectors = part // (32 * warps) * getattr(torch, dtype).itemsize // 16
+        assert built["cluster"] and built["barrier"], built
+        assert built["sums_from_l2"] == 1, built
+        assert built["vector_loads"] == 2 * vectors, built
+        assert built["vector_stores"] == vectors, built
+        assert built["local_memory"] == 0, built

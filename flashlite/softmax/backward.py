@@ -1,7 +1,8 @@
 """The softmax backward, ``dx = y * (dy - sum(dy * y))``, in the forward's regimes.
 
 Rows on chip (a tile of rows; wide rows a program each that loads y and dy
-twice rather than holding them); longer rows shared by resident programs that
+twice rather than holding them); on Hopper, rows over a thread-block cluster
+(``flashlite.softmax.cluster``); longer rows shared by resident programs that
 trade their ``sum(dy * y)`` (``flashlite.core.partials.share_partial_sums``);
 or streamed (online, split when rows are few). ``plan.plan_backward`` chooses
 from ``tuning.BWD_TILES``.
@@ -19,6 +20,7 @@ from ..core.partials import FINAL_PASS, PARTIAL_PASS, clear_slots, share_partial
 from ..core.runtime import launch, launch_persistent
 from ..core.tiles import tile_rows
 from . import tuning
+from .cluster import launch_backward_cluster
 from .frames import (
     FIRST_OF_TWO_READS, HOLD_READ, SECOND_OF_TWO_READS, aligned_body_end, frame_rows, frame_start, in_frame, in_row, row_edges,
     row_frame,
@@ -202,6 +204,9 @@ def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtyp
     vec_cols = backward_vectors(y2d, dy2d, dx_dtype, plan)
     dx = torch.empty((n_rows, n_cols), dtype=dx_dtype, device=y2d.device)
     strides = (n_cols, dy2d.stride(0), dy2d.stride(1), n_cols)
+    if plan.algorithm == "cluster":
+        launch_backward_cluster(y2d, dy2d, dx, plan)
+        return dx
     if plan.shares_rows:
         if vec_cols > 1:
             plan = dataclasses.replace(plan, prefetch=tuning.BWD_FRAMED_PREFETCH)

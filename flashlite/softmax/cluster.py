@@ -12,7 +12,8 @@ neither a reduction nor a layout conversion across CTAs (3.9 does both, through
 distributed shared memory), so the states go through global memory (L2, 8 bytes
 a part) and the barrier is inline PTX. The plan takes this kernel on Hopper GPUs
 (``plan.clusters_supported``) for many aligned rows of ``tuning.CLUSTER_CTAS``'s
-lengths.
+lengths. The backward's kernel holds a row's y and dy so, and its CTAs trade
+their parts of ``sum(dy * y)`` (``tuning.BWD_CLUSTER``).
 """
 
 from __future__ import annotations
@@ -78,8 +79,39 @@ if gluon is not None:
             else:
                 gl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=cols < n_cols)
 
+    @gluon.jit
+    def softmax_bwd_cluster_kernel(
+        y_ptr, dy_ptr, dx_ptr, sums_ptr, n_cols, stride_ym, stride_dym, stride_dyn, stride_dxm,
+        PART: gl.constexpr, CTAS: gl.constexpr, ROW_LAYOUT: gl.constexpr, STATE_LAYOUT: gl.constexpr,
+        EVEN: gl.constexpr,
+    ):
+        # The backward, dx = y * (dy - sum(dy * y)), of a row over a cluster, laid out as softmax_cluster_kernel:
+        # CTA i holds part i of y and dy, publishes its part's sum and, past the barrier, adds the row's CTAS
+        # sums in one order (every CTA the same value, every run the same). sums_ptr: (rows, CTAS) fp32.
+        row = gl.program_id(0).to(gl.int64)
+        part = gl.arange(0, CTAS, layout=gl.SliceLayout(1, ROW_LAYOUT))
+        cols = part[:, None] * PART + gl.arange(0, PART, layout=gl.SliceLayout(0, ROW_LAYOUT))[None, :]
+        y_row = y_ptr + row * stride_ym
+        dy_at = dy_ptr + row * stride_dym + cols.to(gl.int64) * stride_dyn  # a strided view's can pass 2^31
+        if EVEN:
+            y = gl.load(y_row + cols).to(gl.float32)
+            dy = gl.load(dy_at).to(gl.float32)
+        else:
+            y = gl.load(y_row + cols, mask=cols < n_cols, other=0.0).to(gl.float32)
+            dy = gl.load(dy_at, mask=cols < n_cols, other=0.0).to(gl.float32)
+        sums = sums_ptr + row * CTAS
+        gl.store(sums + part, gl.sum(y * dy, axis=1))
+        every = gl.arange(0, CTAS, layout=STATE_LAYOUT) + cluster_barrier(n_cols)
+        dot = gl.sum(gl.load(sums + every, cache_modifier=".cg"), axis=0)  # L2: written by other multiprocessors
+        dx = (y * (dy - dot)).to(dx_ptr.dtype.element_ty)
+        dx_row = dx_ptr + row * stride_dxm
+        if EVEN:
+            gl.store(dx_row + cols, dx)
+        else:
+            gl.store(dx_row + cols, dx, mask=cols < n_cols)
+
 else:  # pragma: no cover
-    softmax_cluster_kernel = None
+    softmax_cluster_kernel = softmax_bwd_cluster_kernel = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,23 +148,51 @@ def launch_cluster(
     launch(softmax_cluster_kernel, grid, args, **meta)
 
 
+def backward_cluster_launch(y2d: torch.Tensor, dy2d: torch.Tensor, dx: torch.Tensor, plan: SoftmaxPlan) -> tuple:
+    """``(grid, args, meta)`` of the backward cluster kernel's launch on rows ``y2d`` (contiguous), ``dy2d`` (any
+    row-strided view) into ``dx`` (contiguous) under ``plan`` (``plan.n_splits`` CTAs a row, ``plan.block_n``
+    columns each): a cluster a row, and the rows' partial sums."""
+    n_rows, n_cols = y2d.shape
+    ctas = plan.n_splits
+    sums = torch.empty((n_rows, ctas), dtype=torch.float32, device=y2d.device)
+    row_layout, state_layout = cluster_layouts(ctas, plan.num_warps, 16 // y2d.element_size())
+    args = (y2d, dy2d, dx, sums, n_cols, y2d.stride(0), dy2d.stride(0), dy2d.stride(1), dx.stride(0))
+    meta = dict(PART=plan.block_n, CTAS=ctas, ROW_LAYOUT=row_layout, STATE_LAYOUT=state_layout,
+                EVEN=n_cols == ctas * plan.block_n, num_warps=plan.num_warps, num_ctas=ctas)
+    return (n_rows,), args, meta
+
+
+def launch_backward_cluster(y2d: torch.Tensor, dy2d: torch.Tensor, dx: torch.Tensor, plan: SoftmaxPlan) -> None:
+    """Run the backward cluster kernel on the rows of ``y2d`` and ``dy2d`` into ``dx`` (``backward_cluster_launch``)."""
+    grid, args, meta = backward_cluster_launch(y2d, dy2d, dx, plan)
+    launch(softmax_bwd_cluster_kernel, grid, args, **meta)
+
+
 def build_for_sm90(ctas: int, part: int, num_warps: int, dtype: torch.dtype = torch.bfloat16, even: bool = True,
-                   write_y: bool = True, write_lse: bool = False) -> "triton.compiler.CompiledKernel":
-    """The cluster kernel for rows of ``ctas * part`` columns of ``dtype`` (``even``: exactly that many), built for
-    sm_90 on any machine, no GPU needed, with the argument types and alignments a launch on aligned rows gives:
-    Triton's compiled kernel, whose ``asm["ptx"]`` the CPU build tests read."""
+                   write_y: bool = True, write_lse: bool = False,
+                   backward: bool = False) -> "triton.compiler.CompiledKernel":
+    """The cluster kernel (``backward``: the backward's) for rows of ``ctas * part`` columns of ``dtype`` (``even``:
+    exactly that many), built for sm_90 on any machine, no GPU needed, with the argument types and alignments a
+    launch on aligned rows gives (dy's column stride 1): Triton's compiled kernel, whose ``asm["ptx"]`` the CPU
+    build tests read."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     from ..core.triton_compat import gluon_source, mangle_type
 
     row_layout, state_layout = cluster_layouts(ctas, num_warps, 16 // dtype.itemsize)
-    constants = dict(PART=part, CTAS=ctas, ROW_LAYOUT=row_layout, STATE_LAYOUT=state_layout, EVEN=even,
-                     WRITE_Y=write_y, WRITE_LSE=write_lse)
-    types = {"x_ptr": mangle_type(torch.empty(1, dtype=dtype)), "y_ptr": mangle_type(torch.empty(1, dtype=dtype)),
-             "lse_ptr": "*fp32", "states_ptr": "*fp32"}
-    names = softmax_cluster_kernel.arg_names
+    constants = dict(PART=part, CTAS=ctas, ROW_LAYOUT=row_layout, STATE_LAYOUT=state_layout, EVEN=even)
+    data = mangle_type(torch.empty(1, dtype=dtype))
+    if backward:
+        kernel, ints = softmax_bwd_cluster_kernel, ("n_cols", "stride_ym", "stride_dym", "stride_dxm")
+        types = {"y_ptr": data, "dy_ptr": data, "dx_ptr": data, "sums_ptr": "*fp32"}
+        constants["stride_dyn"] = 1  # as Triton specializes a unit stride
+    else:
+        kernel, ints = softmax_cluster_kernel, ("n_cols", "stride_xm", "stride_ym")
+        types = {"x_ptr": data, "y_ptr": data, "lse_ptr": "*fp32", "states_ptr": "*fp32"}
+        constants.update(WRITE_Y=write_y, WRITE_LSE=write_lse)
+    names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
-    aligned = tuple(i for i, name in enumerate(names) if name in types or name in ("n_cols", "stride_xm", "stride_ym"))
-    return triton.compile(gluon_source(softmax_cluster_kernel, signature, constants, aligned),
+    aligned = tuple(i for i, name in enumerate(names) if name in types or name in ints)
+    return triton.compile(gluon_source(kernel, signature, constants, aligned),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_ctas": ctas})

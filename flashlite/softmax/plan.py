@@ -223,7 +223,9 @@ def plan_backward(plan: SoftmaxPlan, n_rows: int, n_cols: int, itemsize: int, de
     """The backward's plan for (n_rows, n_cols) rows of y (``itemsize`` bytes an element) whose forward ran under
     ``plan``, from ``tuning.BWD_TILES``.
 
-    Online plans stay online. Rows shorter than ``tuning.BWD_REREAD_MIN_COLS`` keep
+    Online plans stay online. On Hopper, rows of ``tuning.BWD_CLUSTER``'s lengths go
+    over a thread-block cluster each (``_plan_backward_cluster``), whatever the
+    forward's plan. Rows shorter than ``tuning.BWD_REREAD_MIN_COLS`` keep
     the forward's tiles, y and dy held. Rows of up to ``fused_max_cols`` take a
     program each that loads y and dy twice (``reread``). Longer ones are shared
     by resident programs holding ``shared_cols`` columns each where the device
@@ -232,9 +234,12 @@ def plan_backward(plan: SoftmaxPlan, n_rows: int, n_cols: int, itemsize: int, de
     """
     if plan.algorithm == "online":
         return plan
+    cluster = _plan_backward_cluster(n_cols, itemsize, device)
+    if cluster is not None:
+        return cluster
     tiles = tuning.BWD_TILES[min(itemsize, 4)]
     block_n = triton.next_power_of_2(n_cols)
-    if plan.algorithm == "cluster":  # no cluster backward: as after the fused plan of one row a program
+    if plan.algorithm == "cluster":  # no cluster backward this long: as after the fused plan of one row a program
         plan = SoftmaxPlan("fused", 1, block_n, fused_warps(block_n))
     if block_n < tuning.BWD_REREAD_MIN_COLS and not plan.shares_rows:
         return plan
@@ -245,6 +250,18 @@ def plan_backward(plan: SoftmaxPlan, n_rows: int, n_cols: int, itemsize: int, de
         bn = triton.next_power_of_2(triton.cdiv(n_cols, parts))  # no wider than shared_cols
         return SoftmaxPlan("fused", 1, bn, tiles.shared_warps, triton.cdiv(n_cols, bn), bn, prefetch=tiles.prefetch)
     return plan_softmax(n_rows, n_cols, device, "online")
+
+
+def _plan_backward_cluster(n_cols: int, itemsize: int, device: torch.device) -> SoftmaxPlan | None:
+    """The backward of a row over a thread-block cluster (``tuning.BWD_CLUSTER``: its CTAs and their warps, each CTA
+    holding ``block_n`` columns of y and dy) for rows of a multiple of 16 columns that fill most of their tile,
+    where ``device`` launches clusters; else None."""
+    tile = triton.next_power_of_2(n_cols)
+    entry = tuning.BWD_CLUSTER.get(itemsize, {}).get(tile)
+    if entry is None or n_cols % 16 or n_cols < tuning.CLUSTER_MIN_FILL * tile or not clusters_supported(device):
+        return None
+    ctas, warps = entry
+    return SoftmaxPlan("cluster", 1, tile // ctas, warps, ctas, tile // ctas)
 
 
 def output_lead(x2d: torch.Tensor, plan: SoftmaxPlan) -> int:

@@ -192,6 +192,13 @@ CLUSTER_MIN_ROWS_PER_SM = 4  # 1024 rows (7.8 a multiprocessor) gained; 128 (1.0
 CLUSTER_MIN_FILL = 0.75
 
 
+# The backward's rows over a cluster (flashlite.softmax.cluster, softmax_bwd_cluster_kernel): by element size, then
+# the row's length rounded up to a power of two, (CTAs, warps a CTA) of the cluster that holds one row's y and dy.
+# Rows of a multiple of 16 columns filling CLUSTER_MIN_FILL of the tile take it before every other backward plan.
+# Not yet measured: empty until bench/softmax_backward.py --tune cluster has chosen (TUNING.md#backward-cluster).
+BWD_CLUSTER: dict[int, dict[int, tuple[int, int]]] = {}
+
+
 # Slots each program of a shared-row launch zeroes in one turn of clear_slots.
 # Not measured: set with the slot buffers, 2026-11-24; TUNING.md#zeroed-slots
 SLOTS_CLEAR_BLOCK = 256
