@@ -157,8 +157,7 @@ def print_summary(rows, copy) -> None:
 
 BWD_CLUSTER_TUNE_SHAPES = {torch.bfloat16: ((128, 131072), (1024, 131072), (4096, 65536), (4096, 32768)),
                            torch.float32: ((128, 131072), (1024, 131072), (4096, 65536), (256, 65536))}
-SHORT_TUNE_SHAPES = {torch.float32: ((4096, 256), (4096, 1024), (4096, 2048)),
-                     torch.bfloat16: ((4096, 256), (4096, 1024), (4096, 4096))}
+SHORT_TUNE_SHAPES = {torch.float32: ((4096, 256), (4096, 1024)), torch.bfloat16: ((4096, 256), (4096, 1024))}
 
 
 def _grad_inputs(dtype: torch.dtype, shape: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,7 +225,7 @@ def _cluster_dx(y: torch.Tensor, dy: torch.Tensor, plan: SoftmaxPlan) -> torch.T
 
 
 def tune_short(rounds: int = 2) -> None:
-    """Short rows (the backward keeps the forward's tiles): the plan, and tiles of 1-16 rows on 1-8 warps (8-64
+    """Short rows (the backward keeps the forward's tiles): the plan, and tiles of 1-16 rows on 2-8 warps (16-64
     columns of y and dy a thread), on the persistent grid (P) or a program a tile (G), against torch, torch.compile
     and quack; do_bench GB/s, ``rounds`` rounds in alternating order."""
     peers = {"torch": torch_backward, "compile": _compiled_backward(),
@@ -237,9 +236,9 @@ def tune_short(rounds: int = 2) -> None:
             y, dy, ref = _grad_inputs(dtype, shape)
             variants = {"auto": flashlite_backward}
             for bm in (1, 2, 4, 8, 16):
-                for warps in (1, 2, 4, 8):
+                for warps in (2, 4, 8):
                     per_thread = bm * shape[1] // (32 * warps)
-                    if 8 <= per_thread <= 64:
+                    if 16 <= per_thread <= 64:
                         plan = SoftmaxPlan("fused", bm, shape[1], warps)
                         for grid, bound in (("P", 1 << 30), ("G", 0)):
                             variants[f"{bm}x{warps}{grid}"] = (
