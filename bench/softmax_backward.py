@@ -108,7 +108,7 @@ def measure(shape, dtype, provs) -> dict:
 def run_bench(args) -> None:
     copy = copy_bandwidth_gbs()
     provs = providers(_compiled_backward())
-    shapes = [(4096, n) for n in WIDE_N] + LONG_ROWS + ODD_ROWS
+    shapes = [s for s in [(4096, n) for n in WIDE_N] + LONG_ROWS + ODD_ROWS if not args.cols or s[1] in args.cols]
     rows = []
     for dname in args.dtypes:
         for shape in shapes:
@@ -191,7 +191,7 @@ def tune_cluster(rounds: int = 2) -> None:
     its plan without the table, and the cluster kernel on 2/4/8 CTAs of 4/8/16 warps (16-64 columns of y and dy a
     thread), against torch.compile, quack and a copy; do_bench GB/s, ``rounds`` rounds in alternating order."""
     peers = {"compile": _compiled_backward(), "quack": (lambda y, dy, q=quack_provider(backward=True): q(dy, y)),
-             "copy": lambda y, dy: y.clone()}
+             "copy": lambda y, dy: torch.cat((y, dy[: y.shape[0] // 2]))}  # moves the backward's bytes
     print(f"backward cluster rows: plan -> GB/s do_bench (CTAs x warps, columns a CTA); quack {quack_softmax()[1]}")
     for dtype, shapes in BWD_CLUSTER_TUNE_SHAPES.items():
         for shape in shapes:
@@ -262,6 +262,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--cols", nargs="+", type=int, help="only rows this long (the JSON then holds only those)")
     parser.add_argument("--tune", choices=["cluster", "short"], help="time a tuning table's candidates instead")
     args = parser.parse_args(argv)
     if args.tune == "cluster":

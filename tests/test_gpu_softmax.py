@@ -138,10 +138,10 @@ REGIMES = [
     ((5, 16385), torch.float32, "auto", "fused framed", "reread framed"),
     ((1100, 65536), torch.bfloat16, "auto", "cluster", "reread"),  # many rows of 65536: a cluster a row
     ((600, 30000), torch.float16, "auto", "cluster", "reread"),  # columns past the row's end, in the last CTA
-    ((540, 100_000), torch.float32, "auto", "cluster", "shared"),  # 8 CTAs, the last one past the row's end
+    ((540, 100_000), torch.float32, "auto", "cluster", "cluster"),  # 8 CTAs, the last one past the row's end
     ((5, 200_000), torch.float32, "auto", "shared", "shared"),  # longer than a program holds: shared rows
     ((3, 100_003), torch.bfloat16, "auto", "shared framed", "shared framed"),
-    ((300, 65536), torch.float32, "auto", "shared heads", "shared"),  # fp32 waves: each part streams a head
+    ((300, 65536), torch.float32, "auto", "shared heads", "cluster"),  # fp32 waves: each part streams a head
     ((1, 1 << 24), torch.bfloat16, "auto", "shared heads", "online split"),  # longer than the programs hold
     ((3, 5_000_001), torch.float32, "auto", "shared heads framed", "online split framed"),
     ((4096, 50257), torch.bfloat16, "online", "online framed", "online framed"),  # streamed, whole rows
@@ -501,7 +501,7 @@ HUGE = [  # (shape, algorithm, dtype, the forward's regime)
     ((2**31 // 50257 + 1, 50257), "auto", torch.bfloat16, "shared framed"),
     ((2**31 // 65536 + 1, 65536), "auto", torch.bfloat16, "cluster"),  # the backward read twice
     ((2**31 // 2**24 + 1, 2**24), "auto", torch.bfloat16, "shared heads"),  # backward online split
-    ((2**31 // 65536 + 1, 65536), "auto", torch.float32, "cluster"),  # backward shared: 8.6 GB each
+    ((2**31 // 65536 + 1, 65536), "auto", torch.float32, "cluster"),  # backward over a cluster too: 8.6 GB each
 ]
 
 

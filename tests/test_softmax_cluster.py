@@ -61,10 +61,14 @@ def test_cluster_plans(hopper):
         plan(1024, 262144, GPU, shared_rows=torch.bfloat16),  # longer than 8 CTAs hold
     ]
     assert all(p.algorithm != "cluster" for p in others)
-    # Its backward: as after the plans it replaces (y and dy read twice, or shared rows).
+    # Its backward: over a cluster where tuning.BWD_CLUSTER says so (fp32 rows of 65536 as it stands), else as
+    # after the plans it replaces (y and dy read twice, or shared rows).
     assert softmax_plan.plan_backward(cluster_plan(4, 16384), 4096, 65536, 2, GPU) == softmax_plan.SoftmaxPlan(
         "fused", 1, 65536, tuning.BWD_REREAD_WARPS, reread=True)
-    assert softmax_plan.plan_backward(cluster_plan(4, 16384), 4096, 65536, 4, GPU).shares_rows
+    ctas, warps = tuning.BWD_CLUSTER[4][65536]
+    assert softmax_plan.plan_backward(cluster_plan(4, 16384), 4096, 65536, 4, GPU) == softmax_plan.SoftmaxPlan(
+        "cluster", 1, 65536 // ctas, warps, ctas, 65536 // ctas)
+    assert softmax_plan.plan_backward(cluster_plan(4, 8192), 4096, 32768, 4, GPU).reread
     # (a cluster plan of rows the backward keeps in tiles would be run as the fused plan of one row a program)
     assert softmax_plan.plan_backward(cluster_plan(4, 1024), 64, 4096, 2, GPU) == softmax_plan.SoftmaxPlan(
         "fused", 1, 4096, softmax_plan.fused_warps(4096))

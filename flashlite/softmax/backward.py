@@ -218,7 +218,8 @@ def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtyp
         n_tiles = triton.cdiv(n_rows, plan.block_m)
         args = (y2d, dy2d, dx, n_rows, n_cols, *strides)
         meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, VEC_COLS=vec_cols, REREAD=plan.reread)
-        if plan.block_n > tuning.FUSED_PERSISTENT_MAX_COLS:  # a program a tile, as in the forward
+        # A program a tile, as in the forward past FUSED_PERSISTENT_MAX_COLS, and for short rows (BWD_SHORT_*)
+        if plan.block_n > tuning.FUSED_PERSISTENT_MAX_COLS or plan.block_n <= tuning.BWD_SHORT_MAX_COLS:
             launch(softmax_bwd_fused_kernel, (n_tiles,), args, num_warps=plan.num_warps, **meta)
         else:
             key = ("softmax_bwd", plan, vec_cols, y2d.dtype, dy2d.dtype, dx_dtype, y2d.device)

@@ -225,9 +225,11 @@ def plan_backward(plan: SoftmaxPlan, n_rows: int, n_cols: int, itemsize: int, de
 
     Online plans stay online. On Hopper, rows of ``tuning.BWD_CLUSTER``'s lengths go
     over a thread-block cluster each (``_plan_backward_cluster``), whatever the
-    forward's plan. Rows shorter than ``tuning.BWD_REREAD_MIN_COLS`` keep
-    the forward's tiles, y and dy held. Rows of up to ``fused_max_cols`` take a
-    program each that loads y and dy twice (``reread``). Longer ones are shared
+    forward's plan. Rows of at most ``tuning.BWD_SHORT_MAX_COLS`` take tiles of
+    ``BWD_SHORT_TILE_ELEMS`` on ``BWD_SHORT_WARPS`` warps; other rows shorter than
+    ``tuning.BWD_REREAD_MIN_COLS`` keep the forward's tiles, y and dy held. Rows of
+    up to ``fused_max_cols`` take a program each that loads y and dy twice
+    (``reread``). Longer ones are shared
     by resident programs holding ``shared_cols`` columns each where the device
     shares rows (``shares_rows_on_chip``) and a row has no more parts than the
     device has multiprocessors, and streamed otherwise. Cached, as ``plan_softmax``.
@@ -241,6 +243,9 @@ def plan_backward(plan: SoftmaxPlan, n_rows: int, n_cols: int, itemsize: int, de
     block_n = triton.next_power_of_2(n_cols)
     if plan.algorithm == "cluster":  # no cluster backward this long: as after the fused plan of one row a program
         plan = SoftmaxPlan("fused", 1, block_n, fused_warps(block_n))
+    if block_n <= tuning.BWD_SHORT_MAX_COLS and not (plan.shares_rows or plan.reread):  # (reread: forced, tests)
+        bm = max(1, min(tuning.BWD_SHORT_TILE_ELEMS // block_n, triton.next_power_of_2(n_rows)))
+        return SoftmaxPlan("fused", bm, block_n, tuning.BWD_SHORT_WARPS, vec_cols=plan.vec_cols if bm == 1 else 1)
     if block_n < tuning.BWD_REREAD_MIN_COLS and not plan.shares_rows:
         return plan
     if block_n <= tiles.fused_max_cols:

@@ -195,8 +195,13 @@ CLUSTER_MIN_FILL = 0.75
 # The backward's rows over a cluster (flashlite.softmax.cluster, softmax_bwd_cluster_kernel): by element size, then
 # the row's length rounded up to a power of two, (CTAs, warps a CTA) of the cluster that holds one row's y and dy.
 # Rows of a multiple of 16 columns filling CLUSTER_MIN_FILL of the tile take it before every other backward plan.
-# Not yet measured: empty until bench/softmax_backward.py --tune cluster has chosen (TUNING.md#backward-cluster).
-BWD_CLUSTER: dict[int, dict[int, tuple[int, int]]] = {}
+# GB/s, the plan before -> the entry: fp32 4096 x 65536 3936 -> 4270, 256 x 65536 3160 -> 3560, 1024 x 131072
+# 3690 -> 3931, 128 x 131072 3150 -> 3207; bf16 128 x 131072 1722-2606 (shared rows, bimodal) -> 2515 both rounds
+# (1024 x 131072 3360 -> 3328, kept for the steady figure). Not taken: bf16 rows of 32768 and 65536, read twice
+# by one program at 4050-4176 against at most 3724 over a cluster.
+# H200 2026-12-03, python bench/softmax_backward.py --tune cluster (h200/softmax_backward_cluster_tune.log);
+# TUNING.md#backward-cluster
+BWD_CLUSTER: dict[int, dict[int, tuple[int, int]]] = {4: {65536: (8, 4), 131072: (8, 8)}, 2: {131072: (4, 16)}}
 
 
 # Slots each program of a shared-row launch zeroes in one turn of clear_slots.
@@ -229,6 +234,15 @@ BWD_TILES = {
 # Shared backward rows read in frames (odd lengths) ask the next row's part into L2 whatever their dtype.
 # H100 2026-11-25, no committed script; TUNING.md#backward-tiles
 BWD_FRAMED_PREFETCH = PREFETCH_L2.value
+
+
+# The backward of rows of at most BWD_SHORT_MAX_COLS columns: tiles of BWD_SHORT_TILE_ELEMS elements on
+# BWD_SHORT_WARPS warps, a program a tile (no persistent grid), instead of the forward's tiles on its persistent
+# grid. GB/s, the forward's tiles -> these: fp32 4096 x 256 404-465 -> 1136-1586 (8 rows), 4096 x 1024 2016-2875
+# (bimodal) -> 2951-2990; bf16 4096 x 1024 2081-2086 -> 2228-2241; bf16 4096 x 256 886-890 -> 844-927.
+# H200 2026-12-03, python bench/softmax_backward.py --tune short (h200/softmax_backward_short_tune.log);
+# TUNING.md#backward-short
+BWD_SHORT_MAX_COLS, BWD_SHORT_TILE_ELEMS, BWD_SHORT_WARPS = 1024, 2048, 2
 
 
 # Rows of BWD_REREAD_MIN_COLS columns and more load y and dy twice (evict_last for sum(dy * y), evict_first
