@@ -225,12 +225,15 @@ def _cluster_dx(y: torch.Tensor, dy: torch.Tensor, plan: SoftmaxPlan) -> torch.T
 
 
 def tune_short(rounds: int = 2) -> None:
-    """Short rows (the backward keeps the forward's tiles): the plan, and tiles of 1-16 rows on 2-8 warps (16-64
-    columns of y and dy a thread), on the persistent grid (P) or a program a tile (G), against torch, torch.compile
-    and quack; do_bench GB/s, ``rounds`` rounds in alternating order."""
+    """Short rows: the backward on the forward's tiles ("auto": tuning.BWD_SHORT_TILES emptied while this runs, as
+    before the table), and tiles of 1-16 rows on 2-8 warps (16-64 columns of y and dy a thread), on the persistent
+    grid (P) or a program a tile (G), against torch, torch.compile and quack; do_bench GB/s, ``rounds`` rounds in
+    alternating order."""
     peers = {"torch": torch_backward, "compile": _compiled_backward(),
              "quack": (lambda y, dy, q=quack_provider(backward=True): q(dy, y))}
     print("backward short rows: rows x warps, persistent (P) or a program a tile (G) -> GB/s do_bench")
+    saved, tuning.BWD_SHORT_TILES = tuning.BWD_SHORT_TILES, {}
+    api.clear_plans()
     for dtype, shapes in SHORT_TUNE_SHAPES.items():
         for shape in shapes:
             y, dy, ref = _grad_inputs(dtype, shape)
@@ -248,6 +251,8 @@ def tune_short(rounds: int = 2) -> None:
                       flush=True)
             del y, dy, ref
             torch.cuda.empty_cache()
+    tuning.BWD_SHORT_TILES = saved
+    api.clear_plans()
 
 
 def _with_persistent_bound(bound: int, y: torch.Tensor, dy: torch.Tensor, plan: SoftmaxPlan) -> torch.Tensor:

@@ -110,13 +110,17 @@ def test_backward_plans(monkeypatch):
         for n_cols in (2000, 4000, 4096):  # tiles of several rows, and one-row tiles of fewer than 8192 columns
             fwd, bwd = plans(4096, n_cols, torch.float32)
             assert bwd == fwd and not bwd.reread
-        # Rows of at most BWD_SHORT_MAX_COLS: tiles of BWD_SHORT_TILE_ELEMS on BWD_SHORT_WARPS warps, no more rows
-        # than there are (rounded up to a power of two).
+        # Rows of BWD_SHORT_TILES's lengths (fp32 256-1024, bf16 1024 as it stands): tiles of BWD_SHORT_TILE_ELEMS on
+        # BWD_SHORT_WARPS warps, no more rows than there are (rounded up to a power of two); others keep the forward's.
         short = tuning.BWD_SHORT_TILE_ELEMS
         for n_rows, n_cols, rows in ((4096, 256, short // 256), (4096, 1000, short // 1024), (3, 256, 4), (1, 1024, 1)):
             assert plans(n_rows, n_cols, torch.float32)[1] == softmax_plan.SoftmaxPlan(
                 "fused", rows, triton.next_power_of_2(n_cols), tuning.BWD_SHORT_WARPS)
         assert plans(1, 1001, torch.bfloat16, vec_cols=8)[1].vec_cols == 8  # one row a tile: still in frames
+        assert plans(4096, 1024, torch.bfloat16)[1].num_warps == tuning.BWD_SHORT_WARPS
+        for n_cols, dtype in ((256, torch.bfloat16), (128, torch.float32), (2048, torch.float32)):
+            fwd, bwd = plans(4096, n_cols, dtype)
+            assert bwd == fwd
         reread = softmax_plan.SoftmaxPlan("fused", 1, 32768, 32, reread=True)
         assert plans(4096, 32768, torch.float32)[1] == reread
         assert plans(4096, 20000, torch.float32)[1] == reread and plans(4096, 5000, torch.float32)[1].block_n == 8192

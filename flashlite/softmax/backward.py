@@ -26,7 +26,9 @@ from .frames import (
     row_frame,
 )
 from .online import launch_online
-from .plan import SoftmaxPlan, backward_vectors, plan_backward, plan_softmax, shares_rows_on_chip
+from .plan import (
+    SoftmaxPlan, backward_vectors, plan_backward, plan_softmax, shares_rows_on_chip, short_backward_rows,
+)
 from .shared_rows import prefetch_to_l2, resident_programs
 from .tuning import PREFETCH_L2
 
@@ -218,8 +220,8 @@ def softmax_backward(y2d: torch.Tensor, dy2d: torch.Tensor, dx_dtype: torch.dtyp
         n_tiles = triton.cdiv(n_rows, plan.block_m)
         args = (y2d, dy2d, dx, n_rows, n_cols, *strides)
         meta = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, VEC_COLS=vec_cols, REREAD=plan.reread)
-        # A program a tile, as in the forward past FUSED_PERSISTENT_MAX_COLS, and for short rows (BWD_SHORT_*)
-        if plan.block_n > tuning.FUSED_PERSISTENT_MAX_COLS or plan.block_n <= tuning.BWD_SHORT_MAX_COLS:
+        # A program a tile, as in the forward past FUSED_PERSISTENT_MAX_COLS, and for short rows (BWD_SHORT_TILES)
+        if plan.block_n > tuning.FUSED_PERSISTENT_MAX_COLS or short_backward_rows(plan.block_n, y2d.element_size()):
             launch(softmax_bwd_fused_kernel, (n_tiles,), args, num_warps=plan.num_warps, **meta)
         else:
             key = ("softmax_bwd", plan, vec_cols, y2d.dtype, dy2d.dtype, dx_dtype, y2d.device)

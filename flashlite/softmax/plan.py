@@ -225,7 +225,7 @@ def plan_backward(plan: SoftmaxPlan, n_rows: int, n_cols: int, itemsize: int, de
 
     Online plans stay online. On Hopper, rows of ``tuning.BWD_CLUSTER``'s lengths go
     over a thread-block cluster each (``_plan_backward_cluster``), whatever the
-    forward's plan. Rows of at most ``tuning.BWD_SHORT_MAX_COLS`` take tiles of
+    forward's plan. Rows of ``tuning.BWD_SHORT_TILES``'s lengths take tiles of
     ``BWD_SHORT_TILE_ELEMS`` on ``BWD_SHORT_WARPS`` warps; other rows shorter than
     ``tuning.BWD_REREAD_MIN_COLS`` keep the forward's tiles, y and dy held. Rows of
     up to ``fused_max_cols`` take a program each that loads y and dy twice
@@ -243,7 +243,7 @@ def plan_backward(plan: SoftmaxPlan, n_rows: int, n_cols: int, itemsize: int, de
     block_n = triton.next_power_of_2(n_cols)
     if plan.algorithm == "cluster":  # no cluster backward this long: as after the fused plan of one row a program
         plan = SoftmaxPlan("fused", 1, block_n, fused_warps(block_n))
-    if block_n <= tuning.BWD_SHORT_MAX_COLS and not (plan.shares_rows or plan.reread):  # (reread: forced, tests)
+    if short_backward_rows(block_n, itemsize) and not (plan.shares_rows or plan.reread):  # (reread: forced, tests)
         bm = max(1, min(tuning.BWD_SHORT_TILE_ELEMS // block_n, triton.next_power_of_2(n_rows)))
         return SoftmaxPlan("fused", bm, block_n, tuning.BWD_SHORT_WARPS, vec_cols=plan.vec_cols if bm == 1 else 1)
     if block_n < tuning.BWD_REREAD_MIN_COLS and not plan.shares_rows:
@@ -255,6 +255,13 @@ def plan_backward(plan: SoftmaxPlan, n_rows: int, n_cols: int, itemsize: int, de
         bn = triton.next_power_of_2(triton.cdiv(n_cols, parts))  # no wider than shared_cols
         return SoftmaxPlan("fused", 1, bn, tiles.shared_warps, triton.cdiv(n_cols, bn), bn, prefetch=tiles.prefetch)
     return plan_softmax(n_rows, n_cols, device, "online")
+
+
+def short_backward_rows(block_n: int, itemsize: int) -> bool:
+    """True if the backward of rows in tiles ``block_n`` wide (``itemsize`` bytes an element) takes the short rows'
+    tiles (``tuning.BWD_SHORT_TILES``), a program a tile."""
+    shortest, longest = tuning.BWD_SHORT_TILES.get(itemsize, (0, 0))
+    return shortest <= block_n <= longest
 
 
 def _plan_backward_cluster(n_cols: int, itemsize: int, device: torch.device) -> SoftmaxPlan | None:

@@ -236,13 +236,15 @@ BWD_TILES = {
 BWD_FRAMED_PREFETCH = PREFETCH_L2.value
 
 
-# The backward of rows of at most BWD_SHORT_MAX_COLS columns: tiles of BWD_SHORT_TILE_ELEMS elements on
-# BWD_SHORT_WARPS warps, a program a tile (no persistent grid), instead of the forward's tiles on its persistent
-# grid. GB/s, the forward's tiles -> these: fp32 4096 x 256 404-465 -> 1136-1586 (8 rows), 4096 x 1024 2016-2875
-# (bimodal) -> 2951-2990; bf16 4096 x 1024 2081-2086 -> 2228-2241; bf16 4096 x 256 886-890 -> 844-927.
+# The backward of short rows, by element size the (shortest, longest) row tile measured to gain: tiles of
+# BWD_SHORT_TILE_ELEMS elements on BWD_SHORT_WARPS warps, a program a tile (no persistent grid), instead of the
+# forward's tiles on its persistent grid. GB/s, the forward's tiles -> these: fp32 4096 x 256 404-465 -> 1136-1586
+# (8 rows), 4096 x 1024 2016-2875 (bimodal) -> 2951-2990; bf16 4096 x 1024 2081-2086 -> 2228-2241. Not taken:
+# bf16 rows of 256 (886-890 -> 855). Rows of 2048-4096 columns were not measured.
 # H200 2026-12-03, python bench/softmax_backward.py --tune short (h200/softmax_backward_short_tune.log);
 # TUNING.md#backward-short
-BWD_SHORT_MAX_COLS, BWD_SHORT_TILE_ELEMS, BWD_SHORT_WARPS = 1024, 2048, 2
+BWD_SHORT_TILES = {4: (256, 1024), 2: (1024, 1024)}
+BWD_SHORT_TILE_ELEMS, BWD_SHORT_WARPS = 2048, 2
 
 
 # Rows of BWD_REREAD_MIN_COLS columns and more load y and dy twice (evict_last for sum(dy * y), evict_first
