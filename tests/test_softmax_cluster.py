@@ -96,22 +96,26 @@ BUILDS = [  # (CTAs, columns a CTA, dtype, even, write_y, write_lse)
 ]
 
 
+def _ptx_report(ptx: str, ctas: int) -> dict:
+    """What both build tests read in a cluster kernel's sm_90 PTX: its cluster launch and barrier, its loads from
+    L2 (`.cg`: the exchanged states or sums), its 16-byte loads and stores, exponentials and local memory."""
+    return {
+        "cluster": f".reqnctapercluster {ctas}" in ptx,
+        "barrier": all(f"barrier.cluster.{step}.aligned" in ptx for step in ("arrive.release", "wait.acquire")),
+        "from_l2": ptx.count("ld.global.cg"),
+        "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
+        "vector_stores": len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)),
+        "exponentials": ptx.count("ex2.approx"),
+        "local_memory": ptx.count("ld.local") + ptx.count("st.local"),
+    }
+
+
 def _build_report(cases: list) -> list:
     """What the CPU build test checks in the sm_90 PTX of each case of BUILDS (run in a fresh process: the
     interpreter's functions cannot be built for a GPU)."""
-    report = []
-    for ctas, part, dtype, even, write_y, write_lse in cases:
-        ptx = cluster.build_for_sm90(ctas, part, tuning.CLUSTER_NUM_WARPS, getattr(torch, dtype), even, write_y,
-                                     write_lse).asm["ptx"]
-        report.append({
-            "cluster": f".reqnctapercluster {ctas}" in ptx,
-            "barrier": all(f"barrier.cluster.{step}.aligned" in ptx for step in ("arrive.release", "wait.acquire")),
-            "states_from_l2": ptx.count("ld.global.cg"),
-            "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
-            "vector_stores": len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)),
-            "exponentials": ptx.count("ex2.approx"),
-        })
-    return report
+    return [_ptx_report(cluster.build_for_sm90(ctas, part, tuning.CLUSTER_NUM_WARPS, getattr(torch, dtype), even,
+                                               write_y, write_lse).asm["ptx"], ctas)
+            for ctas, part, dtype, even, write_y, write_lse in cases]
 
 
 @gluon
@@ -123,7 +127,7 @@ def test_cluster_kernel_builds_for_sm90():
         held = part // (32 * tuning.CLUSTER_NUM_WARPS)  # columns a thread holds
         vectors = held * getattr(torch, dtype).itemsize // 16
         assert built["cluster"] and built["barrier"], built
-        assert built["states_from_l2"] == 2, built
+        assert built["from_l2"] == 2, built
         assert built["vector_loads"] == vectors, built
         assert built["vector_stores"] == (vectors if write_y else 0), built
         assert held <= built["exponentials"] <= held + 2 * ctas + 4, built
@@ -165,18 +169,9 @@ BACKWARD_BUILDS = [  # (CTAs, columns a CTA, warps, dtype, even)
 def _backward_build_report(cases: list) -> list:
     """What the CPU build test checks in the sm_90 PTX of each case of BACKWARD_BUILDS (a fresh process, as
     ``_build_report``)."""
-    report = []
-    for ctas, part, warps, dtype, even in cases:
-        ptx = cluster.build_for_sm90(ctas, part, warps, getattr(torch, dtype), even, backward=True).asm["ptx"]
-        report.append({
-            "cluster": f".reqnctapercluster {ctas}" in ptx,
-            "barrier": all(f"barrier.cluster.{step}.aligned" in ptx for step in ("arrive.release", "wait.acquire")),
-            "sums_from_l2": ptx.count("ld.global.cg"),
-            "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
-            "vector_stores": len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)),
-            "local_memory": ptx.count("ld.local") + ptx.count("st.local"),
-        })
-    return report
+    return [_ptx_report(cluster.build_for_sm90(ctas, part, warps, getattr(torch, dtype), even,
+                                               backward=True).asm["ptx"], ctas)
+            for ctas, part, warps, dtype, even in cases]
 
 
 @gluon
@@ -187,7 +182,7 @@ def test_backward_cluster_kernel_builds_for_sm90():
     for (ctas, part, warps, dtype, even), built in zip(BACKWARD_BUILDS, report):
         vectors = part // (32 * warps) * getattr(torch, dtype).itemsize // 16
         assert built["cluster"] and built["barrier"], built
-        assert built["sums_from_l2"] == 1, built
+        assert built["from_l2"] == 1 and built["exponentials"] == 0, built
         assert built["vector_loads"] == 2 * vectors, built
         assert built["vector_stores"] == vectors, built
         assert built["local_memory"] == 0, built
