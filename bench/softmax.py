@@ -382,10 +382,14 @@ CLUSTER_TUNE_SHAPES = {torch.bfloat16: ((4096, 16384), (4096, 32768), (4096, 655
                        torch.float32: ((4096, 32768), (4096, 65536), (1024, 131072), (128, 131072))}
 
 
+EXCHANGES = ("global", "dsmem")  # tuning.CLUSTER_EXCHANGE's values, the kept one first
+
+
 def tune_cluster(cols: list[int] | None = None, rounds: int = 2) -> None:
     """Rows over a thread-block cluster (tuning.CLUSTER_CTAS): flashlite's plan, its plan without clusters, and the
     cluster kernel on 2/4/8 CTAs of 4/8 warps, against quack and a copy; do_bench GB/s, each plan checked against
-    float64, ``rounds`` rounds in alternating order; ``cols``: only rows that long. (Persistent clusters were
+    float64, ``rounds`` rounds in alternating order, each under both of the CTAs' exchanges (EXCHANGES); ``cols``:
+    only rows that long. (Persistent clusters were
     timed by this function at commit 7be9022: TUNING.md#cluster-rows.)"""
     quack = quack_provider()
     print(f"cluster rows: plan -> GB/s do_bench (CTAs x warps, columns a CTA); quack {quack_softmax()[1]}")
@@ -398,8 +402,11 @@ def tune_cluster(cols: list[int] | None = None, rounds: int = 2) -> None:
                     plans[f"c{ctas}w{warps}({part})"] = SoftmaxPlan("cluster", 1, part, warps, ctas, part)
         peers = {"quack": quack, "copy": lambda t: t.clone()}
         for r in range(rounds):
-            print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + "  ".join(_round_line(x, plans, peers, r)),
-                  flush=True)
+            for exchange in EXCHANGES if r % 2 == 0 else EXCHANGES[::-1]:
+                tuning.CLUSTER_EXCHANGE = exchange
+                print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} {exchange:6} "
+                      + "  ".join(_round_line(x, plans, peers, r)), flush=True)
+        tuning.CLUSTER_EXCHANGE = EXCHANGES[0]
         del x  # (freed by _tune_inputs before the next shape's)
     clear_plans()
 

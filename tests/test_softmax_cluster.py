@@ -103,6 +103,7 @@ def _ptx_report(ptx: str, ctas: int) -> dict:
         "cluster": f".reqnctapercluster {ctas}" in ptx,
         "barrier": all(f"barrier.cluster.{step}.aligned" in ptx for step in ("arrive.release", "wait.acquire")),
         "from_l2": ptx.count("ld.global.cg"),
+        "from_peers": ptx.count("ld.shared::cluster"),
         "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx)),
         "vector_stores": len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)),
         "exponentials": ptx.count("ex2.approx"),
@@ -131,6 +132,25 @@ def test_cluster_kernel_builds_for_sm90():
         assert built["vector_loads"] == vectors, built
         assert built["vector_stores"] == (vectors if write_y else 0), built
         assert held <= built["exponentials"] <= held + 2 * ctas + 4, built
+
+
+def _dsmem_build_report(job: list) -> list:
+    """``_build_report`` of ``job[1]`` (``job[0]``: ``_backward_build_report``'s) with the CTAs' states traded
+    through distributed shared memory (tuning.CLUSTER_EXCHANGE "dsmem")."""
+    tuning.CLUSTER_EXCHANGE = "dsmem"
+    backward, cases = job
+    return _backward_build_report(cases) if backward else _build_report(cases)
+
+
+@gluon
+def test_dsmem_exchange_builds_for_sm90():
+    # The exchange through distributed shared memory: one read of each CTA's slot (ld.shared::cluster), nothing
+    # from L2, the part still held (no local memory), in the forward and the backward.
+    for cases, backward in ((BUILDS, False), (BACKWARD_BUILDS, True)):
+        report = fresh_process_report("tests.test_softmax_cluster", "_dsmem_build_report", [backward, cases])
+        for case, built in zip(cases, report):
+            assert built["cluster"] and built["barrier"], built
+            assert built["from_l2"] == 0 and built["from_peers"] == case[0] and built["local_memory"] == 0, built
 
 
 def test_backward_cluster_plans(hopper, monkeypatch):

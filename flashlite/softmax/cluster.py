@@ -22,8 +22,11 @@ import functools
 
 import torch
 
-from ..core.online_softmax import LOG2E, merge_partial_states, normalize, online_update, rescale_factor, state_logsumexp
+from ..core.online_softmax import (
+    LOG2E, merge_partial_states, merge_states, normalize, online_update, rescale_factor, state_logsumexp,
+)
 from ..core.runtime import launch
+from . import tuning
 from .plan import SoftmaxPlan
 
 try:  # Gluon: Triton >= 3.5 (the GPU image has 3.6, CI 3.9)
@@ -45,10 +48,57 @@ if gluon is not None:
             "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def cluster_publish(values):
+        """Put this CTA's ``values`` (a tuple of one or two fp32 tensors holding one element a thread: the CTA's) in
+        a slot of its shared memory and meet the cluster at a barrier (release and acquire at cluster scope: every
+        CTA's slot written before any is read). Returns the slot's address in this CTA's shared memory."""
+        if len(values) == 2:
+            return gl.inline_asm_elementwise(
+                "{\n\t.shared .align 8 .f32 fl_slot[2];\n\tmov.u32 $0, fl_slot;\n\tst.shared.v2.f32 [$0], {$1, $2};"
+                "\n\tbarrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\t}",
+                "=r,f,f", values, dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            return gl.inline_asm_elementwise(
+                "{\n\t.shared .align 4 .f32 fl_slot[1];\n\tmov.u32 $0, fl_slot;\n\tst.shared.f32 [$0], $1;"
+                "\n\tbarrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\t}",
+                "=r,f", values, dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def cluster_peer(slot, rank, VALUES: gl.constexpr):
+        """The ``VALUES`` (1 or 2) values that CTA ``rank`` of the cluster published at ``slot``
+        (``cluster_publish``), read through distributed shared memory: a tuple of fp32 tensors of ``slot``'s shape."""
+        peer = slot * 0 + rank
+        if VALUES == 2:
+            return gl.inline_asm_elementwise(
+                "{\n\t.reg .b32 %fl_at;\n\tmapa.shared::cluster.u32 %fl_at, $2, $3;"
+                "\n\tld.shared::cluster.v2.f32 {$0, $1}, [%fl_at];\n\t}",
+                "=f,=f,r,r", [slot, peer], dtype=(gl.float32, gl.float32), is_pure=False, pack=1)
+        else:
+            return gl.inline_asm_elementwise(
+                "{\n\t.reg .b32 %fl_at;\n\tmapa.shared::cluster.u32 %fl_at, $1, $2;"
+                "\n\tld.shared::cluster.f32 $0, [%fl_at];\n\t}",
+                "=f,r,r", [slot, peer], dtype=(gl.float32,), is_pure=False, pack=1)
+
+    @gluon.jit
+    def cluster_read_all(token):
+        """Tell the cluster this CTA has read its peers' slots (``token``: a value computed from what it read, so that
+        this comes after the reads); ``cluster_exit_wait`` takes what it returns."""
+        return gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned;\n\tmov.u32 $0, 0;", "=r,f", [token],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def cluster_exit_wait(token):
+        """Wait until every CTA of the cluster has read its peers' slots (``cluster_read_all``'s ``token``), so that
+        no CTA's shared memory goes away while another reads it; the kernel's last step."""
+        gl.inline_asm_elementwise("barrier.cluster.wait.aligned;\n\tmov.u32 $0, $1;", "=r,r", [token],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def softmax_cluster_kernel(
         x_ptr, y_ptr, lse_ptr, states_ptr, n_cols, stride_xm, stride_ym,
         PART: gl.constexpr, CTAS: gl.constexpr, ROW_LAYOUT: gl.constexpr, STATE_LAYOUT: gl.constexpr,
         EVEN: gl.constexpr, WRITE_Y: gl.constexpr, WRITE_LSE: gl.constexpr,
+        DSMEM: gl.constexpr,
     ):
         # A cluster a row. ROW_LAYOUT spreads a [CTAS, PART] tile over the cluster, CTA i holding part i (its
         # CTA bases split dim 0); STATE_LAYOUT gives every CTA all CTAS states. states_ptr: (rows, 2, CTAS) fp32.
@@ -62,15 +112,23 @@ if gluon is not None:
             x = gl.load(x_row + cols, mask=cols < n_cols, other=float("-inf")).to(gl.float32)
         m_empty = gl.full([CTAS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ROW_LAYOUT))
         m, d, p, _ = online_update(m_empty, gl.zeros_like(m_empty), x, LOG2E)
-        states = states_ptr + row * (2 * CTAS)
-        gl.store(states + part, m)
-        gl.store(states + CTAS + part, d)
-        every = gl.arange(0, CTAS, layout=STATE_LAYOUT) + cluster_barrier(n_cols)
-        # L2, not L1: the other CTAs' states were written from other multiprocessors.
-        m_row, d_row = merge_partial_states(gl.load(states + every, cache_modifier=".cg"),
-                                            gl.load(states + CTAS + every, cache_modifier=".cg"), LOG2E, 0)
+        if not DSMEM:
+            states = states_ptr + row * (2 * CTAS)
+            gl.store(states + part, m)
+            gl.store(states + CTAS + part, d)
+            every = gl.arange(0, CTAS, layout=STATE_LAYOUT) + cluster_barrier(n_cols)
+            # L2, not L1: the other CTAs' states were written from other multiprocessors.
+            m_row, d_row = merge_partial_states(gl.load(states + every, cache_modifier=".cg"),
+                                                gl.load(states + CTAS + every, cache_modifier=".cg"), LOG2E, 0)
+        else:
+            slot = cluster_publish((m, d))
+            m_row, d_row = cluster_peer(slot, 0, 2)
+            for rank in gl.static_range(1, CTAS):  # one order, so every CTA merges the same state
+                m_peer, d_peer = cluster_peer(slot, rank, 2)
+                m_row, d_row = merge_states(m_row, d_row, m_peer, d_peer, LOG2E)
+            read = cluster_read_all(d_row)
         if WRITE_LSE:
-            gl.store(lse_ptr + row, state_logsumexp(m_row, d_row, LOG2E))  # the same value from every CTA
+            gl.store(lse_ptr + row + 0 * part, state_logsumexp(m_row, d_row, LOG2E))  # the same value from every CTA
         if WRITE_Y:
             y = normalize(p * rescale_factor(m, m_row, LOG2E)[:, None], gl.zeros_like(m) + d_row, False)
             y_row = y_ptr + row * stride_ym
@@ -78,12 +136,14 @@ if gluon is not None:
                 gl.store(y_row + cols, y.to(y_ptr.dtype.element_ty))
             else:
                 gl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=cols < n_cols)
+        if DSMEM:
+            cluster_exit_wait(read)
 
     @gluon.jit
     def softmax_bwd_cluster_kernel(
         y_ptr, dy_ptr, dx_ptr, sums_ptr, n_cols, stride_ym, stride_dym, stride_dyn, stride_dxm,
         PART: gl.constexpr, CTAS: gl.constexpr, ROW_LAYOUT: gl.constexpr, STATE_LAYOUT: gl.constexpr,
-        EVEN: gl.constexpr,
+        EVEN: gl.constexpr, DSMEM: gl.constexpr,
     ):
         # The backward, dx = y * (dy - sum(dy * y)), of a row over a cluster, laid out as softmax_cluster_kernel:
         # CTA i holds part i of y and dy, publishes its part's sum and, past the barrier, adds the row's CTAS
@@ -99,16 +159,26 @@ if gluon is not None:
         else:
             y = gl.load(y_row + cols, mask=cols < n_cols, other=0.0).to(gl.float32)
             dy = gl.load(dy_at, mask=cols < n_cols, other=0.0).to(gl.float32)
-        sums = sums_ptr + row * CTAS
-        gl.store(sums + part, gl.sum(y * dy, axis=1))
-        every = gl.arange(0, CTAS, layout=STATE_LAYOUT) + cluster_barrier(n_cols)
-        dot = gl.sum(gl.load(sums + every, cache_modifier=".cg"), axis=0)  # L2: written by other multiprocessors
+        if not DSMEM:
+            sums = sums_ptr + row * CTAS
+            gl.store(sums + part, gl.sum(y * dy, axis=1))
+            every = gl.arange(0, CTAS, layout=STATE_LAYOUT) + cluster_barrier(n_cols)
+            dot = gl.sum(gl.load(sums + every, cache_modifier=".cg"), axis=0)  # L2: written by other multiprocessors
+        else:
+            slot = cluster_publish((gl.sum(y * dy, axis=1),))
+            dot = cluster_peer(slot, 0, 1)[0]
+            for rank in gl.static_range(1, CTAS):  # one order: every CTA the same value
+                dot = dot + cluster_peer(slot, rank, 1)[0]
+            read = cluster_read_all(dot)
+            dot = dot[:, None]
         dx = (y * (dy - dot)).to(dx_ptr.dtype.element_ty)
         dx_row = dx_ptr + row * stride_dxm
         if EVEN:
             gl.store(dx_row + cols, dx)
         else:
             gl.store(dx_row + cols, dx, mask=cols < n_cols)
+        if DSMEM:
+            cluster_exit_wait(read)
 
 else:  # pragma: no cover
     softmax_cluster_kernel = softmax_bwd_cluster_kernel = None
@@ -137,6 +207,7 @@ def cluster_launch(
     meta = dict(PART=plan.block_n, CTAS=ctas, ROW_LAYOUT=row_layout, STATE_LAYOUT=state_layout,
                 EVEN=n_cols == ctas * plan.block_n, WRITE_Y=write_y, WRITE_LSE=write_lse, num_warps=plan.num_warps,
                 num_ctas=ctas)
+    meta["DSMEM"] = tuning.CLUSTER_EXCHANGE == "dsmem"
     return (n_rows,), args, meta
 
 
@@ -159,6 +230,7 @@ def backward_cluster_launch(y2d: torch.Tensor, dy2d: torch.Tensor, dx: torch.Ten
     args = (y2d, dy2d, dx, sums, n_cols, y2d.stride(0), dy2d.stride(0), dy2d.stride(1), dx.stride(0))
     meta = dict(PART=plan.block_n, CTAS=ctas, ROW_LAYOUT=row_layout, STATE_LAYOUT=state_layout,
                 EVEN=n_cols == ctas * plan.block_n, num_warps=plan.num_warps, num_ctas=ctas)
+    meta["DSMEM"] = tuning.CLUSTER_EXCHANGE == "dsmem"
     return (n_rows,), args, meta
 
 
@@ -182,6 +254,7 @@ def build_for_sm90(ctas: int, part: int, num_warps: int, dtype: torch.dtype = to
 
     row_layout, state_layout = cluster_layouts(ctas, num_warps, 16 // dtype.itemsize)
     constants = dict(PART=part, CTAS=ctas, ROW_LAYOUT=row_layout, STATE_LAYOUT=state_layout, EVEN=even)
+    constants["DSMEM"] = tuning.CLUSTER_EXCHANGE == "dsmem"
     data = mangle_type(torch.empty(1, dtype=dtype))
     if backward:
         kernel, ints = softmax_bwd_cluster_kernel, ("n_cols", "stride_ym", "stride_dym", "stride_dxm")

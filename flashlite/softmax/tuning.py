@@ -188,6 +188,14 @@ CLUSTER_NUM_WARPS = 4  # 8 warps: within 2% or slower at the shapes the table ta
 CLUSTER_MIN_ROWS_PER_SM = 4  # 1024 rows (7.8 a multiprocessor) gained; 128 (1.0) not reliably
 
 
+# How the cluster kernels' CTAs trade their states: "global" (global memory read back from L2 around a cluster
+# barrier) or "dsmem" (distributed shared memory, inline PTX: built and GPU-tested, measured mixed against the
+# tables as they stand: +3-7% at bf16 32768 and fp32 65536-131072 with other CTAs/warps, -4% at bf16 131072).
+# H200 2026-12-04, python bench/softmax.py --tune cluster --cols 32768 65536 131072
+# (h200/softmax_cluster_exchange_tune.log); TUNING.md#cluster-exchange
+CLUSTER_EXCHANGE = "global"
+
+
 # Not measured apart: REREAD's bound, taken for the same reason (a tile filled that little wastes CTAs).
 CLUSTER_MIN_FILL = 0.75
 
