@@ -389,8 +389,8 @@ def tune_cluster(cols: list[int] | None = None, rounds: int = 2) -> None:
     """Rows over a thread-block cluster (tuning.CLUSTER_CTAS): flashlite's plan, its plan without clusters, and the
     cluster kernel on 2/4/8 CTAs of 4/8 warps, against quack and a copy; do_bench GB/s, each plan checked against
     float64, ``rounds`` rounds in alternating order, each under both of the CTAs' exchanges (EXCHANGES); ``cols``:
-    only rows that long. (Persistent clusters were
-    timed by this function at commit 7be9022: TUNING.md#cluster-rows.)"""
+    only rows that long. (Persistent clusters were timed by this function at commit 7be9022:
+    TUNING.md#cluster-rows.)"""
     quack = quack_provider()
     print(f"cluster rows: plan -> GB/s do_bench (CTAs x warps, columns a CTA); quack {quack_softmax()[1]}")
     for dtype, shape, x in _tune_inputs(CLUSTER_TUNE_SHAPES, cols):

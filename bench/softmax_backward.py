@@ -251,11 +251,8 @@ def tune_short(rounds: int = 2) -> None:
                             variants[f"{bm}x{warps}{grid}"] = (
                                 lambda y, dy, p=plan, b=bound: _with_persistent_bound(b, y, dy, p))
             for r in range(rounds):
-                for exchange in EXCHANGES if r % 2 == 0 else EXCHANGES[::-1]:
-                    tuning.CLUSTER_EXCHANGE = exchange
-                    print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} {exchange:6} "
-                          + _tune_round(y, dy, ref, variants, peers, r), flush=True)
-            tuning.CLUSTER_EXCHANGE = EXCHANGES[0]
+                print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + _tune_round(y, dy, ref, variants, peers, r),
+                      flush=True)
             del y, dy, ref
             torch.cuda.empty_cache()
     tuning.BWD_SHORT_TILES = saved
