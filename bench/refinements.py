@@ -319,7 +319,7 @@ def plan_pair(shape: Rows, device: torch.device, simpler: SoftmaxPlan, refined: 
     return case
 
 
-NO_CLUSTERS = {"CLUSTER_CTAS": {}}  # tuning values of a GPU without thread-block clusters
+NO_CLUSTERS = {"CLUSTER": {}}  # tuning values of a GPU without thread-block clusters
 
 
 def rows_plan(x: torch.Tensor, **values) -> SoftmaxPlan:
@@ -461,7 +461,7 @@ def knob_reread(shape: Rows, device: torch.device) -> Case:
 
 
 def knob_cluster(shape: Rows, device: torch.device) -> Case:
-    """Many long rows over a thread-block cluster each (Hopper: tuning.CLUSTER_CTAS), against the plan of a GPU
+    """Many long rows over a thread-block cluster each (Hopper: tuning.CLUSTER), against the plan of a GPU
     without clusters (read twice, or shared rows)."""
     x = softmax_input(shape, device)
     return plan_pair(shape, device, rows_plan(x), plan_rows(x, x.dtype), x)
@@ -846,7 +846,7 @@ KNOBS = [
          [Rows("fp32", 16, 4095), Rows("bf16", 8, 4095), Rows("fp32", 1, 20001)]),
     Knob("softmax reread", "tuning.FWD_REREAD_MAX_COLS = {} (plan)", knob_reread,
          [Rows("bf16", 4096, 65536), Rows("bf16", 4096, 57344), Rows("bf16", 1024, 65536)], [Rows("bf16", 4, 8192)]),
-    Knob("softmax rows over a cluster", "tuning.CLUSTER_CTAS = {} (plan)", knob_cluster,
+    Knob("softmax rows over a cluster", "tuning.CLUSTER = {} (plan)", knob_cluster,
          [Rows("bf16", 4096, 32 * K), Rows("bf16", 4096, 64 * K), Rows("fp32", 4096, 64 * K),
           Rows("fp32", 1024, 128 * K)], [Rows("bf16", 4, 8192)], gpu_only="Hopper thread-block clusters (Gluon)"),
     Knob("softmax repeat-launch cache", "api.compiled_launcher -> None at a signature's first call",

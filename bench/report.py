@@ -189,6 +189,9 @@ SECTIONS = [
     ("softmax_backward_changed_shapes", "Softmax backward at the shapes its 2026-12-03 plans changed "
      "(`bench/softmax_backward.py --cols 256 1024 65536 131072`): GB/s, y and dy read, dx written; bf16 × 256 ran "
      "short tiles since dropped (TUNING.md#backward-short)", softmax_table),
+    ("softmax_backward_long_rows", "Softmax backward on long rows after the clusters' exchange moved to distributed "
+     "shared memory (`bench/softmax_backward.py --cols 65536 131072`): GB/s, y and dy read, dx written",
+     softmax_table),
     ("attention", "Attention forward (`bench/attention.py`): TFLOP/s, bf16, H = 16, B·L = 16K", attention_table),
     ("attention_backward", "Attention backward (`bench/attention.py --backward`): TFLOP/s (2.5× the forward's FLOPs)",
      backward_table),

@@ -230,10 +230,10 @@ def tune_reread(cols: list[int] | None = None, rounds: int = 2, warps_tried=(16,
     """Rows past FUSED_MAX_COLS (and wide fused rows): flashlite's plan, and its plan without the reread rule
     (FWD_REREAD_MAX_COLS), against a program a row that reads its row twice (REREAD) on several warp counts;
     ``rounds`` alternating rounds, each plan on a fresh copy; ``cols``: only the shapes of those row lengths.
-    Planned as on a GPU without thread-block clusters (CLUSTER_CTAS emptied: on Hopper they take these rows)."""
+    Planned as on a GPU without thread-block clusters (CLUSTER emptied: on Hopper they take these rows)."""
     print("reread: plan -> GB/s do_bench / CUDA graph (registers/spilled), rounds alternate; compile for reference")
     compiled = _compiled_softmax()
-    with _emptied(tuning.CLUSTER_CTAS):
+    with _emptied(tuning.CLUSTER):
         for dtype, shape, x in _tune_inputs(REREAD_SHAPES, cols):
             plans = _plans_with_and_without(x, tuning.FWD_REREAD_MAX_COLS, "no reread")
             vec_cols = max(row_vectors(x, dtype), 1)
@@ -378,35 +378,30 @@ def tune_long(rounds: int = 2, dtypes=(torch.bfloat16, torch.float32), shapes=LO
             torch.cuda.empty_cache()
 
 
-CLUSTER_TUNE_SHAPES = {torch.bfloat16: ((4096, 16384), (4096, 32768), (4096, 65536), (1024, 131072), (128, 131072)),
-                       torch.float32: ((4096, 32768), (4096, 65536), (1024, 131072), (128, 131072))}
-
-
-EXCHANGES = ("global", "dsmem")  # tuning.CLUSTER_EXCHANGE's values, the kept one first
+CLUSTER_TUNE_SHAPES = {torch.bfloat16: ((4096, 16384), (4096, 32768), (4096, 65536), (1024, 131072), (128, 131072),
+                                        (64, 131072)),
+                       torch.float32: ((4096, 32768), (4096, 65536), (1024, 131072), (128, 131072), (64, 131072))}
 
 
 def tune_cluster(cols: list[int] | None = None, rounds: int = 2) -> None:
-    """Rows over a thread-block cluster (tuning.CLUSTER_CTAS): flashlite's plan, its plan without clusters, and the
-    cluster kernel on 2/4/8 CTAs of 4/8 warps, against quack and a copy; do_bench GB/s, each plan checked against
-    float64, ``rounds`` rounds in alternating order, each under both of the CTAs' exchanges (EXCHANGES); ``cols``:
-    only rows that long. (Persistent clusters were timed by this function at commit 7be9022:
-    TUNING.md#cluster-rows.)"""
+    """Rows over a thread-block cluster (tuning.CLUSTER): flashlite's plan, its plan without clusters, and the
+    cluster kernel on 2/4/8 CTAs of 4/8/16 warps, against quack and a copy; do_bench GB/s, each plan checked against
+    float64, ``rounds`` rounds in alternating order; ``cols``: only rows that long. (Persistent clusters were timed
+    by this function at commit 7be9022, the exchange through global memory at 76878b5: TUNING.md#cluster-rows,
+    #cluster-exchange.)"""
     quack = quack_provider()
     print(f"cluster rows: plan -> GB/s do_bench (CTAs x warps, columns a CTA); quack {quack_softmax()[1]}")
     for dtype, shape, x in _tune_inputs(CLUSTER_TUNE_SHAPES, cols):
-        plans = _plans_with_and_without(x, tuning.CLUSTER_CTAS, "no-cluster")
+        plans = _plans_with_and_without(x, tuning.CLUSTER, "no-cluster")
         for ctas in (2, 4, 8):
-            for warps in (4, 8):
+            for warps in (4, 8, 16):
                 part = triton.next_power_of_2(shape[1]) // ctas
                 if 16 <= part // (32 * warps) <= 128:
                     plans[f"c{ctas}w{warps}({part})"] = SoftmaxPlan("cluster", 1, part, warps, ctas, part)
         peers = {"quack": quack, "copy": lambda t: t.clone()}
         for r in range(rounds):
-            for exchange in EXCHANGES if r % 2 == 0 else EXCHANGES[::-1]:
-                tuning.CLUSTER_EXCHANGE = exchange
-                print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} {exchange:6} "
-                      + "  ".join(_round_line(x, plans, peers, r)), flush=True)
-        tuning.CLUSTER_EXCHANGE = EXCHANGES[0]
+            line = "  ".join(_round_line(x, plans, peers, r))
+            print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} {line}", flush=True)
         del x  # (freed by _tune_inputs before the next shape's)
     clear_plans()
 

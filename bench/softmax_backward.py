@@ -38,7 +38,7 @@ from common import (  # noqa: E402
     copy_bandwidth_gbs, environment, fresh_copy, gbs, graph_time_ms, plot_lines, quack_provider, quack_softmax, results_dir,
     try_time_ms, write_results,
 )
-from softmax import DTYPES, EXCHANGES, LONG_ROWS, ODD_ROWS, WIDE_N, backward_plan, raise_recompile_limits  # noqa: E402
+from softmax import DTYPES, LONG_ROWS, ODD_ROWS, WIDE_N, backward_plan, raise_recompile_limits  # noqa: E402
 
 PEERS = ["torch", "compile", "quack"]  # quack where it imports and takes the shape
 
@@ -189,8 +189,7 @@ def _tune_round(y, dy, ref, variants: dict, peers: dict, r: int) -> str:
 def tune_cluster(rounds: int = 2) -> None:
     """The backward over a thread-block cluster (tuning.BWD_CLUSTER): flashlite's plan (the table as it stands),
     its plan without the table, and the cluster kernel on 2/4/8 CTAs of 4/8/16 warps (16-64 columns of y and dy a
-    thread), against torch.compile, quack and a copy; do_bench GB/s, ``rounds`` rounds in alternating order, each
-    under both of the CTAs' exchanges (softmax.EXCHANGES)."""
+    thread), against torch.compile, quack and a copy; do_bench GB/s, ``rounds`` rounds in alternating order."""
     peers = {"compile": _compiled_backward(), "quack": (lambda y, dy, q=quack_provider(backward=True): q(dy, y)),
              "copy": lambda y, dy: torch.cat((y, dy[: y.shape[0] // 2]))}  # moves the backward's bytes
     print(f"backward cluster rows: plan -> GB/s do_bench (CTAs x warps, columns a CTA); quack {quack_softmax()[1]}")
@@ -212,11 +211,8 @@ def tune_cluster(rounds: int = 2) -> None:
                         plan = SoftmaxPlan("cluster", 1, part, warps, ctas, part)
                         variants[f"c{ctas}w{warps}"] = (lambda y, dy, p=plan: _cluster_dx(y, dy, p))
             for r in range(rounds):
-                for exchange in EXCHANGES if r % 2 == 0 else EXCHANGES[::-1]:
-                    tuning.CLUSTER_EXCHANGE = exchange
-                    print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} {exchange:6} "
-                          + _tune_round(y, dy, ref, variants, peers, r), flush=True)
-            tuning.CLUSTER_EXCHANGE = EXCHANGES[0]
+                print(f"  {str(dtype)[6:]:9} {str(shape):16} r{r} " + _tune_round(y, dy, ref, variants, peers, r),
+                      flush=True)
             del y, dy, ref
             torch.cuda.empty_cache()
     api.clear_plans()

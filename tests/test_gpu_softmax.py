@@ -141,7 +141,7 @@ REGIMES = [
     ((540, 100_000), torch.float32, "auto", "cluster", "cluster"),  # 8 CTAs, the last one past the row's end
     ((5, 200_000), torch.float32, "auto", "shared", "shared"),  # longer than a program holds: shared rows
     ((3, 100_003), torch.bfloat16, "auto", "shared framed", "shared framed"),
-    ((300, 65536), torch.float32, "auto", "shared heads", "cluster"),  # fp32 waves: each part streams a head
+    ((300, 262144), torch.float32, "auto", "shared heads", "shared"),  # fp32 waves: each part streams a head
     ((1, 1 << 24), torch.bfloat16, "auto", "shared heads", "online split"),  # longer than the programs hold
     ((3, 5_000_001), torch.float32, "auto", "shared heads framed", "online split framed"),
     ((4096, 50257), torch.bfloat16, "online", "online framed", "online framed"),  # streamed, whole rows
@@ -245,8 +245,9 @@ BACKWARD_CLUSTERS = [
 @pytest.mark.parametrize("shape,dtype,ctas,warps", BACKWARD_CLUSTERS,
                          ids=[f"{s[0]}x{s[1]}-{str(d)[6:]}-c{c}w{w}" for s, d, c, w in BACKWARD_CLUSTERS])
 def test_backward_cluster(shape, dtype, ctas, warps, launched, monkeypatch):
-    # Rows over a thread-block cluster, their parts' sums traded through L2: through autograd (dy as y), then
-    # the kernel alone with dy a view of its own strides (a row stride past the row, then a column stride 3).
+    # Rows over a thread-block cluster, their parts' sums traded through distributed shared memory: through
+    # autograd (dy as y), then the kernel alone with dy a view of its own strides (a row stride past the row, then
+    # a column stride 3).
     tile = triton.next_power_of_2(shape[1])
     monkeypatch.setattr(tuning, "BWD_CLUSTER", {dtype.itemsize: {tile: (ctas, warps)}})
     api.clear_plans()
@@ -275,6 +276,44 @@ def test_backward_cluster(shape, dtype, ctas, warps, launched, monkeypatch):
             assert_relative(dx, ref, GRAD_TOL[dtype], f"cluster backward, dy strides {view.stride()}")
     finally:
         api.clear_plans()
+
+
+# Cluster shapes, whatever tuning.CLUSTER holds: (shape, dtype, CTAs, warps a CTA).
+FORCED_CLUSTERS = [
+    ((300, 32768), torch.bfloat16, 2, 16),
+    ((257, 65536), torch.bfloat16, 4, 8),
+    ((129, 131072), torch.float32, 8, 8),
+    ((70, 100_000), torch.float16, 8, 4),  # the last CTA past the row's end
+]
+
+
+@pytest.mark.parametrize("shape,dtype,ctas,warps", FORCED_CLUSTERS,
+                         ids=[f"{s[0]}x{s[1]}-{str(d)[6:]}-c{c}w{w}" for s, d, c, w in FORCED_CLUSTERS])
+def test_cluster_shapes(shape, dtype, ctas, warps, launched):
+    # Both cluster kernels on the CTAs and warps given, forward (y and the log-sum-exp at once) and backward, against
+    # float64, twice: the states and sums pushed through distributed shared memory merge in one order, so the
+    # second run gives the same bits. A CTA's part wholly -inf in one row, the maximum in another's last CTA.
+    part = triton.next_power_of_2(shape[1]) // ctas
+    plan = softmax_plan.SoftmaxPlan("cluster", 1, part, warps, ctas, part)
+    x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
+    x[0, :part] = float("-inf")
+    x[1, -1] = 40.0
+    dy = torch.randn_like(x)
+    lse_ref = torch.logsumexp(x.double(), -1)
+    runs = []
+    for _ in range(2):
+        poison()
+        y, lse, dx = torch.empty_like(x), torch.empty(shape[0], device="cuda"), torch.empty_like(x)  # NaN
+        launched.clear()
+        cluster.launch_cluster(x, y, lse, plan, True, True)
+        cluster.launch_backward_cluster(y, dy, dx, plan)
+        assert [(o["CTAS"], o["num_warps"]) for _, o in launched] == [(ctas, warps)] * 2
+        assert_softmax_close(y, torch.softmax(x.double(), -1), TOL[dtype], "cluster")
+        assert_relative(dx, softmax_grad64(x, dy), GRAD_TOL[dtype], "cluster backward")
+        assert ((lse.double() - lse_ref).abs() <= LSE_TOL[dtype] * lse_ref.abs().clamp_min(1)).all()
+        runs.append((y, lse, dx))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES[:2], ids=lambda d: str(d)[6:])
@@ -496,7 +535,7 @@ HUGE = [  # (shape, algorithm, dtype, the forward's regime)
     ((2**31 // 8192 + 1, 8192), "auto", torch.bfloat16, "fused"),  # a row a tile; backward read twice
     ((2**31 // 4095 + 1, 4095), "auto", torch.bfloat16, "fused framed"),  # the backward keeps its tiles
     ((2**31 // 30001 + 1, 30001), "auto", torch.bfloat16, "fused framed"),  # backward read twice, in frames
-    ((2**31 // 32768 + 1, 32768), "auto", torch.bfloat16, "cluster"),  # clusters of 4 CTAs
+    ((2**31 // 32768 + 1, 32768), "auto", torch.bfloat16, "cluster"),  # clusters of 2 CTAs
     ((2**31 // 50257 + 1, 50257), "online", torch.bfloat16, "online framed"),  # streamed whole rows
     ((2**31 // 50257 + 1, 50257), "auto", torch.bfloat16, "shared framed"),
     ((2**31 // 65536 + 1, 65536), "auto", torch.bfloat16, "cluster"),  # the backward read twice

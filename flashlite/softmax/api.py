@@ -391,7 +391,7 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
     elif plan.algorithm == "cluster":
         kernel = softmax_cluster_kernel
         grid, args, meta = cluster_launch(x2d, y_like, x2d, plan, True, False)
-        states_shape, sizes = args[3].shape, args[4:]  # the rows' states: a fresh buffer a call
+        sizes = args[3:]
     else:
         return None
     run = compiled_launcher(kernel, grid, args, **meta)
@@ -411,8 +411,6 @@ def _repeat_launch(x: torch.Tensor, dim: int, out_dtype: torch.dtype, algorithm:
         if n_slots:
             zeroed_slots(x.device, n_slots,
                          lambda slots, clear, n_clear: run((x_arg, y_arg, x, slots, clear, n_clear, *sizes)))
-        elif kernel is softmax_cluster_kernel:
-            run((x_arg, y_arg, x, torch.empty(states_shape, dtype=torch.float32, device=x.device), *sizes))
         else:
             run((x_arg, y_arg, x, *sizes))
         return y

@@ -91,7 +91,7 @@ def plan_softmax(
     shared-row kernel), rows past ``tuning.FUSED_MAX_COLS`` stay fused, spread over
     programs that hold ``tuning.SHARED_TILES`` columns each, while
     ``shares_rows_on_chip(device)`` and the parts fit the device; first, on Hopper,
-    many aligned rows of ``tuning.CLUSTER_CTAS``'s lengths go over a thread-block
+    many aligned rows of ``tuning.CLUSTER``'s lengths go over a thread-block
     cluster each (``_plan_cluster``). Cached: the host cost of a call decides
     small softmaxes, which run for microseconds.
     """
@@ -140,15 +140,17 @@ def plan_rows(x2d: torch.Tensor, out_dtype: torch.dtype, algorithm: str = "auto"
 
 
 def _plan_cluster(n_rows: int, n_cols: int, device: torch.device, itemsize: int, vec_cols: int) -> SoftmaxPlan | None:
-    """A row over a thread-block cluster (``tuning.CLUSTER_CTAS``: its CTAs, each holding ``block_n`` columns) for
-    many aligned rows (``vec_cols`` 1) that fill most of their tile, where ``device`` launches clusters; else None."""
+    """A row over a thread-block cluster (``tuning.CLUSTER``: its CTAs, each holding ``block_n`` columns, and their
+    warps) for many aligned rows (``vec_cols`` 1) that fill most of their tile, where ``device`` launches clusters;
+    else None."""
     tile = triton.next_power_of_2(n_cols)  # the row's, over the cluster
-    ctas = tuning.CLUSTER_CTAS.get(itemsize, {}).get(tile)
-    if ctas is None or vec_cols != 1 or n_cols < tuning.CLUSTER_MIN_FILL * tile or not clusters_supported(device):
+    entry = tuning.CLUSTER.get(itemsize, {}).get(tile)
+    if entry is None or vec_cols != 1 or n_cols < tuning.CLUSTER_MIN_FILL * tile or not clusters_supported(device):
         return None
     if n_rows < tuning.CLUSTER_MIN_ROWS_PER_SM * device_info(device).num_sms:
         return None
-    return SoftmaxPlan("cluster", 1, tile // ctas, tuning.CLUSTER_NUM_WARPS, ctas, tile // ctas)
+    ctas, warps = entry
+    return SoftmaxPlan("cluster", 1, tile // ctas, warps, ctas, tile // ctas)
 
 
 def _plan_reread(

@@ -169,31 +169,24 @@ FWD_REREAD_MIN_FILL = 0.75  # ... and fill at least this much of the tile
 
 
 # Rows over a thread-block cluster (Hopper, flashlite.softmax.cluster): by element size, then the row's length
-# rounded up to a power of two, the CTAs of the cluster that holds one row (each of CLUSTER_NUM_WARPS warps,
-# holding length / CTAS columns: 64-128 a thread). They take many aligned rows that fill at least
-# CLUSTER_MIN_FILL of the tile (as REREAD's), at least CLUSTER_MIN_ROWS_PER_SM a multiprocessor, before the
-# fused, read-twice and shared-row plans. GB/s without -> with: bf16 4096 x 32768 3185 -> 3400, 4096 x 65536
-# 3208 -> 3304, 1024 x 131072 2834 -> 3115; fp32 4096 x 65536 3530 -> 3960, 1024 x 131072 3336 -> 3775. Not
-# taken where one program held the row faster: bf16 16384 columns (3663 against 3255 on 2 CTAs), fp32 32768
-# (4069 against 3971). 128 rows of 131072 stay off: their figures swung between runs (TUNING.md).
-# H200 2026-12-02, python bench/softmax.py --tune cluster (h200/softmax_cluster_tune.log); TUNING.md#cluster-rows
-CLUSTER_CTAS = {2: {32768: 4, 65536: 4, 131072: 8}, 4: {65536: 4, 131072: 8}}
-
-
-# H200 2026-12-02, python bench/softmax.py --tune cluster; TUNING.md#cluster-rows
-CLUSTER_NUM_WARPS = 4  # 8 warps: within 2% or slower at the shapes the table takes
-
-
-# H200 2026-12-02, python bench/softmax.py --tune cluster; TUNING.md#cluster-rows
-CLUSTER_MIN_ROWS_PER_SM = 4  # 1024 rows (7.8 a multiprocessor) gained; 128 (1.0) not reliably
-
-
-# How the cluster kernels' CTAs trade their states: "global" (global memory read back from L2 around a cluster
-# barrier) or "dsmem" (distributed shared memory, inline PTX: built and GPU-tested, measured mixed against the
-# tables as they stand: +3-7% at bf16 32768 and fp32 65536-131072 with other CTAs/warps, -4% at bf16 131072).
+# rounded up to a power of two, (CTAs, warps a CTA) of the cluster that holds one row (64-128 columns a thread).
+# They take many aligned rows that fill at least CLUSTER_MIN_FILL of the tile (as REREAD's), at least
+# CLUSTER_MIN_ROWS_PER_SM a multiprocessor, before the fused, read-twice and shared-row plans. GB/s, the plan
+# without clusters -> the entry (quack 0.6.5 in the same process): bf16 4096 x 32768 3166 -> 3754 (4005),
+# 4096 x 65536 3198 -> 3640 (4148), 1024 x 131072 2811 -> 3428 (3984); fp32 4096 x 65536 3493 -> 4047 (4111),
+# 1024 x 131072 3297 -> 3927 (3830). Not taken: fp32 rows of 32768 (fused 4059-4069, best cluster 4084), bf16
+# rows of 16384 (fused 3663-3687, best cluster 3580-3582 on 2 x 4).
 # H200 2026-12-04, python bench/softmax.py --tune cluster --cols 32768 65536 131072
-# (h200/softmax_cluster_exchange_tune.log); TUNING.md#cluster-exchange
-CLUSTER_EXCHANGE = "global"
+# (h200/softmax_cluster_push_tune.log); TUNING.md#cluster-exchange
+CLUSTER: dict[int, dict[int, tuple[int, int]]] = {2: {32768: (2, 8), 65536: (4, 8), 131072: (8, 8)},
+                                                   4: {65536: (4, 4), 131072: (8, 4)}}
+
+
+# 64 and 128 rows of 131072 (0.48 and 0.97 a multiprocessor) gained over the shared rows (whose speed is bimodal
+# between runs): bf16 687-1896 -> 2040, 992-1095 -> 2567-2605; fp32 835-852 -> 1876-2320 (8 x 4), 1676-2853 ->
+# 3035. Fewer rows not measured. H200 2026-12-04, python bench/softmax.py --tune cluster --cols 16384 131072
+# (h200/softmax_cluster_rows_tune.log); TUNING.md#cluster-exchange
+CLUSTER_MIN_ROWS_PER_SM = 0.45
 
 
 # Not measured apart: REREAD's bound, taken for the same reason (a tile filled that little wastes CTAs).
@@ -208,7 +201,8 @@ CLUSTER_MIN_FILL = 0.75
 # (1024 x 131072 3360 -> 3328, kept for the steady figure). Not taken: bf16 rows of 32768 and 65536, read twice
 # by one program at 4050-4176 against at most 3724 over a cluster.
 # H200 2026-12-03, python bench/softmax_backward.py --tune cluster (h200/softmax_backward_cluster_tune.log);
-# TUNING.md#backward-cluster
+# TUNING.md#backward-cluster. The sums pushed through distributed shared memory since (2026-12-04,
+# h200/softmax_backward_cluster_push_tune.log): the entries +2-13%, still the best of the tune's shapes.
 BWD_CLUSTER: dict[int, dict[int, tuple[int, int]]] = {4: {65536: (8, 4), 131072: (8, 8)}, 2: {131072: (4, 16)}}
 
 
