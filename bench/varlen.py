@@ -31,7 +31,9 @@ JSON.
 The packed backward's register cap at D = 64 (``--part tune``, ``run_tune``): ``varlen_tune_d64.{json,md}``.
 GPU time by kernel of a packed and a dense forward + backward (``--part kernels``, torch.profiler):
 ``varlen_kernels.{json,md}``, and the PyTorch ops (with their Python stacks) of the first packed call,
-``varlen_kernels_ops.txt``.
+``varlen_kernels_ops.txt``. The packed and the dense dK/dV kernels under ncu (``--part launches``, a program for
+ncu to run; ``--part sass --ncu-csv FILE`` summarises ncu's per-instruction CSV): ``varlen_dkdv_ncu.txt``,
+``varlen_dkdv_sass.md``.
 
 Host cost (``--part host``): a small packed training call (4 documents of 64 tokens, H = 16, D = 64) in
 microseconds per call, 200 calls back to back, on both kernel families, against SDPA on the same work as a
@@ -502,14 +504,74 @@ def run_tune(out: str, totals: list[int], command: str) -> None:
         flashlite.attention.api.clear_routes()
 
 
+def run_launches(calls: int = 3) -> None:
+    """``--part launches``: ``calls`` forward + backward calls of the packed (default kernels) and the dense call of
+    the same work, uniform2k, 64K tokens, D = 64, nothing timed: the program ncu profiles (TUNING.md#varlen:
+    ``ncu --kernel-name regex:^_attention_bwd_wgmma --launch-skip 2 --launch-count 4 ...``, the packed call's
+    third dK/dV launch, then the dense call's three)."""
+    lengths = document_lengths("uniform2k", 65536)
+    for name in ("flashlite", "dense"):
+        make, call = providers(lengths, 64, torch.device("cuda"))[name]
+        leaves = [t.requires_grad_() for t in make()]
+        do = torch.randn_like(call(*leaves))
+        for _ in range(calls):
+            torch.autograd.grad(call(*leaves), leaves, do)
+        torch.cuda.synchronize()
+
+
+def sass_summary(path: str) -> str:
+    """A markdown summary of an ncu source-page CSV of two launches (``ncu --page source --print-source sass --csv``
+    over ``--part launches``: the packed kernel's, then the dense one's): instructions executed by opcode, packed
+    against dense, and by how often an instruction ran (the loop body runs iterations x warps times)."""
+    import collections
+    import csv
+
+    kernels, header = [], None
+    with open(path) as f:
+        for row in csv.reader(f):
+            if row and row[0] == "Kernel Name":
+                kernels.append([])
+            elif row and row[0] == "Address":
+                header = row
+            elif kernels and len(row) > 5:
+                kernels[-1].append(row)
+    executed = header.index("Instructions Executed")
+    by_opcode, by_count = [], []
+    for rows in kernels[:2]:
+        opcodes, counts = collections.Counter(), collections.Counter()
+        for row in rows:
+            n = int(row[executed].replace(",", "") or 0)
+            words = [w for w in row[1].split() if not w.startswith("@")]  # the opcode past any predicate
+            opcodes[words[0].split(".")[0] if words else "?"] += n
+            counts[n] += 1
+        by_opcode.append(opcodes)
+        by_count.append(counts)
+    packed, dense = by_opcode
+    lines = ["| opcode | packed | dense | packed - dense |", "|---|---|---|---|"]
+    lines += [f"| {op} | {packed[op]:,} | {dense[op]:,} | {packed[op] - dense[op]:,} |"
+              for op in sorted(set(packed) | set(dense), key=lambda o: dense[o] - packed[o])[:20]]
+    lines += ["", "| launch | total | most frequent counts (runs x instructions) |", "|---|---|---|"]
+    for name, ops, counts in zip(("packed", "dense"), by_opcode, by_count):
+        top = sorted(counts.items(), key=lambda c: -c[0] * c[1])[:4]
+        lines.append(f"| {name} | {sum(ops.values()):,} | " + ", ".join(f"{n:,} x {k}" for n, k in top) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
     parser.add_argument("--part", nargs="+", default=["speed", "host", "paged"],
-                        choices=["speed", "host", "paged", "paged-tune", "tune", "kernels"])
+                        choices=["speed", "host", "paged", "paged-tune", "tune", "kernels", "launches", "sass"])
     parser.add_argument("--totals", nargs="+", type=int, default=[16384, 65536])
     parser.add_argument("--profile", action="store_true", help="--part host: also cProfile each provider's calls")
+    parser.add_argument("--ncu-csv", help="--part sass: the ncu source-page CSV to summarise (no GPU needed)")
     args = parser.parse_args(argv)
+    if "sass" in args.part:
+        print(sass_summary(args.ncu_csv), end="")
+        return
+    if "launches" in args.part:
+        run_launches()
+        return
     out = results_dir(args.out)
     given = list(sys.argv[1:] if argv is None else argv)
     if "--out" in given:  # where the files went is not part of how they were made
