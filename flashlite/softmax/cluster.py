@@ -22,9 +22,7 @@ import functools
 
 import torch
 
-from ..core.online_softmax import (
-    LOG2E, merge_partial_states, normalize, online_update, rescale_factor, state_logsumexp,
-)
+from ..core.online_softmax import LOG2E, merge_partial_states, normalize, online_update, rescale_factor, state_logsumexp
 from ..core.runtime import launch
 from .plan import SoftmaxPlan
 
@@ -122,7 +120,7 @@ if gluon is not None:
         m_every, d_every = cluster_slot(slots + every * 8, 2)
         m_row, d_row = merge_partial_states(m_every, d_every, LOG2E, 0)  # one order: every CTA the same state
         if WRITE_LSE:
-            gl.store(lse_ptr + row + 0 * part, state_logsumexp(m_row, d_row, LOG2E))  # the same value from every CTA
+            gl.store(lse_ptr + row, state_logsumexp(m_row, d_row, LOG2E))  # the same value from every CTA
         if WRITE_Y:
             y = normalize(p * rescale_factor(m, m_row, LOG2E)[:, None], gl.zeros_like(m) + d_row, False)
             y_row = y_ptr + row * stride_ym
@@ -246,6 +244,5 @@ def build_for_sm90(ctas: int, part: int, num_warps: int, dtype: torch.dtype = to
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
     aligned = tuple(i for i, name in enumerate(names) if name in types or name in ints)
-    options = {"num_warps": num_warps, "num_ctas": ctas}
-    return triton.compile(gluon_source(kernel, signature, constants, aligned), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+    return triton.compile(gluon_source(kernel, signature, constants, aligned),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_ctas": ctas})
