@@ -3,22 +3,26 @@
     python bench/backward_resources.py
 
 The Hopper (Gluon) kernels of ``backward_hopper`` on the table's tiles (and the candidates bench/backward_tune.py
-times), the one pass (``FLASHLITE_BACKWARD_ONE_PASS=1``), head dims in column parts, a packed batch's kernels (``FLASHLITE_HOPPER_VARLEN=1``), then the
-``triton.language`` dK/dV kernel on its candidates.
+times), the one pass (``FLASHLITE_BACKWARD_ONE_PASS=1``), head dims in column parts, a packed batch's kernels
+(``FLASHLITE_HOPPER_VARLEN=1``; the dK/dV kernel's also causal and with ``FLASHLITE_DKDV_END_ALIGNED=1``), then
+the ``triton.language`` dK/dV kernel on its candidates.
 
 For each tile config: registers a thread and spill stores (ptxas -v, Triton's own ptxas), shared memory,
 the wgmma instructions in the PTX and the depths of their waits (``wgmma.wait_group N``: 0 means each product
 is waited for before the next is issued, so the tensor cores idle while the softmax-like arithmetic runs).
-Unmasked, non-causal bf16.
+Unmasked, non-causal bf16 unless a row says causal.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # build for the GPU target, not the interpreter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,16 +93,17 @@ ONE_PASS_CASES = [(d, "one pass", dataclasses.replace(tuning.WGMMA_BACKWARD_CONF
 
 
 def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | None = None, split: bool = False,
-                  packed: bool = False) -> str:
-    """One row of the Hopper kernels' table (non-causal, bf16, no variants); ``split``: head dims in column parts
-    (``head_dim_v``: v's head dim, by default q's); ``packed``: a packed batch's kernel."""
+                  packed: bool = False, end_aligned: bool = False, causal: bool = False) -> str:
+    """One row of the Hopper kernels' table (bf16, no variants, non-causal unless ``causal``); ``split``: head dims
+    in column parts (``head_dim_v``: v's head dim, by default q's); ``packed``: a packed batch's kernel
+    (``end_aligned``: its dK/dV tiles laid from each sequence's end, ``FLASHLITE_DKDV_END_ALIGNED=1``)."""
     dq = kernel_name == "dQ"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
     if kernel_name == "one pass":
         keys = 2 * config.block_n  # (a program's two key tiles, one a compute warpgroup)
     build = {"dQ": "dq", "dK/dV": "dkdv", "one pass": "one_pass"}[kernel_name]
-    compiled = backward_hopper.build_for_sm90(build, config, head_dim, False, head_dim_v=head_dim_v, split=split,
-                                              packed=packed)
+    compiled = backward_hopper.build_for_sm90(build, config, head_dim, causal, head_dim_v=head_dim_v, split=split,
+                                              packed=packed, end_aligned=end_aligned)
     ptx, regs, spills, waits = sm90_resources(compiled)
     atomics = len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx))
     reductions = len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx))
@@ -106,9 +111,57 @@ def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | Non
     stages = config.dq_stages if dq else config.stages
     dims = f"{head_dim}/{head_dim_v} in parts" if head_dim_v else head_dim
     dims = f"{dims}, packed" if packed else dims
+    dims = f"{dims}, end-aligned" if end_aligned else dims
+    dims = f"{dims}, causal" if causal else dims
     return (f"| {dims} | {kernel_name} | {rows} x {keys}{split} | "
             f"{compiled.metadata.num_warps} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
             f"{ptx.count('wgmma.mma_async')} | {', '.join(waits)} | {atomics} | {reductions} |")
+
+
+def loop_instructions(compiled) -> tuple[int, int, collections.Counter]:
+    """The main loop of a compiled kernel's SASS (nvdisasm of its cubin): the widest backward branch whose body
+    holds wgmma (HGMMA) instructions and no EXIT (ptxas puts cold blocks, such as a barrier wait's retry, past the
+    kernel's exit, with branches back into the loop). Returns ``(instructions, cleared, rest)``: its static instruction count, those
+    in forward branches that skip 8 or more shared-memory stores and no wgmma (a cut tile's clearing, run on few
+    turns), and the opcodes of the rest (the turn every tile takes, masked and unmasked code both)."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    code, labels, label = [], {}, None
+    for line in text.splitlines():
+        if found := re.match(r"\s*\.(L_x_\d+):", line):
+            label = found.group(1)
+        elif found := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
+            code.append((int(found.group(1), 16), found.group(2)))
+            if label:
+                labels[label], label = code[-1][0], None
+    branches = [(address, labels[found.group(1)], text) for address, text in code
+                if (found := re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", text)) and found.group(1) in labels]
+    loop = max(([op for op in code if target <= op[0] <= address] for address, target, _ in branches
+                if target < address), key=lambda body: len(body) if any("HGMMA" in t for _, t in body)
+                and not any(t.startswith("EXIT") for _, t in body) else 0)
+    end = loop[-1][0]
+    cleared = set()
+    for address, target, text in branches:
+        if loop[0][0] <= address < target <= end and text.startswith("@"):
+            skipped = [op for op in loop if address < op[0] < target]
+            if sum(t.startswith("STS") for _, t in skipped) >= 8 and not any("HGMMA" in t for _, t in skipped):
+                cleared.update(a for a, _ in skipped)
+    rest = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                               for a, t in loop if a not in cleared)
+    return len(loop), len(cleared), rest
+
+
+def loop_report(head_dim: int, causal: bool, packed: bool, end_aligned: bool) -> str:
+    """One row of the dK/dV kernel's loop table (bf16, no variants, the table's tiles)."""
+    compiled = backward_hopper.build_for_sm90("dkdv", tuning.WGMMA_BACKWARD_CONFIGS[head_dim], head_dim, causal,
+                                              packed=packed, end_aligned=end_aligned)
+    total, cleared, rest = loop_instructions(compiled)
+    batch = "packed, end-aligned" if end_aligned else "packed" if packed else "dense"
+    return (f"| {head_dim} | {batch} | {'yes' if causal else 'no'} | {total} | {cleared} | {sum(rest.values())} | "
+            f"{rest['LDL']} | {rest['STL']} |")
 
 
 def main() -> None:
@@ -128,11 +181,25 @@ def main() -> None:
         print(hopper_report(head_dim, kernel_name, config, packed=True), flush=True)
     print(hopper_report(192, "dK/dV", tuning.WGMMA_BACKWARD_CONFIGS[256], 192, split=True, packed=True), flush=True)
     print(hopper_report(192, "dQ", tuning.WGMMA_BACKWARD_CONFIGS[256], 192, split=True, packed=True), flush=True)
+    for head_dim in (64, 128, 256):  # the dK/dV kernel's tiles from each sequence's start and end, causal and not
+        config = tuning.WGMMA_BACKWARD_CONFIGS[head_dim]
+        for end_aligned, causal in ((False, True), (True, False), (True, True)):
+            print(hopper_report(head_dim, "dK/dV", config, packed=True, end_aligned=end_aligned, causal=causal),
+                  flush=True)
     print("\n`triton.language` dK/dV kernel, `backward`\n")
     print("| D | tiles | warps | stages | registers | spill stores (B) | shared (B) | wgmma | wait depths |")
     print("|---|---|---|---|---|---|---|---|---|")
     for case in CASES:
         print(report(*case), flush=True)
+    print("\nThe Hopper dK/dV kernel's main loop in SASS (static counts: `loop_instructions`): cleared = in branches"
+          " that clear a cut tile's rows, rest = the code every turn runs through (masked and unmasked both), its"
+          " local-memory loads and stores (spills)\n")
+    print("| D | batch | causal | loop | cleared | rest | LDL | STL |")
+    print("|---|---|---|---|---|---|---|---|")
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            for packed, end_aligned in ((False, False), (True, False), (True, True)):
+                print(loop_report(head_dim, causal, packed, end_aligned), flush=True)
 
 
 if __name__ == "__main__":

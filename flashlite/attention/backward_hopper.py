@@ -66,6 +66,7 @@ import triton
 
 from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
+from ..core.packed import end_aligned, end_aligned_query_ranges
 from ..core.runtime import TmaLaunch, device_info
 from ..core.tiles import tma_usable
 from ..core.triton_compat import descriptor_template, gluon_source, mangle_type
@@ -76,7 +77,7 @@ from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, boxes_nbytes, copy_boxes, descriptor_parts,
     gluon, gluon_descriptor, issue_kv_load, packed_program, part_descriptors, part_templates, query_program,
     register_operands, ring_slots, slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier,
-    tile_boxes, tile_bounds, tma_add, wait_kv, zero_accumulators, zero_rows_past,
+    tile_boxes, tile_bounds, tma_add, wait_kv, zero_accumulators, zero_rows_outside, zero_rows_past,
 )
 from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, packed_schedule
 
@@ -125,8 +126,8 @@ if gluon is not None:
         """The rows' final states (``(LSE · log2 e)``, ``safe_max`` for empty rows) and δ of the queries
         ``stat_rows`` (a value a thread, loaded while the products run), spread to the columns of Sᵀ
         (``QUERY_COLS``) through shared memory: loaded there directly, each thread would hold a pointer for each of
-        its 16 columns. Rows past ``seqlen_q`` read 0."""
-        in_q = stat_rows < seqlen_q
+        its 16 columns. Rows outside ``[0, seqlen_q)`` read 0."""
+        in_q = (stat_rows >= 0) & (stat_rows < seqlen_q)
         row_m = safe_max(gl.load(lse_ptr + stats_row + stat_rows, mask=in_q, other=0.0) * LOG2E)
         row_m = gl.convert_layout(row_m, QUERY_COLS)
         delta = gl.convert_layout(gl.load(delta_ptr + stats_row + stat_rows, mask=in_q, other=0.0), QUERY_COLS)
@@ -178,7 +179,8 @@ if gluon is not None:
         n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
-        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, num_warps: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, END_ALIGNED: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         # The column parts of Q/K's head dim (q, k, dk) and of V/dO's (v, do, dv) (``plan.head_dim_parts``): the
@@ -213,11 +215,20 @@ if gluon is not None:
 
         # The query tiles this key tile meets (the same for every head of the group): [full_start, full_end)
         # see all its keys; the rest of [query_start, query_end) are masked. A ragged last key tile is masked
-        # whole: its rows past Lk are zeros, whose unmasked P could overflow.
-        query_start, full_start, full_end, query_end = _key_tile_queries(
-            n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
-        if SEQ_BLOCK > 0:  # a packed batch: the next sequence's rows follow a ragged last query tile: masked too
-            full_end = gl.minimum(full_end, seqlen_q // BLOCK_M * BLOCK_M)
+        # whole: its rows past Lk are zeros, whose unmasked P could overflow. A packed batch's tiles from each
+        # sequence's start: the next sequence's rows follow a ragged last query tile, masked too; under
+        # END_ALIGNED its key and query tiles end at the sequence's end instead (``core.packed.end_aligned``):
+        # the first tiles are the cut ones, and under causal only the diagonal's key tiles meet the first query
+        # tile, where every key tile meets the cut last one of tiles from the start.
+        if END_ALIGNED:
+            n_start = end_aligned(n_start, seqlen_k, BLOCK_N)
+            query_start, full_start, full_end, query_end = end_aligned_query_ranges(
+                n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
+        else:
+            query_start, full_start, full_end, query_end = _key_tile_queries(
+                n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
+            if SEQ_BLOCK > 0:
+                full_end = gl.minimum(full_end, seqlen_q // BLOCK_M * BLOCK_M)
         n_query_tiles = gl.cdiv(query_end - query_start, BLOCK_M) * (n_start < seqlen_k).to(gl.int32)
         n_items = n_query_tiles * kv_group
 
@@ -267,7 +278,10 @@ if gluon is not None:
             mbarrier.wait(q_bars.index(slot), (it // STAGES) & 1)
             q_tiles = box_views(slot_boxes(q_smem, slot))
             do_tiles = box_views(slot_boxes(do_smem, slot))
-            if SEQ_BLOCK > 0:  # a query tile cut by its sequence's end: the next sequence's rows cleared
+            if END_ALIGNED:  # a query tile cut by its sequence's start: the previous sequence's rows cleared
+                if start < 0:
+                    zero_rows_outside(q_tiles + do_tiles, -start, BLOCK_M, num_warps)
+            elif SEQ_BLOCK > 0:  # a query tile cut by its sequence's end: the next sequence's rows cleared
                 if start + BLOCK_M > seqlen_q:
                     zero_rows_past(q_tiles + do_tiles, seqlen_q - start, num_warps)
             # Sᵀ and dPᵀ: one product a column part each, chained on its accumulator.
@@ -317,11 +331,12 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(q_bars.index(i))
         # dK and dV leave through the K and V buffers (no product reads them any more), part by part; in a packed
-        # batch, a key tile cut by its sequence's end by pointer (``store_rows``: the next sequence's rows follow).
-        # (Twin TMA branches as in forward_hopper._write_output: the dense test is a compile-time one.)
+        # batch, a key tile cut by its sequence's end (or start, END_ALIGNED) by pointer (``store_rows``: another
+        # sequence's rows lie beside it). (Twin TMA branches as in forward_hopper._write_output: the dense test is
+        # a compile-time one.)
         if SEQ_BLOCK == 0:
             _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
-        elif n_start + BLOCK_N <= seqlen_k:
+        elif (n_start >= 0) & (n_start + BLOCK_N <= seqlen_k):
             _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
         else:
             dk_out, dv_out = (packed[3], packed[4], packed[5], packed[6]), (packed[7], packed[8], packed[9], packed[10])
@@ -813,13 +828,15 @@ def dq_kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v
 
 
 def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
-                variant_meta: dict | None = None, seq_block: int = 0) -> dict:
+                variant_meta: dict | None = None, seq_block: int = 0, end_aligned: bool = False) -> dict:
     """The dK/dV kernel's launch keywords (constexprs, ``num_warps`` and, if capped, ``maxnreg``) on ``config``'s
     tiles; ``variant_meta``: ``plan.variant_args``' switches (sinks dropped: their gradient is
     ``backward.sink_gradient``'s); ``seq_block``: a packed batch's ``SEQ_BLOCK`` (``plan.packed_schedule``), 0 for
-    a dense one."""
+    a dense one; ``end_aligned``: a packed batch's tiles laid from each sequence's end
+    (``plan.dkdv_end_aligned_enabled``)."""
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                 STAGES=config.stages, IS_CAUSAL=causal, SEQ_BLOCK=seq_block,
+                END_ALIGNED=end_aligned and seq_block > 0,
                 num_warps=config.block_n // 16 * config.split, **_variant_switches(variant_meta))
     if config.max_registers:
         meta["maxnreg"] = config.max_registers
@@ -908,6 +925,7 @@ class HopperBackwardLaunch:
             batch = varlen[0]
             key_numbers, dkdv_meta["SEQ_BLOCK"] = packed_schedule(batch, seqlen_k, config.block_n,
                                                                   dkdv_meta["num_warps"])
+            dkdv_meta["END_ALIGNED"] = plan.dkdv_end_aligned_enabled()
             query_numbers, dq_meta["SEQ_BLOCK"] = packed_schedule(batch, seqlen_q, config.dq_block_m,
                                                                   dq_meta["num_warps"])
             grids = ((key_numbers * k.shape[1],), (query_numbers * n_heads,))
@@ -971,11 +989,13 @@ def attention_backward_hopper(
 
 def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_dim: int, causal: bool,
                    variant_meta: dict | None = None, head_dim_v: int | None = None, split: bool = False,
-                   dtype: torch.dtype = torch.bfloat16, packed: bool = False) -> "triton.compiler.CompiledKernel":
+                   dtype: torch.dtype = torch.bfloat16, packed: bool = False,
+                   end_aligned: bool = False) -> "triton.compiler.CompiledKernel":
     """One of the kernels (``kernel_name`` "dkdv", "dq" or "one_pass") built for sm_90 on any machine, no GPU needed,
     with the argument types a launch on Hopper gives (``dtype``, bf16 by default; head dim ``head_dim`` for q and k,
     ``head_dim_v`` (default: the same) for v and dO; ``split``: in column parts as ``FLASHLITE_HEAD_SPLIT=1``
-    plans them, else padded; ``packed``: a packed batch's kernel, ``SEQ_BLOCK`` 256): Triton's compiled kernel,
+    plans them, else padded; ``packed``: a packed batch's kernel, ``SEQ_BLOCK`` 256, its dK/dV tiles laid from
+    each sequence's end with ``end_aligned``): Triton's compiled kernel,
     whose ``asm["ptx"]`` the CPU build test and bench/backward_resources.py read."""
     from triton.backends.compiler import GPUTarget
 
@@ -1002,7 +1022,7 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
     elif dq:
         meta = dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block)
     else:
-        meta = kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block)
+        meta = kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block, end_aligned)
     options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
     constants = dict(meta, num_warps=options["num_warps"])  # (the kernels read num_warps as a constexpr)
     constants.update({name: None for name, desc in descs.items() if desc is None})

@@ -49,7 +49,7 @@ tma_add = gluon_tma_add()
 WGMMA_CAPABILITY = (9, 0)
 # Descriptors the kernels take of each tensor: one a column part (``plan.head_dim_parts``: at most two).
 MAX_COLUMN_PARTS = 2
-# Rows ``zero_rows_past`` clears at a time (a swizzle pattern's rows: 8, at most 128-byte rows, divide it).
+# Rows ``zero_rows_outside`` clears at a time (a swizzle pattern's rows: 8, at most 128-byte rows, divide it).
 ZERO_ROWS = tl.constexpr(16)
 
 
@@ -195,9 +195,9 @@ if gluon is not None:
         """Store each column part of a tile (``outs``, registers in the output's dtype; the parts' columns as
         ``descs`` split them) by pointer: row ``i`` of the tile to row ``rows[0][i]`` of head ``start[0]``'s
         sequence whose first row is ``start[1]``, in ``out = (pointer, stride_h, stride_l, width)`` (the packed
-        output, its head and row strides, the true head dim), those with ``rows[0] < rows[1]`` only (``rows =
-        (idx, length)``). A packed batch's tile cut by its sequence's end goes out so: a TMA box would write the
-        next sequence's rows."""
+        output, its head and row strides, the true head dim), those with ``0 <= rows[0] < rows[1]`` only (``rows =
+        (idx, length)``). A packed batch's tile cut by its sequence's start or end goes out so: a TMA box would
+        write another sequence's rows."""
         idx, length = rows
         pointer, stride_h, stride_l, width = out
         head, row0 = start
@@ -206,29 +206,36 @@ if gluon is not None:
             row = gl.convert_layout(idx, gl.SliceLayout(1, outs[i].type.layout)).to(gl.int64)
             cols = part_start(descs, i) + gl.arange(0, outs[i].shape[1], layout=gl.SliceLayout(0, outs[i].type.layout))
             gl.store(base + row[:, None] * stride_l + cols[None, :], outs[i],
-                     mask=(row < length)[:, None] & (cols < width)[None, :])
+                     mask=((row >= 0) & (row < length))[:, None] & (cols < width)[None, :])
 
     @gluon.jit
     def zero_rows_past(tiles, valid, NUM_WARPS: gl.constexpr):
         """Zero the rows from ``valid`` on of each [rows, width] shared-memory tile of ``tiles`` (a tuple, one a
-        column part), then make the writes visible to the tensor cores' reads and wait for the ``NUM_WARPS`` warps
-        that write them. A packed batch's tile cut by its sequence's end holds the next sequence's rows (or rows
-        past the last one's, which nothing writes): the masks give them a weight of exactly 0, but 0 · inf and
-        0 · NaN are NaN, so they are cleared before a product reads them. Warps that share a tile may each clear it:
-        they write the same bytes. The rows go ``ZERO_ROWS`` at a time, only the chunks that reach ``valid``: those
-        past it take zeros, the one it cuts is read, selected and written back (a chunk, not the tile, passes
+        column part): ``zero_rows_outside`` from row 0. A packed batch's tile cut by its sequence's end holds the
+        next sequence's rows (or rows past the last one's, which nothing writes)."""
+        zero_rows_outside(tiles, 0, valid, NUM_WARPS)
+
+    @gluon.jit
+    def zero_rows_outside(tiles, first, end, NUM_WARPS: gl.constexpr):
+        """Zero the rows outside ``[first, end)`` of each [rows, width] shared-memory tile of ``tiles`` (a tuple,
+        one a column part), then make the writes visible to the tensor cores' reads and wait for the
+        ``NUM_WARPS`` warps that write them. A packed batch's tile cut by its sequence's start or end holds another
+        sequence's rows: the masks give them a weight of exactly 0, but 0 · inf and 0 · NaN are NaN, so they are
+        cleared before a product reads them. Warps that share a tile may each clear it: they write the same bytes.
+        The rows go ``ZERO_ROWS`` at a time, only the chunks that reach outside: those wholly outside take
+        zeros, one cut by ``first`` or ``end`` is read, selected and written back (a chunk, not the tile, passes
         through registers). ``tiles`` may hold several tensors' tiles of the same rows (Q's and dO's)."""
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])
         ROWS: gl.constexpr = tiles[0].type.shape[0]  # (every tile of the tuple has the same rows)
         for i in gl.static_range(len(tiles)):
-            for first in gl.static_range(0, ROWS, ZERO_ROWS):
-                chunk = tiles[i].slice(first, ZERO_ROWS)
-                if first >= valid:
+            for chunk_first in gl.static_range(0, ROWS, ZERO_ROWS):
+                chunk = tiles[i].slice(chunk_first, ZERO_ROWS)
+                if (chunk_first + ZERO_ROWS <= first) | (chunk_first >= end):
                     chunk.store(gl.full([ZERO_ROWS, chunk.type.shape[1]], 0.0, chunk.dtype, layout=layout))
-                elif first + ZERO_ROWS > valid:
+                elif (chunk_first < first) | (chunk_first + ZERO_ROWS > end):
                     t = chunk.load(layout)
-                    rows = first + gl.arange(0, ZERO_ROWS, layout=gl.SliceLayout(1, layout))
-                    chunk.store(gl.where(rows[:, None] < valid, t, gl.zeros_like(t)))
+                    rows = chunk_first + gl.arange(0, ZERO_ROWS, layout=gl.SliceLayout(1, layout))
+                    chunk.store(gl.where(((rows >= first) & (rows < end))[:, None], t, gl.zeros_like(t)))
         fence_async_shared()
         thread_barrier()
 
