@@ -293,7 +293,7 @@ STAGES: list[tuple[str, str, Callable[[_Demo, StageResult], None]]] = [
 
 
 def _print_table(results: list[StageResult]) -> None:
-    head = ("stage", "shape", "dtype", "max err vs fp64", "tol", "speed / note", "")
+    head = ("stage", "shape", "dtype", "max err vs fp64", "tol", "speed / note", "verdict")
     rows = []
     for r in results:
         err = "—" if r.error is None else f"{r.error:.2e}"
@@ -318,14 +318,24 @@ def _write_plots(demo: _Demo, results: list[StageResult], out: str) -> list[str]
         written.append(study.plot_softmax_trace(trace, os.path.join(out, "softmax_trace.png"), labels))
     if "attention" in demo.traces:
         written.append(study.plot_attention_trace(demo.traces["attention"], os.path.join(out, "attention_trace.png")))
-    errors = {r.name: (None if r.failure else r.error) for r in results}
-    tolerances = {r.name: r.tol for r in results if r.tol is not None}
-    written.append(study.plot_errors(errors, os.path.join(out, "stage_errors.png"), tolerances))
+    written.append(plot_stage_errors(results, os.path.join(out, "stage_errors.png")))
     return written
 
 
-def run_demo(out: str = DEFAULT_OUT, device: str | torch.device = "cpu", only: list[str] | None = None) -> list[StageResult]:
-    """Run the demo's stages (all, or the keys in ``only``) on ``device``, print progress and a table, write plots to ``out``.
+def plot_stage_errors(results: list[StageResult], path: str) -> str:
+    """The demo's figure of each stage's error against float64 beside its tolerance (``study.plot_errors``; a
+    failed stage drawn as such), written to ``path``, which it returns. Needs matplotlib."""
+    from flashlite import study
+
+    errors = {r.name: (None if r.failure else r.error) for r in results}
+    tolerances = {r.name: r.tol for r in results if r.tol is not None}
+    return study.plot_errors(errors, path, tolerances)
+
+
+def run_demo(out: str | None = DEFAULT_OUT, device: str | torch.device = "cpu",
+             only: list[str] | None = None) -> list[StageResult]:
+    """Run the demo's stages (all, or the keys in ``only``) on ``device``, print progress and a table, write plots to
+    ``out`` (None: no plots).
 
     On the CPU the caller must have set ``TRITON_INTERPRET=1`` before flashlite's
     kernels were imported (``main`` sees to it). Returns one result per stage;
@@ -359,7 +369,7 @@ def run_demo(out: str = DEFAULT_OUT, device: str | torch.device = "cpu", only: l
     print()
     _print_table(results)
     print()
-    for path in _write_plots(demo, results, out):
+    for path in _write_plots(demo, results, out) if out is not None else ():
         print(f"wrote {path}")
     print(f"total {time.perf_counter() - start:.1f}s")
     return results
