@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -34,17 +35,52 @@ def gpu_slug() -> str:
     return (match.group(1) if match else re.sub(r"\W+", "_", name)).lower()
 
 
+# The peers' distributions whose versions every result file records (None: not installed).
+PEER_DISTRIBUTIONS = ("flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl")
+
+
 def environment() -> dict:
-    """The command line, GPU name, library versions and date, stored with every result file (a script run
-    another way, torchrun say, overrides ``command``)."""
+    """The command line, the commit measured, GPU name, library and peer versions and date, stored with every
+    result file (a script run another way, torchrun say, overrides ``command``)."""
     return {
         "command": " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+        "commit": source_commit(),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
+        "peers": peer_versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+def source_commit() -> str:
+    """The commit of the tree measured: ``FLASHLITE_COMMIT`` where set (a copy of the tree without its ``.git``,
+    as the GPU machine gets: the caller names the commit), else ``git rev-parse --short HEAD`` with ``-dirty``
+    when tracked files differ from it, else ``"unknown"``."""
+    if os.environ.get("FLASHLITE_COMMIT"):
+        return os.environ["FLASHLITE_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head}-dirty" if dirty else head
+
+
+def peer_versions() -> dict:
+    """``{distribution: version or None}`` of ``PEER_DISTRIBUTIONS``, from their installed metadata (nothing is
+    imported: FlashAttention-4's CuTe DSL takes seconds to load)."""
+    versions = {}
+    for name in PEER_DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def quack_softmax(backward: bool = False) -> tuple[Callable | None, str]:

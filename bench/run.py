@@ -10,7 +10,9 @@ L = 2K and 8K into attention_backward_fa4 for FlashAttention-4's backward), the 
 the one-pass backward and the head dims loaded in column parts; and on a machine of two or more GPUs the dense
 and the packed ring on two of them (torchrun). Each script writes its JSON (with the command that made it),
 Markdown and plot into DIR (default bench/results/<gpu>). FlashAttention-4 and quack are measured when they
-import (``../shared/tools/peer_wheels.sh`` installs them). ``--dry-run`` prints the commands only.
+import (``../shared/tools/peer_wheels.sh`` installs them). ``--dry-run`` prints the commands only. Each JSON
+also records the commit measured (``git rev-parse``; in a copy of the tree without ``.git``, such as the GPU
+machine's, set ``FLASHLITE_COMMIT=<rev>``) and the peers' versions (``common.environment``).
 """
 
 from __future__ import annotations
