@@ -20,7 +20,7 @@ from flashlite.core.masking import modified_scores_scaled, modify_scores
 from flashlite.core.runtime import pytorch_path
 from flashlite.nn import MultiheadAttention, alibi_slopes
 
-from .utils import assert_attention_close, attention_ref, check_attention, randn
+from .utils import assert_attention_close, attention_grads_ref, attention_ref, check_attention, randn
 
 pytestmark = pytest.mark.usefixtures("small_attention_tiles")
 
@@ -38,6 +38,25 @@ def test_alibi_against_float64(causal, lq, lk, h_kv, per_batch, backward_path):
     q = randn(2, 4, lq, 32, requires_grad=True)
     k, v = randn(2, h_kv, lk, 32, requires_grad=True), randn(2, h_kv, lk, 32, requires_grad=True)
     check_attention(q, k, v, causal=causal, alibi_slopes=slopes(4, 2 if per_batch else None))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_negative_slopes_against_float64(causal, backward_path):
+    # Slopes below 0 raise scores with the distance (FlashAttention takes any sign): across 45 keys a bias past
+    # fp32's exp range. The rows a ragged query tile holds past Lq must still weigh exactly 0 in dK and dV (their
+    # P once overflowed to inf, and inf times their zero dO gave NaN). Scores of ~100 put ~1e-5 of rounding into
+    # the LSE that the backward recomputes P from (FlashAttention's way; PyTorch's softmax subtracts the row's
+    # maximum instead): the rule's floor is taken 4 times the unit-variance one.
+    q = randn(1, 2, 45, 32, requires_grad=True)
+    k, v = randn(1, 2, 45, 32, requires_grad=True), randn(1, 2, 45, 32, requires_grad=True)
+    kw = dict(causal=causal, alibi_slopes=torch.tensor([-2.5, -2.0]))
+    out = flashlite.flash_attention(q, k, v, **kw)
+    assert_attention_close(out, attention_ref(q, k, v, **kw), attention_ref(q, k, v, dtype=q.dtype, **kw), q.dtype)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    for g, r, t in zip(grads, attention_grads_ref(q, k, v, do, **kw), attention_grads_ref(q, k, v, do, q.dtype, **kw)):
+        assert torch.isfinite(g).all()
+        assert_attention_close(g, r, t, q.dtype, magnitude=4.0)
 
 
 def test_alibi_changes_the_result():

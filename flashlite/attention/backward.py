@@ -107,7 +107,9 @@ def _load_row_stats(stats_ptr, rows, ok, n_rows, UNITS: tl.constexpr):
     empty row) and ``row_logd2`` 0. Natural-log units (an additive mask):
     ``stats_ptr`` holds ``(m, log d)`` (``attention._store_row_stats``), kept
     apart because their sum loses ``log d`` under a bias of -1e9; ``row_logd2``
-    is ``log2 d`` (0 for an empty row, so its ``P`` is ``2^(-inf)`` = 0, not NaN).
+    is ``log2 d`` (0 for an empty row, so its ``P`` is ``2^(-inf)`` = 0, not NaN). Rows outside Lq (a ragged
+    tile's, loaded as zeros) get a state of +inf, so that their ``P`` is exactly 0 in a tile left unmasked: with a
+    state of 0, a negative ALiBi slope could raise it past fp32's range, and ``inf · 0`` is NaN in dK and dV.
     """
     if UNITS == BASE2_UNITS:
         row_m = safe_max(tl.load(stats_ptr + rows, mask=ok, other=0.0) * LOG2E)
@@ -117,7 +119,7 @@ def _load_row_stats(stats_ptr, rows, ok, n_rows, UNITS: tl.constexpr):
         logd = tl.load(stats_ptr + n_rows + rows, mask=ok, other=0.0)
         row_m = safe_max(m)
         row_logd2 = tl.where(m == float("-inf"), 0.0, logd * LOG2E)
-    return row_m, row_logd2
+    return tl.where(ok, row_m, float("inf")), row_logd2
 
 
 @triton.jit

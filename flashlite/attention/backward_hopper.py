@@ -126,9 +126,12 @@ if gluon is not None:
         """The rows' final states (``(LSE · log2 e)``, ``safe_max`` for empty rows) and δ of the queries
         ``stat_rows`` (a value a thread, loaded while the products run), spread to the columns of Sᵀ
         (``QUERY_COLS``) through shared memory: loaded there directly, each thread would hold a pointer for each of
-        its 16 columns. Rows outside ``[0, seqlen_q)`` read 0."""
+        its 16 columns. Rows outside ``[0, seqlen_q)`` (TMA's zero fill, or cleared rows of another sequence) get
+        δ = 0 and a state of +inf, so that their P is exactly 0 whatever the masks leave of their scores: with a
+        state of 0, a negative ALiBi slope could raise an unmasked P past fp32's range, and inf · 0 is NaN."""
         in_q = (stat_rows >= 0) & (stat_rows < seqlen_q)
         row_m = safe_max(gl.load(lse_ptr + stats_row + stat_rows, mask=in_q, other=0.0) * LOG2E)
+        row_m = gl.where(in_q, row_m, float("inf"))
         row_m = gl.convert_layout(row_m, QUERY_COLS)
         delta = gl.convert_layout(gl.load(delta_ptr + stats_row + stat_rows, mask=in_q, other=0.0), QUERY_COLS)
         return row_m, delta
@@ -219,7 +222,10 @@ if gluon is not None:
         # sequence's start: the next sequence's rows follow a ragged last query tile, masked too; under
         # END_ALIGNED its key and query tiles end at the sequence's end instead (``core.packed.end_aligned``):
         # the first tiles are the cut ones, and under causal only the diagonal's key tiles meet the first query
-        # tile, where every key tile meets the cut last one of tiles from the start.
+        # tile, where every key tile meets the cut last one of tiles from the start. A cut first key tile is not
+        # masked: its other sequence's key rows give any values, and stay in their own rows of dK and dV (every
+        # product here sums over queries) which are never stored. (So END_ALIGNED does not carry over as it
+        # stands to a kernel that sums over keys, as dQ = dS K does: those rows would need clearing first.)
         if END_ALIGNED:
             n_start = end_aligned(n_start, seqlen_k, BLOCK_N)
             query_start, full_start, full_end, query_end = end_aligned_query_ranges(

@@ -242,7 +242,7 @@ def dkdv_end_aligned_enabled() -> bool:
     from each sequence's end (``core.packed.end_aligned``), so that under causal only the diagonal's key tiles meet
     the one query tile a sequence's length cuts (tiles from the start have every key tile meet it, masked and
     cleared: bench/results/h200/TUNING.md#varlen). Off by default: built for sm_90 and its tile ranges checked on
-    the CPU (tests/test_varlen.py), not yet run on a GPU. Read when a call is planned (``api.clear_routes`` after
+    the CPU (tests/test_packed_tiles.py), not yet run on a GPU. Read when a call is planned (``api.clear_routes`` after
     changing it)."""
     return os.environ.get("FLASHLITE_DKDV_END_ALIGNED", "0") == "1"
 
