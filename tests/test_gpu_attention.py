@@ -304,7 +304,10 @@ def test_alibi_on_the_gpu(head_dim, backward_path):
         k, v = make(2, 2, lk, head_dim, dtype, True), make(2, 2, lk, head_dim, dtype, True)
         keep = torch.rand(2, 1, lq, lk, device="cuda") > 0.2
         for causal in (False, True):
-            for slopes in (alibi_slopes(8).cuda(), torch.rand(2, 8, device="cuda") * 0.05):
+            # (Negative slopes too: scores that grow with the distance, which once overflowed the P of a ragged
+            # query tile's rows past Lq into NaN in dK and dV.)
+            for slopes in (alibi_slopes(8).cuda(), torch.rand(2, 8, device="cuda") * 0.05,
+                           torch.full((8,), -0.125, device="cuda")):
                 for mask in (None, keep):
                     kw = dict(causal=causal, alibi_slopes=slopes, attn_mask=mask)
                     try:
