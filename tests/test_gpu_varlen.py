@@ -32,8 +32,8 @@ def random_lengths(batch: int, longest: int, generator: torch.Generator) -> list
 def packed_kernels(request, monkeypatch):
     """The kernels of a packed batch: the ``triton.language`` forward and backward (``FLASHLITE_HOPPER_VARLEN=0``),
     or the Hopper ones (``=1``, the default, where the call is one they take: fp16/bf16, head dims 33-256 forward and
-    16-256 backward (TMA-aligned), on Hopper), their dK/dV kernel's tiles from each sequence's start or (``_end_aligned``,
-    ``FLASHLITE_DKDV_END_ALIGNED=1``) from its end."""
+    16-256 backward (TMA-aligned), on Hopper), their dK/dV kernel's tiles from each sequence's start or
+    (``_end_aligned``, ``FLASHLITE_DKDV_END_ALIGNED=1``) from its end."""
     from flashlite.attention import api
 
     monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "0" if request.param == "tl" else "1")

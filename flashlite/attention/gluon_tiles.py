@@ -221,10 +221,10 @@ if gluon is not None:
         one a column part), then make the writes visible to the tensor cores' reads and wait for the
         ``NUM_WARPS`` warps that write them. A packed batch's tile cut by its sequence's start or end holds another
         sequence's rows: their weights (P, dS) are exactly 0, set so by the masks or by their states, but 0 · inf
-        and 0 · NaN are NaN, so they are cleared before a product reads them. Warps that share a tile may each clear it: they write the same bytes.
-        The rows go ``ZERO_ROWS`` at a time, only the chunks that reach outside: those wholly outside take
-        zeros, one cut by ``first`` or ``end`` is read, selected and written back (a chunk, not the tile, passes
-        through registers). ``tiles`` may hold several tensors' tiles of the same rows (Q's and dO's)."""
+        and 0 · NaN are NaN, so they are cleared before a product reads them. Warps that share a tile may each
+        clear it: they write the same bytes. The rows go ``ZERO_ROWS`` at a time, only the chunks that reach
+        outside: those wholly outside take zeros, one cut by ``first`` or ``end`` is read, selected and written
+        back (a chunk, not the tile, passes through registers). ``tiles`` may hold several tensors' tiles of the same rows (Q's and dO's)."""
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])
         ROWS: gl.constexpr = tiles[0].type.shape[0]  # (every tile of the tuple has the same rows)
         for i in gl.static_range(len(tiles)):

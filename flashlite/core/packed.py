@@ -84,8 +84,8 @@ def end_aligned(start, length, ROWS: tl.constexpr):
 def end_aligned_query_ranges(k_first, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              IS_CAUSAL: tl.constexpr, window_left, window_right, HAS_WINDOW: tl.constexpr):
     """``core.masking.query_ranges`` of the key tile from ``k_first`` (an ``end_aligned`` start) over query tiles
-    of ``BLOCK_M`` that end at the sequence's end: the same four bounds, each ``end_aligned(0, seqlen_q,
-    BLOCK_M)`` plus a multiple of BLOCK_M. The first query tile, when the length cuts it, is never in
+    of ``BLOCK_M`` that end at the sequence's end: the same four bounds, the three starts each ``end_aligned(0,
+    seqlen_q, BLOCK_M)`` plus a multiple of BLOCK_M. The first query tile, when the length cuts it, is never in
     ``[full_start, full_end)``: its rows before 0 belong to the previous sequence and need the masks (and
     clearing). Under causal only the key tiles on the diagonal meet it, where tiles from the start have every key
     tile meet a cut last one."""
