@@ -33,7 +33,20 @@ except ImportError:  # pragma: no cover - older Triton: the plan never takes thi
     gluon = None
 
 
+def _push_asm(values: int) -> str:
+    """``cluster_push``'s PTX for ``values`` (1 or 2) fp32 values ``$3`` (and ``$4``): thread i maps the address
+    ``$1`` to CTA i's shared memory and stores there, threads below ``$2`` (the cluster's CTAs) only."""
+    store = "st.shared::cluster.v2.f32 [%fl_at], {$3, $4}" if values == 2 else "st.shared::cluster.f32 [%fl_at], $3"
+    return ("{\n\t.reg .b32 %fl_at;\n\t.reg .pred %fl_pushes;"
+            "\n\tmov.u32 %fl_at, %tid.x;\n\tsetp.lt.u32 %fl_pushes, %fl_at, $2;"
+            "\n\t@%fl_pushes mapa.shared::cluster.u32 %fl_at, $1, %fl_at;"
+            f"\n\t@%fl_pushes {store};\n\tmov.u32 $0, 0;\n\t}}")
+
+
 if gluon is not None:
+    # cluster_push's two stores, one and two values a thread (a constexpr: the kernels read it at compile time).
+    PUSH_ONE_ASM = gl.constexpr(_push_asm(1))
+    PUSH_TWO_ASM = gl.constexpr(_push_asm(2))
 
     @gluon.jit
     def cluster_barrier(token):
@@ -69,19 +82,11 @@ if gluon is not None:
         gl.inline_asm_elementwise("barrier.cluster.wait.aligned;\n\tmov.u32 $0, 0;", "=r,r", [at],
                                   dtype=gl.int32, is_pure=False, pack=1)
         if len(values) == 2:
-            gl.inline_asm_elementwise(
-                "{\n\t.reg .b32 %fl_at;\n\t.reg .pred %fl_pushes;"
-                "\n\tmov.u32 %fl_at, %tid.x;\n\tsetp.lt.u32 %fl_pushes, %fl_at, $2;"
-                "\n\t@%fl_pushes mapa.shared::cluster.u32 %fl_at, $1, %fl_at;"
-                "\n\t@%fl_pushes st.shared::cluster.v2.f32 [%fl_at], {$3, $4};\n\tmov.u32 $0, 0;\n\t}",
-                "=r,r,r,f,f", [at, ctas, values[0], values[1]], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise(PUSH_TWO_ASM, "=r,r,r,f,f", [at, ctas, values[0], values[1]], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         else:
-            gl.inline_asm_elementwise(
-                "{\n\t.reg .b32 %fl_at;\n\t.reg .pred %fl_pushes;"
-                "\n\tmov.u32 %fl_at, %tid.x;\n\tsetp.lt.u32 %fl_pushes, %fl_at, $2;"
-                "\n\t@%fl_pushes mapa.shared::cluster.u32 %fl_at, $1, %fl_at;"
-                "\n\t@%fl_pushes st.shared::cluster.f32 [%fl_at], $3;\n\tmov.u32 $0, 0;\n\t}",
-                "=r,r,r,f", [at, ctas, values[0]], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise(PUSH_ONE_ASM, "=r,r,r,f", [at, ctas, values[0]], dtype=gl.int32,
+                                      is_pure=False, pack=1)
 
     @gluon.jit
     def cluster_slot(at, VALUES: gl.constexpr):
