@@ -121,9 +121,10 @@ def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | Non
 def loop_instructions(compiled) -> tuple[int, int, collections.Counter]:
     """The main loop of a compiled kernel's SASS (nvdisasm of its cubin): the widest backward branch whose body
     holds wgmma (HGMMA) instructions and no EXIT (ptxas puts cold blocks, such as a barrier wait's retry, past
-    the kernel's exit, with branches back into the loop). Returns ``(instructions, cleared, rest)``: its static instruction count, those
-    in forward branches that skip 8 or more shared-memory stores and no wgmma (a cut tile's clearing, run on few
-    turns), and the opcodes of the rest (the turn every tile takes, masked and unmasked code both)."""
+    the kernel's exit, with branches back into the loop). Returns ``(instructions, cleared, rest)``: its static
+    instruction count, those in forward branches that skip 8 or more shared-memory stores and no wgmma (a cut
+    tile's clearing, run on few turns), and the opcodes of the rest (the turn every tile takes, masked and unmasked
+    code both)."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

@@ -15,6 +15,8 @@ import triton.language as tl
 from flashlite.attention.plan import window_bounds
 from flashlite.core.packed import end_aligned, end_aligned_query_ranges
 
+from .utils import visible_pairs
+
 
 @triton.jit
 def _key_tile_ranges_kernel(out, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
@@ -41,23 +43,6 @@ def key_tile_ranges(seqlen_q, seqlen_k, block_m, block_n, causal, window):
     return out.tolist()
 
 
-def visible(seqlen_q, seqlen_k, causal, window):
-    """[Lq, Lk] bool: query i sees key j (bottom-right causal diagonal; ``window`` (left, right), -1 unbounded)."""
-    i = torch.arange(seqlen_q)[:, None]
-    j = torch.arange(seqlen_k)[None, :]
-    diagonal = i + seqlen_k - seqlen_q
-    seen = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
-    if causal:
-        seen &= j <= diagonal
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            seen &= j >= diagonal - left
-        if right >= 0:
-            seen &= j <= diagonal + right
-    return seen
-
-
 LENGTHS = [1, 15, 16, 17, 40, 64, 100]
 TILES = [(16, 16), (16, 32), (32, 16), (64, 64)]
 MODES = [(False, None), (True, None), (False, (5, 0)), (False, (20, 3)), (False, (-1, 7)), (False, (33, -1))]
@@ -68,7 +53,7 @@ MODES = [(False, None), (True, None), (False, (5, 0)), (False, (20, 3)), (False,
 def test_end_aligned_tiles_cover_every_pair_once(block_m, block_n, causal, window):
     for seqlen_q, seqlen_k in itertools.product(LENGTHS, LENGTHS):
         case = (seqlen_q, seqlen_k)
-        seen = visible(seqlen_q, seqlen_k, causal, window)
+        seen = visible_pairs(seqlen_q, seqlen_k, causal, window)
         shift = seqlen_q - triton.cdiv(seqlen_q, block_m) * block_m
         covered = torch.zeros(seqlen_k, dtype=torch.int32)
         meets_cut_tile = []

@@ -85,6 +85,21 @@ def masked_softmax_ref(x, mask=None, scale=None, causal=False) -> torch.Tensor:
     return torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(hidden, 0.0)
 
 
+def visible_pairs(lq: int, lk: int, causal: bool = False, window_size=None, device=None) -> torch.Tensor:
+    """[Lq, Lk] bool: query i sees key j under ``causal`` (the diagonal aligned bottom-right, ``j <= i + Lk - Lq``)
+    and ``window_size`` ``(left, right)`` (-1 unbounded), as FlashAttention defines them."""
+    keep = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if causal:
+        keep = keep.tril(diagonal=lk - lq)
+    if window_size is not None:
+        left, right = window_size
+        if left >= 0:
+            keep = keep & ~torch.ones_like(keep).tril(diagonal=lk - lq - left - 1)
+        if right >= 0:
+            keep = keep & torch.ones_like(keep).tril(diagonal=lk - lq + right)
+    return keep
+
+
 def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch.float64, return_lse=False,
                   sinks=None, softcap=None, window_size=None, alibi_slopes=None, cache_seqlens=None):
     """Attention computed as softmax(q k^T * scale + mask) v in ``dtype``: float64 for the reference, or the input
@@ -122,15 +137,7 @@ def attention_ref(q, k, v, causal=False, scale=None, attn_mask=None, dtype=torch
         distance = (torch.arange(lq, device=s.device)[:, None] + lk - lq - torch.arange(lk, device=s.device)).abs()
         slopes = alibi_slopes.to(s.dtype).view(-1 if alibi_slopes.dim() == 2 else 1, s.shape[1], 1, 1)
         s = s - slopes * distance.to(s.dtype)
-    keep = torch.ones(lq, lk, dtype=torch.bool, device=s.device)  # on the inputs' device: also a GPU reference
-    if causal:
-        keep = keep.tril(diagonal=lk - lq)
-    if window_size is not None:
-        left, right = window_size
-        if left >= 0:
-            keep = keep & ~torch.ones_like(keep).tril(diagonal=lk - lq - left - 1)
-        if right >= 0:
-            keep = keep & torch.ones_like(keep).tril(diagonal=lk - lq + right)
+    keep = visible_pairs(lq, lk, causal, window_size, s.device)  # on the inputs' device: also a GPU reference
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             keep = keep & attn_mask

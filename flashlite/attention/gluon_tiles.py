@@ -224,7 +224,8 @@ if gluon is not None:
         and 0 · NaN are NaN, so they are cleared before a product reads them. Warps that share a tile may each
         clear it: they write the same bytes. The rows go ``ZERO_ROWS`` at a time, only the chunks that reach
         outside: those wholly outside take zeros, one cut by ``first`` or ``end`` is read, selected and written
-        back (a chunk, not the tile, passes through registers). ``tiles`` may hold several tensors' tiles of the same rows (Q's and dO's)."""
+        back (a chunk, not the tile, passes through registers). ``tiles`` may hold several tensors' tiles of the
+        same rows (Q's and dO's)."""
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])
         ROWS: gl.constexpr = tiles[0].type.shape[0]  # (every tile of the tuple has the same rows)
         for i in gl.static_range(len(tiles)):
