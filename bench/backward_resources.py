@@ -93,17 +93,19 @@ ONE_PASS_CASES = [(d, "one pass", dataclasses.replace(tuning.WGMMA_BACKWARD_CONF
 
 
 def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | None = None, split: bool = False,
-                  packed: bool = False, end_aligned: bool = False, causal: bool = False) -> str:
+                  packed: bool = False, end_aligned: bool = False, causal: bool = False,
+                  seq_descriptors: bool = False) -> str:
     """One row of the Hopper kernels' table (bf16, no variants, non-causal unless ``causal``); ``split``: head dims
     in column parts (``head_dim_v``: v's head dim, by default q's); ``packed``: a packed batch's kernel
-    (``end_aligned``: its dK/dV tiles laid from each sequence's end, ``FLASHLITE_DKDV_END_ALIGNED=1``)."""
+    (``end_aligned``: its dK/dV tiles laid from each sequence's end, ``FLASHLITE_DKDV_END_ALIGNED=1``;
+    ``seq_descriptors``: through descriptors of each sequence made on the device, ``FLASHLITE_PACKED_DESCRIPTORS=1``)."""
     dq = kernel_name == "dQ"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
     if kernel_name == "one pass":
         keys = 2 * config.block_n  # (a program's two key tiles, one a compute warpgroup)
     build = {"dQ": "dq", "dK/dV": "dkdv", "one pass": "one_pass"}[kernel_name]
     compiled = backward_hopper.build_for_sm90(build, config, head_dim, causal, head_dim_v=head_dim_v, split=split,
-                                              packed=packed, end_aligned=end_aligned)
+                                              packed=packed, end_aligned=end_aligned, seq_descriptors=seq_descriptors)
     ptx, regs, spills, waits = sm90_resources(compiled)
     atomics = len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx))
     reductions = len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx))
@@ -112,6 +114,7 @@ def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | Non
     dims = f"{head_dim}/{head_dim_v} in parts" if head_dim_v else head_dim
     dims = f"{dims}, packed" if packed else dims
     dims = f"{dims}, end-aligned" if end_aligned else dims
+    dims = f"{dims}, sequence descriptors" if seq_descriptors else dims
     dims = f"{dims}, causal" if causal else dims
     return (f"| {dims} | {kernel_name} | {rows} x {keys}{split} | "
             f"{compiled.metadata.num_warps} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
@@ -155,12 +158,13 @@ def loop_instructions(compiled) -> tuple[int, int, collections.Counter]:
     return len(loop), len(cleared), rest
 
 
-def loop_report(head_dim: int, causal: bool, packed: bool, end_aligned: bool) -> str:
+def loop_report(head_dim: int, causal: bool, packed: bool, end_aligned: bool, seq_descriptors: bool = False) -> str:
     """One row of the dK/dV kernel's loop table (bf16, no variants, the table's tiles)."""
     compiled = backward_hopper.build_for_sm90("dkdv", tuning.WGMMA_BACKWARD_CONFIGS[head_dim], head_dim, causal,
-                                              packed=packed, end_aligned=end_aligned)
+                                              packed=packed, end_aligned=end_aligned, seq_descriptors=seq_descriptors)
     total, cleared, rest = loop_instructions(compiled)
     batch = "packed, end-aligned" if end_aligned else "packed" if packed else "dense"
+    batch = f"{batch}, sequence descriptors" if seq_descriptors else batch
     return (f"| {head_dim} | {batch} | {'yes' if causal else 'no'} | {total} | {cleared} | {sum(rest.values())} | "
             f"{rest['LDL']} | {rest['STL']} |")
 
@@ -187,6 +191,9 @@ def main() -> None:
         for end_aligned, causal in ((False, True), (True, False), (True, True)):
             print(hopper_report(head_dim, "dK/dV", config, packed=True, end_aligned=end_aligned, causal=causal),
                   flush=True)
+        for causal in (False, True):  # through descriptors of each sequence (FLASHLITE_PACKED_DESCRIPTORS=1)
+            print(hopper_report(head_dim, "dK/dV", config, packed=True, causal=causal, seq_descriptors=True),
+                  flush=True)
     print("\n`triton.language` dK/dV kernel, `backward`\n")
     print("| D | tiles | warps | stages | registers | spill stores (B) | shared (B) | wgmma | wait depths |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -201,6 +208,7 @@ def main() -> None:
         for causal in (False, True):
             for packed, end_aligned in ((False, False), (True, False), (True, True)):
                 print(loop_report(head_dim, causal, packed, end_aligned), flush=True)
+            print(loop_report(head_dim, causal, True, False, seq_descriptors=True), flush=True)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ import triton
 from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
 from ..core.packed import end_aligned, end_aligned_query_ranges
-from ..core.runtime import TmaLaunch, device_info
+from ..core.runtime import TmaLaunch, device_info, use_scratch
 from ..core.tiles import tma_usable
 from ..core.triton_compat import descriptor_template, gluon_source, mangle_type
 from . import tuning
@@ -76,8 +76,8 @@ from . import plan
 from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, boxes_nbytes, copy_boxes, descriptor_parts,
     gluon, gluon_descriptor, issue_kv_load, packed_program, part_descriptors, part_templates, query_program,
-    register_operands, ring_slots, slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier,
-    tile_boxes, tile_bounds, tma_add, wait_kv, zero_accumulators, zero_rows_outside, zero_rows_past,
+    register_operands, ring_slots, sequence_descriptors, slot_boxes, store_boxes, store_rows, sum_of_products,
+    thread_barrier, tile_boxes, tile_bounds, tma_add, wait_kv, zero_accumulators, zero_rows_outside, zero_rows_past,
 )
 from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, packed_schedule
 
@@ -183,7 +183,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
         HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, END_ALIGNED: gl.constexpr,
-        num_warps: gl.constexpr,
+        SEQ_DESCRIPTORS: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         # The column parts of Q/K's head dim (q, k, dk) and of V/dO's (v, do, dv) (``plan.head_dim_parts``): the
@@ -215,6 +215,23 @@ if gluon is not None:
         b_row = batch_coordinate(b, SEQ_BLOCK)
         h_first = h_kv * kv_group
         MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
+        # SEQ_DESCRIPTORS: a packed batch's tiles through descriptors of this sequence's rows alone, made here
+        # (``gluon_tiles.sequence_descriptors``): TMA zero-fills and clips at the sequence's bounds as at a dense
+        # batch's, so its tiles are a dense batch's (CUT_TILES false: no clearing, no pointer stores).
+        CUT_TILES: gl.constexpr = SEQ_BLOCK > 0 and not SEQ_DESCRIPTORS
+        if SEQ_DESCRIPTORS:
+            n_kv_heads = n_heads // kv_group
+            tensors = packed[11]
+            q_descs = sequence_descriptors(q_descs, tensors[0], q_row0, seqlen_q, n_heads)
+            do_descs = sequence_descriptors(do_descs, tensors[3], q_row0, seqlen_q, n_heads)
+            k_descs = sequence_descriptors(k_descs, tensors[1], k_row0, seqlen_k, n_kv_heads)
+            v_descs = sequence_descriptors(v_descs, tensors[2], k_row0, seqlen_k, n_kv_heads)
+            dk_descs = sequence_descriptors(dk_descs, (packed[3], packed[4], packed[5], packed[6]), k_row0, seqlen_k,
+                                            n_kv_heads)
+            dv_descs = sequence_descriptors(dv_descs, (packed[7], packed[8], packed[9], packed[10]), k_row0,
+                                            seqlen_k, n_kv_heads)
+            q_row0 = q_row0 * 0
+            k_row0 = k_row0 * 0
 
         # The query tiles this key tile meets (the same for every head of the group): [full_start, full_end)
         # see all its keys; the rest of [query_start, query_end) are masked. A ragged last key tile is masked
@@ -233,7 +250,7 @@ if gluon is not None:
         else:
             query_start, full_start, full_end, query_end = _key_tile_queries(
                 n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
-            if SEQ_BLOCK > 0:
+            if CUT_TILES:
                 full_end = gl.minimum(full_end, seqlen_q // BLOCK_M * BLOCK_M)
         n_query_tiles = gl.cdiv(query_end - query_start, BLOCK_M) * (n_start < seqlen_k).to(gl.int32)
         n_items = n_query_tiles * kv_group
@@ -284,10 +301,10 @@ if gluon is not None:
             mbarrier.wait(q_bars.index(slot), (it // STAGES) & 1)
             q_tiles = box_views(slot_boxes(q_smem, slot))
             do_tiles = box_views(slot_boxes(do_smem, slot))
-            if END_ALIGNED:  # a query tile cut by its sequence's start: the previous sequence's rows cleared
+            if END_ALIGNED and CUT_TILES:  # a query tile cut by its sequence's start: the previous one's rows cleared
                 if start < 0:
                     zero_rows_outside(q_tiles + do_tiles, -start, BLOCK_M, num_warps)
-            elif SEQ_BLOCK > 0:  # a query tile cut by its sequence's end: the next sequence's rows cleared
+            elif CUT_TILES:  # a query tile cut by its sequence's end: the next sequence's rows cleared
                 if start + BLOCK_M > seqlen_q:
                     zero_rows_past(q_tiles + do_tiles, seqlen_q - start, num_warps)
             # Sᵀ and dPᵀ: one product a column part each, chained on its accumulator.
@@ -342,6 +359,9 @@ if gluon is not None:
         # a compile-time one.)
         if SEQ_BLOCK == 0:
             _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
+        elif SEQ_DESCRIPTORS:
+            if n_start < seqlen_k:  # (a number of the schedule with no tile: its sequence's descriptors may be empty)
+                _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
         elif (n_start >= 0) & (n_start + BLOCK_N <= seqlen_k):
             _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
         else:
@@ -834,15 +854,17 @@ def dq_kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v
 
 
 def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
-                variant_meta: dict | None = None, seq_block: int = 0, end_aligned: bool = False) -> dict:
+                variant_meta: dict | None = None, seq_block: int = 0, end_aligned: bool = False,
+                seq_descriptors: bool = False) -> dict:
     """The dK/dV kernel's launch keywords (constexprs, ``num_warps`` and, if capped, ``maxnreg``) on ``config``'s
     tiles; ``variant_meta``: ``plan.variant_args``' switches (sinks dropped: their gradient is
     ``backward.sink_gradient``'s); ``seq_block``: a packed batch's ``SEQ_BLOCK`` (``plan.packed_schedule``), 0 for
     a dense one; ``end_aligned``: a packed batch's tiles laid from each sequence's end
-    (``plan.dkdv_end_aligned_enabled``)."""
+    (``plan.dkdv_end_aligned_enabled``); ``seq_descriptors``: a packed batch's tiles through descriptors of each
+    sequence made on the device (``plan.packed_descriptors_enabled``)."""
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                 STAGES=config.stages, IS_CAUSAL=causal, SEQ_BLOCK=seq_block,
-                END_ALIGNED=end_aligned and seq_block > 0,
+                END_ALIGNED=end_aligned and seq_block > 0, SEQ_DESCRIPTORS=seq_descriptors and seq_block > 0,
                 num_warps=config.block_n // 16 * config.split, **_variant_switches(variant_meta))
     if config.max_registers:
         meta["maxnreg"] = config.max_registers
@@ -932,11 +954,15 @@ class HopperBackwardLaunch:
             key_numbers, dkdv_meta["SEQ_BLOCK"] = packed_schedule(batch, seqlen_k, config.block_n,
                                                                   dkdv_meta["num_warps"])
             dkdv_meta["END_ALIGNED"] = plan.dkdv_end_aligned_enabled()
+            dkdv_meta["SEQ_DESCRIPTORS"] = plan.packed_descriptors_enabled()
             query_numbers, dq_meta["SEQ_BLOCK"] = packed_schedule(batch, seqlen_q, config.dq_block_m,
                                                                   dq_meta["num_warps"])
             grids = ((key_numbers * k.shape[1],), (query_numbers * n_heads,))
             # (sequences, then each gradient's H and L strides and head dim: the kernels' ``packed`` tuples)
             self.packed_layouts = (batch, *(layout.strides[1:3] + (layout.shape[3],) for layout in self.grads))
+            # (the inputs' H and L strides and head dims, for descriptors made on the device: SEQ_DESCRIPTORS)
+            self.input_layouts = tuple(t.stride()[1:3] + (t.shape[3],) for t in (q, k, v, do))
+            self.seq_descriptors = dkdv_meta["SEQ_DESCRIPTORS"]
         else:
             grids = ((triton.cdiv(seqlen_k, config.block_n) * batch * k.shape[1],),
                      (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,))
@@ -971,6 +997,10 @@ class HopperBackwardLaunch:
         if self.varlen is not None:
             n_seqs, dq_layout, dk_layout, dv_layout = self.packed_layouts
             dkdv_packed = (*seqs, n_seqs, dk, *dk_layout, dv, *dv_layout)
+            if self.seq_descriptors:
+                use_scratch()
+                dkdv_packed = (*dkdv_packed, tuple((t, *layout) for t, layout in zip((q, k, v, do),
+                                                                                   self.input_layouts)))
             dq_packed = (*seqs, n_seqs, dq, *dq_layout)
         if self.one_pass is not None and not torch.are_deterministic_algorithms_enabled():
             workspace = torch.zeros(self.workspace, dtype=torch.float32, device=q.device)
@@ -995,13 +1025,14 @@ def attention_backward_hopper(
 
 def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_dim: int, causal: bool,
                    variant_meta: dict | None = None, head_dim_v: int | None = None, split: bool = False,
-                   dtype: torch.dtype = torch.bfloat16, packed: bool = False,
-                   end_aligned: bool = False) -> "triton.compiler.CompiledKernel":
+                   dtype: torch.dtype = torch.bfloat16, packed: bool = False, end_aligned: bool = False,
+                   seq_descriptors: bool = False) -> "triton.compiler.CompiledKernel":
     """One of the kernels (``kernel_name`` "dkdv", "dq" or "one_pass") built for sm_90 on any machine, no GPU needed,
     with the argument types a launch on Hopper gives (``dtype``, bf16 by default; head dim ``head_dim`` for q and k,
     ``head_dim_v`` (default: the same) for v and dO; ``split``: in column parts as ``FLASHLITE_HEAD_SPLIT=1``
     plans them, else padded; ``packed``: a packed batch's kernel, ``SEQ_BLOCK`` 256, its dK/dV tiles laid from
-    each sequence's end with ``end_aligned``): Triton's compiled kernel,
+    each sequence's end with ``end_aligned``, read through descriptors made on the device with
+    ``seq_descriptors``): Triton's compiled kernel,
     whose ``asm["ptx"]`` the CPU build test and bench/backward_resources.py read."""
     from triton.backends.compiler import GPUTarget
 
@@ -1028,7 +1059,8 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
     elif dq:
         meta = dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block)
     else:
-        meta = kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block, end_aligned)
+        meta = kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block, end_aligned,
+                           seq_descriptors)
     options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
     constants = dict(meta, num_warps=options["num_warps"])  # (the kernels read num_warps as a constexpr)
     constants.update({name: None for name, desc in descs.items() if desc is None})
@@ -1040,6 +1072,8 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
     # HopperBackwardLaunch's ``packed`` tuples
     grad = (mangle_type(q_like), "i32", "i32", "i32")
     packed_types = ("*i32", "*i32", "i32", *grad) + (() if dq else grad)
+    if seq_descriptors and not dq:  # (then the inputs q, k, v, dO, each with its H and L strides and head dim)
+        packed_types = packed_types + ((grad,) * 4,)
     signature = {}
     for name in kernel.arg_names:
         if name in constants:

@@ -209,6 +209,27 @@ if gluon is not None:
                      mask=((row >= 0) & (row < length))[:, None] & (cols < width)[None, :])
 
     @gluon.jit
+    def sequence_descriptors(descs, tensor, row0, length, n_heads):
+        """Descriptors like ``descs`` (one a column part: their boxes and layouts) over one sequence's rows only,
+        made on the device: ``tensor = (pointer, stride_h, stride_l, width)`` is a packed (1, ``n_heads``, total,
+        D) tensor's pointer, head and row strides and true head dim, the sequence's rows those from ``row0``,
+        ``length`` of them (TMA takes no empty dimension: an empty sequence's descriptors describe the tensor's
+        first row, which a caller may load but must not store to). TMA zero-fills a box's rows outside the sequence
+        (before its first row too) and clips its stores there: no tile reads or writes another sequence's rows,
+        with no clearing and no pointer stores. The launch needs global scratch (``core.runtime.use_scratch``).
+        """
+        pointer, stride_h, stride_l, width = tensor
+        live = (length > 0).to(gl.int64)
+        base = pointer + row0.to(gl.int64) * live * stride_l
+        rows = gl.maximum(length, 1)
+        out = ()
+        for i in gl.static_range(len(descs)):
+            out = out + (tma.make_tensor_descriptor(base, [1, n_heads, rows, width],
+                                                    [stride_h.to(gl.int64) * n_heads, stride_h, stride_l, 1],
+                                                    descs[i].block_type.shape, descs[i].layout),)
+        return out
+
+    @gluon.jit
     def zero_rows_past(tiles, valid, NUM_WARPS: gl.constexpr):
         """Zero the rows from ``valid`` on of each [rows, width] shared-memory tile of ``tiles`` (a tuple, one a
         column part): ``zero_rows_outside`` from row 0. A packed batch's tile cut by its sequence's end holds the
