@@ -344,6 +344,17 @@ def test_packed_backward_dispatch(hopper, monkeypatch):
     backward.BackwardLaunch(do, q, k, v, True, 0.1, None, False, varlen=varlen).hopper(
         do, q, k, v, lse, delta, None, (cu, cu))
     assert launched[-2][0].options["END_ALIGNED"] is True
+    # Through descriptors of each sequence, made on the device: both kernels' packed tuples end in the inputs.
+    monkeypatch.setenv("FLASHLITE_DKDV_END_ALIGNED", "0")
+    monkeypatch.setenv("FLASHLITE_PACKED_DESCRIPTORS", "1")
+    backward.BackwardLaunch(do, q, k, v, True, 0.1, None, False, varlen=varlen).hopper(
+        do, q, k, v, lse, delta, None, (cu, cu))
+    (dkdv, dkdv_args), (dq_launch, dq_args) = launched[-2:]
+    assert dkdv.options["SEQ_DESCRIPTORS"] is True and dq_launch.options["SEQ_DESCRIPTORS"] is True
+    for inputs in (dkdv_args[2 * 6 + 3][11], dq_args[2 * 5 + 3][7]):
+        assert len(inputs) == 4 and all(entry[0] is t for entry, t in zip(inputs, (q, k, v, do)))
+        assert [entry[1:] for entry in inputs] == [(t.stride(1), t.stride(2), t.shape[3]) for t in (q, k, v, do)]
+    monkeypatch.delenv("FLASHLITE_PACKED_DESCRIPTORS")
     # A dense call's kernels take none.
     qd, kd, vd = map(on_hopper, hopper_qkv(128, torch.bfloat16, seqlen_q=300, seqlen_k=500, kv_heads=2))
     dod = on_hopper(torch.randn(2, 4, 300, 128, dtype=torch.bfloat16))
@@ -355,15 +366,19 @@ def test_packed_backward_dispatch(hopper, monkeypatch):
 
 
 def _packed_build_report(cases: list) -> dict:
-    """For each (kernel, head_dim, head_dim_v, causal, end_aligned): the packed batch's kernel built for sm_90 (head
-    dims in column parts; dK/dV tiles from each sequence's end with ``end_aligned``): its wait depths, TMA stores,
-    pointer stores (a sequence's cut tile) and atomics."""
+    """For each (kernel, head_dim, head_dim_v, causal, end_aligned[, seq_descriptors]): the packed batch's kernel built
+    for sm_90 (head dims in column parts; dK/dV tiles from each sequence's end with ``end_aligned``; through
+    descriptors made on the device with ``seq_descriptors``): its wait depths, TMA stores, pointer stores (a
+    sequence's cut tile), atomics and global scratch (bytes a program)."""
     report = {}
-    for kernel_name, head_dim, head_dim_v, causal, end_aligned in cases:
+    for kernel_name, head_dim, head_dim_v, causal, end_aligned, *seq_descriptors in cases:
         config = tuning.WGMMA_BACKWARD_CONFIGS[max(plan.head_dim_padded(head_dim), plan.head_dim_padded(head_dim_v))]
-        ptx = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, None, head_dim_v, split=True,
-                                             packed=True, end_aligned=end_aligned).asm["ptx"]
-        report[f"{kernel_name}-{head_dim}-v{head_dim_v}-{causal}-{end_aligned}"] = dict(
+        compiled = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, None, head_dim_v, split=True,
+                                                  packed=True, end_aligned=end_aligned,
+                                                  seq_descriptors=bool(seq_descriptors and seq_descriptors[0]))
+        ptx = compiled.asm["ptx"]
+        report[f"{kernel_name}-{head_dim}-v{head_dim_v}-{causal}-{end_aligned}-{seq_descriptors}"] = dict(
+            scratch=compiled.metadata.global_scratch_size,
             waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
             tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared", ptx)),
             stores=len(re.findall(r"st\.global", ptx)),
@@ -384,3 +399,19 @@ def test_packed_kernels_build_with_products_in_flight():
         grads = len(q_parts) + len(v_parts) if kernel_name == "dkdv" else len(q_parts)
         assert built["tma_stores"] == grads, built
         assert built["stores"] > 0 and built["atomics"] == 0, built
+
+
+def test_packed_kernels_through_sequence_descriptors_build():
+    """Under FLASHLITE_PACKED_DESCRIPTORS=1 the packed batch's backward kernels, built for sm_90 in a fresh process,
+    make one TMA descriptor a column part of each tensor on the device (128 bytes of scratch each) and store every
+    tile by TMA: no pointer stores, products still in flight."""
+    cases = [("dkdv", 64, 64, True, False, True), ("dkdv", 192, 128, False, False, True),
+             ("dq", 128, 128, True, False, True), ("dq", 192, 192, False, False, True)]
+    report = fresh_process_report("tests.test_attention_backward_wgmma", "_packed_build_report", cases)
+    for (kernel_name, head_dim, head_dim_v, *_), built in zip(cases, report.values()):
+        q_parts, v_parts = backward_hopper.column_parts(head_dim), backward_hopper.column_parts(head_dim_v)
+        grads = len(q_parts) + len(v_parts) if kernel_name == "dkdv" else len(q_parts)
+        tensors = 2 * len(q_parts) + 2 * len(v_parts) + grads  # q, k, v, dO and the gradients
+        assert built["scratch"] == 128 * tensors, built
+        assert built["tma_stores"] == grads and built["stores"] == 0 and built["atomics"] == 0, built
+        assert 1 in built["waits"] or 2 in built["waits"], built

@@ -674,7 +674,8 @@ if gluon is not None:
         n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
-        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, num_warps: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, SEQ_DESCRIPTORS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         # One program a (batch, head, query tile), numbered as the forward (a packed batch: as the forward's,
         # ``gluon_tiles.query_program``, ``packed`` ending in dq, its H and L strides and D); Q and dO stay in
@@ -696,6 +697,20 @@ if gluon is not None:
         seqlen_q, seqlen_k = lengths
         b_row = batch_coordinate(b, SEQ_BLOCK)
         h_kv = h // kv_group
+        # SEQ_DESCRIPTORS: as in the dK/dV kernel, this sequence's own descriptors (``packed`` then ends in the
+        # inputs' (pointer, H and L strides, D)): its tiles are a dense batch's (CUT_TILES false).
+        CUT_TILES: gl.constexpr = SEQ_BLOCK > 0 and not SEQ_DESCRIPTORS
+        if SEQ_DESCRIPTORS:
+            n_kv_heads = n_heads // kv_group
+            tensors = packed[7]
+            q_descs = sequence_descriptors(q_descs, tensors[0], q_row0, seqlen_q, n_heads)
+            do_descs = sequence_descriptors(do_descs, tensors[3], q_row0, seqlen_q, n_heads)
+            dq_descs = sequence_descriptors(dq_descs, (packed[3], packed[4], packed[5], packed[6]), q_row0, seqlen_q,
+                                            n_heads)
+            k_descs = sequence_descriptors(k_descs, tensors[1], k_row0, seqlen_k, n_kv_heads)
+            v_descs = sequence_descriptors(v_descs, tensors[2], k_row0, seqlen_k, n_kv_heads)
+            q_row0 = q_row0 * 0
+            k_row0 = k_row0 * 0
         mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
                 window_left, window_right)
         MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
@@ -746,7 +761,7 @@ if gluon is not None:
             # Turn 0's scores and dP alone.
             k_tiles = wait_kv(k_ring, 0)
             v_tiles = wait_kv(v_ring, 0)
-            _clear_cut_tile(k_tiles, v_tiles, 0, n_kv_tiles, seqlen_k - key_start, SEQ_BLOCK, num_warps)
+            _clear_cut_tile(k_tiles, v_tiles, 0, n_kv_tiles, seqlen_k - key_start, CUT_TILES, num_warps)
             s_token = sum_of_products(q_tiles, k_tiles, s_zero)
             dp_token = sum_of_products(do_tiles, v_tiles, s_zero)
             s = warpgroup_mma_wait(len(v_tiles), deps=(s_token,))  # dP's products may still run
@@ -761,7 +776,7 @@ if gluon is not None:
                 dq_tokens = accumulate_products(ds_ops, k_tiles, dqs)
                 k_tiles = wait_kv(k_ring, j)
                 v_tiles = wait_kv(v_ring, j)
-                _clear_cut_tile(k_tiles, v_tiles, j, n_kv_tiles, seqlen_k - key_start, SEQ_BLOCK, num_warps)
+                _clear_cut_tile(k_tiles, v_tiles, j, n_kv_tiles, seqlen_k - key_start, CUT_TILES, num_warps)
                 s_token = sum_of_products(q_tiles, k_tiles, s_zero)
                 dp_token = sum_of_products(do_tiles, v_tiles, s_zero)
                 # dQ_{j-1} and S_j done; dP_j's products may still run.
@@ -792,6 +807,9 @@ if gluon is not None:
         # query tile cut by its sequence's end by pointer (``store_rows``: the next sequence's rows follow).
         if SEQ_BLOCK == 0:
             _store_query_tile(dqs, scale, dq_descs, q_smem, q_start)
+        elif SEQ_DESCRIPTORS:
+            if m_start < seqlen_q:  # (a number of the schedule with no tile: its sequence's descriptors may be empty)
+                _store_query_tile(dqs, scale, dq_descs, q_smem, q_start)
         elif m_start + BLOCK_M <= seqlen_q:
             _store_query_tile(dqs, scale, dq_descs, q_smem, q_start)
         else:
@@ -799,12 +817,12 @@ if gluon is not None:
                        (packed[3], packed[4], packed[5], packed[6]), (h, q_row0))
 
     @gluon.jit
-    def _clear_cut_tile(k_tiles, v_tiles, tile, n_tiles, keys_left, SEQ_BLOCK: gl.constexpr,
+    def _clear_cut_tile(k_tiles, v_tiles, tile, n_tiles, keys_left, CUT_TILES: gl.constexpr,
                         NUM_WARPS: gl.constexpr):
-        """In a packed batch (``SEQ_BLOCK`` > 0), clear the rows past the sequence's end of K/V tile ``tile`` when
+        """In a packed batch whose tiles may hold another sequence's rows (``CUT_TILES``), clear the rows past the sequence's end of K/V tile ``tile`` when
         it is the last of ``n_tiles`` (the only one the end can cut; ``keys_left``: the sequence's keys from the
         first tile's on) before its products read them (``zero_rows_past``)."""
-        if SEQ_BLOCK > 0:
+        if CUT_TILES:
             if tile == n_tiles - 1:
                 zero_rows_past(k_tiles + v_tiles, keys_left - tile * k_tiles[0].shape[0], NUM_WARPS)
 
@@ -846,10 +864,11 @@ def _variant_switches(variant_meta: dict | None) -> dict:
 
 
 def dq_kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
-                   variant_meta: dict | None = None, seq_block: int = 0) -> dict:
+                   variant_meta: dict | None = None, seq_block: int = 0, seq_descriptors: bool = False) -> dict:
     """The launch keywords of the dQ kernel on ``config``'s tiles (as ``kernel_meta``)."""
     return dict(BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-                STAGES=config.dq_stages, IS_CAUSAL=causal, SEQ_BLOCK=seq_block, num_warps=config.dq_block_m // 16,
+                STAGES=config.dq_stages, IS_CAUSAL=causal, SEQ_BLOCK=seq_block,
+                SEQ_DESCRIPTORS=seq_descriptors and seq_block > 0, num_warps=config.dq_block_m // 16,
                 **_variant_switches(variant_meta))
 
 
@@ -954,7 +973,7 @@ class HopperBackwardLaunch:
             key_numbers, dkdv_meta["SEQ_BLOCK"] = packed_schedule(batch, seqlen_k, config.block_n,
                                                                   dkdv_meta["num_warps"])
             dkdv_meta["END_ALIGNED"] = plan.dkdv_end_aligned_enabled()
-            dkdv_meta["SEQ_DESCRIPTORS"] = plan.packed_descriptors_enabled()
+            dkdv_meta["SEQ_DESCRIPTORS"] = dq_meta["SEQ_DESCRIPTORS"] = plan.packed_descriptors_enabled()
             query_numbers, dq_meta["SEQ_BLOCK"] = packed_schedule(batch, seqlen_q, config.dq_block_m,
                                                                   dq_meta["num_warps"])
             grids = ((key_numbers * k.shape[1],), (query_numbers * n_heads,))
@@ -997,11 +1016,11 @@ class HopperBackwardLaunch:
         if self.varlen is not None:
             n_seqs, dq_layout, dk_layout, dv_layout = self.packed_layouts
             dkdv_packed = (*seqs, n_seqs, dk, *dk_layout, dv, *dv_layout)
-            if self.seq_descriptors:
-                use_scratch()
-                dkdv_packed = (*dkdv_packed, tuple((t, *layout) for t, layout in zip((q, k, v, do),
-                                                                                   self.input_layouts)))
             dq_packed = (*seqs, n_seqs, dq, *dq_layout)
+            if self.seq_descriptors:  # (then the inputs, each with its H and L strides and head dim)
+                use_scratch()
+                inputs = tuple((t, *layout) for t, layout in zip((q, k, v, do), self.input_layouts))
+                dkdv_packed, dq_packed = (*dkdv_packed, inputs), (*dq_packed, inputs)
         if self.one_pass is not None and not torch.are_deterministic_algorithms_enabled():
             workspace = torch.zeros(self.workspace, dtype=torch.float32, device=q.device)
             self.one_pass((q, k, v, do, dk, dv, workspace), lse, delta, alibi, *self.sizes, stride_alibi,
@@ -1057,7 +1076,7 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
     if one_pass:
         meta = one_pass_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta)
     elif dq:
-        meta = dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block)
+        meta = dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block, seq_descriptors)
     else:
         meta = kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block, end_aligned,
                            seq_descriptors)
@@ -1072,7 +1091,7 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
     # HopperBackwardLaunch's ``packed`` tuples
     grad = (mangle_type(q_like), "i32", "i32", "i32")
     packed_types = ("*i32", "*i32", "i32", *grad) + (() if dq else grad)
-    if seq_descriptors and not dq:  # (then the inputs q, k, v, dO, each with its H and L strides and head dim)
+    if seq_descriptors:  # (then the inputs q, k, v, dO, each with its H and L strides and head dim)
         packed_types = packed_types + ((grad,) * 4,)
     signature = {}
     for name in kernel.arg_names:
