@@ -98,7 +98,8 @@ def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | Non
     """One row of the Hopper kernels' table (bf16, no variants, non-causal unless ``causal``); ``split``: head dims
     in column parts (``head_dim_v``: v's head dim, by default q's); ``packed``: a packed batch's kernel
     (``end_aligned``: its dK/dV tiles laid from each sequence's end, ``FLASHLITE_DKDV_END_ALIGNED=1``;
-    ``seq_descriptors``: through descriptors of each sequence made on the device, ``FLASHLITE_PACKED_DESCRIPTORS=1``)."""
+    ``seq_descriptors``: through descriptors of each sequence made on the device,
+    ``FLASHLITE_PACKED_DESCRIPTORS=1``)."""
     dq = kernel_name == "dQ"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
     if kernel_name == "one pass":

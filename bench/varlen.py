@@ -120,9 +120,9 @@ def flex_document_call(doc: torch.Tensor, total: int, device):
 def hopper_switch(make, on: bool, end_aligned: bool = False, descriptors: bool = False):
     """``make`` (an inputs factory) that first sets ``FLASHLITE_HOPPER_VARLEN=1`` (``on``: the default, the Hopper
     kernels) or ``=0`` (the ``triton.language`` ones), ``FLASHLITE_DKDV_END_ALIGNED`` to ``end_aligned`` (the
-    Hopper dK/dV kernel's tiles from each sequence's end), ``FLASHLITE_PACKED_DESCRIPTORS`` to ``descriptors`` (its
-    tiles through descriptors of each sequence made on the device), and clears flashlite's planned calls (the switches are
-    read when a call is planned): the provider after it runs on the kernels they choose."""
+    Hopper dK/dV kernel's tiles from each sequence's end), ``FLASHLITE_PACKED_DESCRIPTORS`` to ``descriptors`` (the
+    backward's tiles through descriptors of each sequence made on the device), and clears flashlite's planned calls
+    (the switches are read when a call is planned): the provider after it runs on the kernels they choose."""
     def made():
         os.environ["FLASHLITE_HOPPER_VARLEN"] = "1" if on else "0"
         os.environ["FLASHLITE_DKDV_END_ALIGNED"] = "1" if end_aligned else "0"
@@ -209,7 +209,8 @@ def run_speed(out: str, totals: list[int], command: str) -> None:
     device = torch.device("cuda")
     columns = ["mix", "tokens", "D", "docs", "longest"]
     for part in ("fwd", "fwd_bwd"):
-        columns += [f"{p}_{part}" for p in ("flashlite", "tl", "end_aligned", "seq_descs", "dense", "fa4", "flex", "mask")]
+        columns += [f"{p}_{part}" for p in
+                    ("flashlite", "tl", "end_aligned", "seq_descs", "dense", "fa4", "flex", "mask")]
         columns += [f"x_{p}_{part}" for p in ("dense", "fa4", "flex", "mask")]
         columns += [f"tl_x_{p}_{part}" for p in ("dense", "fa4")]
     meta = dict(environment(), command=command, heads=HEADS, dtype="bfloat16", causal=True,

@@ -819,9 +819,10 @@ if gluon is not None:
     @gluon.jit
     def _clear_cut_tile(k_tiles, v_tiles, tile, n_tiles, keys_left, CUT_TILES: gl.constexpr,
                         NUM_WARPS: gl.constexpr):
-        """In a packed batch whose tiles may hold another sequence's rows (``CUT_TILES``), clear the rows past the sequence's end of K/V tile ``tile`` when
-        it is the last of ``n_tiles`` (the only one the end can cut; ``keys_left``: the sequence's keys from the
-        first tile's on) before its products read them (``zero_rows_past``)."""
+        """In a packed batch whose tiles may hold another sequence's rows (``CUT_TILES``), clear the rows past the
+        sequence's end of K/V tile ``tile`` when it is the last of ``n_tiles`` (the only one the end can cut;
+        ``keys_left``: the sequence's keys from the first tile's on) before its products read them
+        (``zero_rows_past``)."""
         if CUT_TILES:
             if tile == n_tiles - 1:
                 zero_rows_past(k_tiles + v_tiles, keys_left - tile * k_tiles[0].shape[0], NUM_WARPS)
