@@ -108,6 +108,20 @@ if gluon is not None:
         copy_boxes(do_descs, start, bar, slot_boxes(do_slots, slot), pred=exists)
 
     @gluon.jit
+    def _sequence_inputs(descs, tensors, row0s, lengths, n_heads, kv_group):
+        """``descs = (q_descs, k_descs, v_descs, do_descs)`` remade over one sequence's rows alone
+        (``gluon_tiles.sequence_descriptors``): ``tensors``, the packed inputs' ``(pointer, H stride, L stride, D)``
+        in that order; ``row0s`` and ``lengths``, where the sequence's query and key rows start and how many."""
+        q_descs, k_descs, v_descs, do_descs = descs
+        q_row0, k_row0 = row0s
+        seqlen_q, seqlen_k = lengths
+        n_kv_heads = n_heads // kv_group
+        return (sequence_descriptors(q_descs, tensors[0], q_row0, seqlen_q, n_heads),
+                sequence_descriptors(k_descs, tensors[1], k_row0, seqlen_k, n_kv_heads),
+                sequence_descriptors(v_descs, tensors[2], k_row0, seqlen_k, n_kv_heads),
+                sequence_descriptors(do_descs, tensors[3], q_row0, seqlen_q, n_heads))
+
+    @gluon.jit
     def _key_tile_queries(n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           IS_CAUSAL: gl.constexpr, window_left, window_right, HAS_WINDOW: gl.constexpr):
         """``core.masking.query_ranges`` of the key tile from ``n_start``: ``(query_start, full_start, full_end,
@@ -220,16 +234,12 @@ if gluon is not None:
         # batch's, so its tiles are a dense batch's (CUT_TILES false: no clearing, no pointer stores).
         CUT_TILES: gl.constexpr = SEQ_BLOCK > 0 and not SEQ_DESCRIPTORS
         if SEQ_DESCRIPTORS:
-            n_kv_heads = n_heads // kv_group
-            tensors = packed[11]
-            q_descs = sequence_descriptors(q_descs, tensors[0], q_row0, seqlen_q, n_heads)
-            do_descs = sequence_descriptors(do_descs, tensors[3], q_row0, seqlen_q, n_heads)
-            k_descs = sequence_descriptors(k_descs, tensors[1], k_row0, seqlen_k, n_kv_heads)
-            v_descs = sequence_descriptors(v_descs, tensors[2], k_row0, seqlen_k, n_kv_heads)
+            q_descs, k_descs, v_descs, do_descs = _sequence_inputs(
+                (q_descs, k_descs, v_descs, do_descs), packed[11], row0s, lengths, n_heads, kv_group)
             dk_descs = sequence_descriptors(dk_descs, (packed[3], packed[4], packed[5], packed[6]), k_row0, seqlen_k,
-                                            n_kv_heads)
+                                            n_heads // kv_group)
             dv_descs = sequence_descriptors(dv_descs, (packed[7], packed[8], packed[9], packed[10]), k_row0,
-                                            seqlen_k, n_kv_heads)
+                                            seqlen_k, n_heads // kv_group)
             q_row0 = q_row0 * 0
             k_row0 = k_row0 * 0
 
@@ -701,14 +711,10 @@ if gluon is not None:
         # inputs' (pointer, H and L strides, D)): its tiles are a dense batch's (CUT_TILES false).
         CUT_TILES: gl.constexpr = SEQ_BLOCK > 0 and not SEQ_DESCRIPTORS
         if SEQ_DESCRIPTORS:
-            n_kv_heads = n_heads // kv_group
-            tensors = packed[7]
-            q_descs = sequence_descriptors(q_descs, tensors[0], q_row0, seqlen_q, n_heads)
-            do_descs = sequence_descriptors(do_descs, tensors[3], q_row0, seqlen_q, n_heads)
+            q_descs, k_descs, v_descs, do_descs = _sequence_inputs(
+                (q_descs, k_descs, v_descs, do_descs), packed[7], row0s, lengths, n_heads, kv_group)
             dq_descs = sequence_descriptors(dq_descs, (packed[3], packed[4], packed[5], packed[6]), q_row0, seqlen_q,
                                             n_heads)
-            k_descs = sequence_descriptors(k_descs, tensors[1], k_row0, seqlen_k, n_kv_heads)
-            v_descs = sequence_descriptors(v_descs, tensors[2], k_row0, seqlen_k, n_kv_heads)
             q_row0 = q_row0 * 0
             k_row0 = k_row0 * 0
         mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
