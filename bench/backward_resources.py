@@ -4,8 +4,8 @@
 
 The Hopper (Gluon) kernels of ``backward_hopper`` on the table's tiles (and the candidates bench/backward_tune.py
 times), the one pass (``FLASHLITE_BACKWARD_ONE_PASS=1``), head dims in column parts, a packed batch's kernels
-(``FLASHLITE_HOPPER_VARLEN=1``; the dK/dV kernel's also causal and with ``FLASHLITE_DKDV_END_ALIGNED=1``), then
-the ``triton.language`` dK/dV kernel on its candidates.
+(``FLASHLITE_HOPPER_VARLEN=1``; the dK/dV kernel's also causal), then the ``triton.language`` dK/dV kernel on
+its candidates, then the Hopper dK/dV kernel's main loop in SASS, packed and dense.
 
 For each tile config: registers a thread and spill stores (ptxas -v, Triton's own ptxas), shared memory,
 the wgmma instructions in the PTX and the depths of their waits (``wgmma.wait_group N``: 0 means each product
@@ -93,20 +93,16 @@ ONE_PASS_CASES = [(d, "one pass", dataclasses.replace(tuning.WGMMA_BACKWARD_CONF
 
 
 def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | None = None, split: bool = False,
-                  packed: bool = False, end_aligned: bool = False, causal: bool = False,
-                  seq_descriptors: bool = False) -> str:
+                  packed: bool = False, causal: bool = False) -> str:
     """One row of the Hopper kernels' table (bf16, no variants, non-causal unless ``causal``); ``split``: head dims
-    in column parts (``head_dim_v``: v's head dim, by default q's); ``packed``: a packed batch's kernel
-    (``end_aligned``: its dK/dV tiles laid from each sequence's end, ``FLASHLITE_DKDV_END_ALIGNED=1``;
-    ``seq_descriptors``: through descriptors of each sequence made on the device,
-    ``FLASHLITE_PACKED_DESCRIPTORS=1``)."""
+    in column parts (``head_dim_v``: v's head dim, by default q's); ``packed``: a packed batch's kernel."""
     dq = kernel_name == "dQ"
     rows, keys = (config.dq_block_m, config.dq_block_n) if dq else (config.block_m, config.block_n)
     if kernel_name == "one pass":
         keys = 2 * config.block_n  # (a program's two key tiles, one a compute warpgroup)
     build = {"dQ": "dq", "dK/dV": "dkdv", "one pass": "one_pass"}[kernel_name]
     compiled = backward_hopper.build_for_sm90(build, config, head_dim, causal, head_dim_v=head_dim_v, split=split,
-                                              packed=packed, end_aligned=end_aligned, seq_descriptors=seq_descriptors)
+                                              packed=packed)
     ptx, regs, spills, waits = sm90_resources(compiled)
     atomics = len(re.findall(r"\b(?:red|atom)\.global[\w.]*add\.f32", ptx))
     reductions = len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx))
@@ -114,8 +110,6 @@ def hopper_report(head_dim: int, kernel_name: str, config, head_dim_v: int | Non
     stages = config.dq_stages if dq else config.stages
     dims = f"{head_dim}/{head_dim_v} in parts" if head_dim_v else head_dim
     dims = f"{dims}, packed" if packed else dims
-    dims = f"{dims}, end-aligned" if end_aligned else dims
-    dims = f"{dims}, sequence descriptors" if seq_descriptors else dims
     dims = f"{dims}, causal" if causal else dims
     return (f"| {dims} | {kernel_name} | {rows} x {keys}{split} | "
             f"{compiled.metadata.num_warps} | {stages} | {regs} | {spills} | {compiled.metadata.shared} | "
@@ -159,13 +153,12 @@ def loop_instructions(compiled) -> tuple[int, int, collections.Counter]:
     return len(loop), len(cleared), rest
 
 
-def loop_report(head_dim: int, causal: bool, packed: bool, end_aligned: bool, seq_descriptors: bool = False) -> str:
+def loop_report(head_dim: int, causal: bool, packed: bool) -> str:
     """One row of the dK/dV kernel's loop table (bf16, no variants, the table's tiles)."""
     compiled = backward_hopper.build_for_sm90("dkdv", tuning.WGMMA_BACKWARD_CONFIGS[head_dim], head_dim, causal,
-                                              packed=packed, end_aligned=end_aligned, seq_descriptors=seq_descriptors)
+                                              packed=packed)
     total, cleared, rest = loop_instructions(compiled)
-    batch = "packed, end-aligned" if end_aligned else "packed" if packed else "dense"
-    batch = f"{batch}, sequence descriptors" if seq_descriptors else batch
+    batch = "packed" if packed else "dense"
     return (f"| {head_dim} | {batch} | {'yes' if causal else 'no'} | {total} | {cleared} | {sum(rest.values())} | "
             f"{rest['LDL']} | {rest['STL']} |")
 
@@ -187,14 +180,9 @@ def main() -> None:
         print(hopper_report(head_dim, kernel_name, config, packed=True), flush=True)
     print(hopper_report(192, "dK/dV", tuning.WGMMA_BACKWARD_CONFIGS[256], 192, split=True, packed=True), flush=True)
     print(hopper_report(192, "dQ", tuning.WGMMA_BACKWARD_CONFIGS[256], 192, split=True, packed=True), flush=True)
-    for head_dim in (64, 128, 256):  # the dK/dV kernel's tiles from each sequence's start and end, causal and not
-        config = tuning.WGMMA_BACKWARD_CONFIGS[head_dim]
-        for end_aligned, causal in ((False, True), (True, False), (True, True)):
-            print(hopper_report(head_dim, "dK/dV", config, packed=True, end_aligned=end_aligned, causal=causal),
-                  flush=True)
-        for causal in (False, True):  # through descriptors of each sequence (FLASHLITE_PACKED_DESCRIPTORS=1)
-            print(hopper_report(head_dim, "dK/dV", config, packed=True, causal=causal, seq_descriptors=True),
-                  flush=True)
+    for head_dim in (64, 128, 256):  # the packed dK/dV kernel under causal
+        print(hopper_report(head_dim, "dK/dV", tuning.WGMMA_BACKWARD_CONFIGS[head_dim], packed=True, causal=True),
+              flush=True)
     print("\n`triton.language` dK/dV kernel, `backward`\n")
     print("| D | tiles | warps | stages | registers | spill stores (B) | shared (B) | wgmma | wait depths |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -207,9 +195,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for head_dim in (64, 128):
         for causal in (False, True):
-            for packed, end_aligned in ((False, False), (True, False), (True, True)):
-                print(loop_report(head_dim, causal, packed, end_aligned), flush=True)
-            print(loop_report(head_dim, causal, True, False, seq_descriptors=True), flush=True)
+            for packed in (False, True):
+                print(loop_report(head_dim, causal, packed), flush=True)
 
 
 if __name__ == "__main__":

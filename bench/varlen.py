@@ -12,10 +12,6 @@ q, k, v (``fwd_bwd``), ``triton.testing.do_bench`` medians. TFLOP/s count the vi
 
 Providers: ``flashlite`` (varlen, the default kernels: the Hopper ones on Hopper); ``tl``: the same call on the
 ``triton.language`` kernels (``FLASHLITE_HOPPER_VARLEN=0``, set and the routes cleared before its rows);
-``end_aligned``: the Hopper kernels with the dK/dV kernel's tiles laid from each sequence's end
-(``FLASHLITE_DKDV_END_ALIGNED=1``, likewise; also in ``--part kernels``); ``seq_descs``: the Hopper kernels with
-the dK/dV kernel's tiles through descriptors of each sequence made on the device
-(``FLASHLITE_PACKED_DESCRIPTORS=1``, likewise; also in ``--part kernels``);
 ``dense``: flashlite's ``flash_attention`` on a uniform (B, H, L_eq, D) batch of the same visible work
 (L_eq = Σ Lᵢ² / T, B = T / L_eq), the kernel a user gets there; ``mask``: the route a packed batch had before
 ``flash_attention_varlen``, ``flash_attention`` with the block-diagonal (T, T) boolean mask (T <= 16K); ``fa4``:
@@ -117,16 +113,12 @@ def flex_document_call(doc: torch.Tensor, total: int, device):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
-def hopper_switch(make, on: bool, end_aligned: bool = False, descriptors: bool = False):
+def hopper_switch(make, on: bool):
     """``make`` (an inputs factory) that first sets ``FLASHLITE_HOPPER_VARLEN=1`` (``on``: the default, the Hopper
-    kernels) or ``=0`` (the ``triton.language`` ones), ``FLASHLITE_DKDV_END_ALIGNED`` to ``end_aligned`` (the
-    Hopper dK/dV kernel's tiles from each sequence's end), ``FLASHLITE_PACKED_DESCRIPTORS`` to ``descriptors`` (the
-    backward's tiles through descriptors of each sequence made on the device), and clears flashlite's planned calls
-    (the switches are read when a call is planned): the provider after it runs on the kernels they choose."""
+    kernels) or ``=0`` (the ``triton.language`` ones) and clears flashlite's planned calls (the switch is read when
+    a call is planned): the provider after it runs on the kernels it chooses."""
     def made():
         os.environ["FLASHLITE_HOPPER_VARLEN"] = "1" if on else "0"
-        os.environ["FLASHLITE_DKDV_END_ALIGNED"] = "1" if end_aligned else "0"
-        os.environ["FLASHLITE_PACKED_DESCRIPTORS"] = "1" if descriptors else "0"
         flashlite.attention.api.clear_routes()
         return make()
     return made
@@ -150,8 +142,7 @@ def providers(lengths: list[int], head_dim: int, device) -> dict:
         return flashlite.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
 
     out = {"flashlite": (hopper_switch(packed, True), varlen_call),  # the default: the Hopper kernels on Hopper
-           "tl": (hopper_switch(packed, False), varlen_call),
-           "end_aligned": (hopper_switch(packed, True, end_aligned=True), varlen_call)}
+           "tl": (hopper_switch(packed, False), varlen_call)}
     l_eq = max(16, round(sum(n * n for n in lengths) / total))
     out["dense"] = (bhld(max(1, total // l_eq), l_eq), lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True))
     fa4 = fa4_varlen()
@@ -169,8 +160,6 @@ def providers(lengths: list[int], head_dim: int, device) -> dict:
         block_diagonal = (doc[:, None] == doc[None, :]).view(1, 1, total, total)
         out["mask"] = (bhld(1, total), lambda q, k, v: flashlite.flash_attention(q, k, v, causal=True,
                                                                                  attn_mask=block_diagonal))
-    # (last: a provider under trial, so that the others' rows are in when it fails)
-    out["seq_descs"] = (hopper_switch(packed, True, descriptors=True), varlen_call)
     return out
 
 
@@ -210,8 +199,7 @@ def run_speed(out: str, totals: list[int], command: str) -> None:
     device = torch.device("cuda")
     columns = ["mix", "tokens", "D", "docs", "longest"]
     for part in ("fwd", "fwd_bwd"):
-        columns += [f"{p}_{part}" for p in
-                    ("flashlite", "tl", "end_aligned", "seq_descs", "dense", "fa4", "flex", "mask")]
+        columns += [f"{p}_{part}" for p in ("flashlite", "tl", "dense", "fa4", "flex", "mask")]
         columns += [f"x_{p}_{part}" for p in ("dense", "fa4", "flex", "mask")]
         columns += [f"tl_x_{p}_{part}" for p in ("dense", "fa4")]
     meta = dict(environment(), command=command, heads=HEADS, dtype="bfloat16", causal=True,
@@ -323,7 +311,7 @@ def run_kernels(out: str, totals: list[int], command: str, calls: int = 10) -> N
             for mix in MIXES:
                 lengths = document_lengths(mix, total)
                 for name, (make, call) in providers(lengths, head_dim, device).items():
-                    if name not in ("flashlite", "end_aligned", "seq_descs", "dense", "fa4"):
+                    if name not in ("flashlite", "dense", "fa4"):
                         continue
                     leaves = [t.requires_grad_() for t in make()]
                     do = torch.randn_like(call(*leaves))

@@ -331,7 +331,6 @@ def test_packed_backward_dispatch(hopper, monkeypatch):
     assert dkdv.grid == ((total // config.block_n + n_seqs) * 2,)
     assert dq_launch.grid == ((total // config.dq_block_m + n_seqs) * 4,)
     assert dkdv.options["SEQ_BLOCK"] >= 32 * dkdv.options["num_warps"]
-    assert dkdv.options["END_ALIGNED"] is False  # tiles from each sequence's start unless asked
     assert dq_launch.options["SEQ_BLOCK"] >= 32 * dq_launch.options["num_warps"]
     dkdv_packed = dkdv_args[2 * 6 + 3]  # after the descriptors and lse, delta, alibi
     assert dkdv_packed[:3] == (cu, cu, n_seqs)
@@ -340,21 +339,6 @@ def test_packed_backward_dispatch(hopper, monkeypatch):
     dq_packed = dq_args[2 * 5 + 3]
     assert dq_packed[:4] == (cu, cu, n_seqs, dq) and dq_packed[4:] == (dq.stride(1), dq.stride(2), 192)
     assert dkdv_args[2 * 6 + 6:2 * 6 + 8] == (total, total)  # the totals, where the sequences' rows lie
-    monkeypatch.setenv("FLASHLITE_DKDV_END_ALIGNED", "1")
-    backward.BackwardLaunch(do, q, k, v, True, 0.1, None, False, varlen=varlen).hopper(
-        do, q, k, v, lse, delta, None, (cu, cu))
-    assert launched[-2][0].options["END_ALIGNED"] is True
-    # Through descriptors of each sequence, made on the device: both kernels' packed tuples end in the inputs.
-    monkeypatch.setenv("FLASHLITE_DKDV_END_ALIGNED", "0")
-    monkeypatch.setenv("FLASHLITE_PACKED_DESCRIPTORS", "1")
-    backward.BackwardLaunch(do, q, k, v, True, 0.1, None, False, varlen=varlen).hopper(
-        do, q, k, v, lse, delta, None, (cu, cu))
-    (dkdv, dkdv_args), (dq_launch, dq_args) = launched[-2:]
-    assert dkdv.options["SEQ_DESCRIPTORS"] is True and dq_launch.options["SEQ_DESCRIPTORS"] is True
-    for inputs in (dkdv_args[2 * 6 + 3][11], dq_args[2 * 5 + 3][7]):
-        assert len(inputs) == 4 and all(entry[0] is t for entry, t in zip(inputs, (q, k, v, do)))
-        assert [entry[1:] for entry in inputs] == [(t.stride(1), t.stride(2), t.shape[3]) for t in (q, k, v, do)]
-    monkeypatch.delenv("FLASHLITE_PACKED_DESCRIPTORS")
     # A dense call's kernels take none.
     qd, kd, vd = map(on_hopper, hopper_qkv(128, torch.bfloat16, seqlen_q=300, seqlen_k=500, kv_heads=2))
     dod = on_hopper(torch.randn(2, 4, 300, 128, dtype=torch.bfloat16))
@@ -366,19 +350,14 @@ def test_packed_backward_dispatch(hopper, monkeypatch):
 
 
 def _packed_build_report(cases: list) -> dict:
-    """For each (kernel, head_dim, head_dim_v, causal, end_aligned[, seq_descriptors]): the packed batch's kernel built
-    for sm_90 (head dims in column parts; dK/dV tiles from each sequence's end with ``end_aligned``; through
-    descriptors made on the device with ``seq_descriptors``): its wait depths, TMA stores, pointer stores (a
-    sequence's cut tile), atomics and global scratch (bytes a program)."""
+    """For each (kernel, head_dim, head_dim_v, causal): the packed batch's kernel built for sm_90 (head dims in
+    column parts): its wait depths, TMA stores, pointer stores (a sequence's cut tile) and atomics."""
     report = {}
-    for kernel_name, head_dim, head_dim_v, causal, end_aligned, *seq_descriptors in cases:
+    for kernel_name, head_dim, head_dim_v, causal in cases:
         config = tuning.WGMMA_BACKWARD_CONFIGS[max(plan.head_dim_padded(head_dim), plan.head_dim_padded(head_dim_v))]
-        compiled = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, None, head_dim_v, split=True,
-                                                  packed=True, end_aligned=end_aligned,
-                                                  seq_descriptors=bool(seq_descriptors and seq_descriptors[0]))
-        ptx = compiled.asm["ptx"]
-        report[f"{kernel_name}-{head_dim}-v{head_dim_v}-{causal}-{end_aligned}-{seq_descriptors}"] = dict(
-            scratch=compiled.metadata.global_scratch_size,
+        ptx = backward_hopper.build_for_sm90(kernel_name, config, head_dim, causal, None, head_dim_v, split=True,
+                                             packed=True).asm["ptx"]
+        report[f"{kernel_name}-{head_dim}-v{head_dim_v}-{causal}"] = dict(
             waits=sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}),
             tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared", ptx)),
             stores=len(re.findall(r"st\.global", ptx)),
@@ -389,29 +368,12 @@ def _packed_build_report(cases: list) -> dict:
 def test_packed_kernels_build_with_products_in_flight():
     """The packed batch's two backward kernels built for sm_90 in a fresh process: products in flight as in the dense
     kernels, full tiles stored by TMA (one store a column part of each gradient), cut ones by pointer, no atomics."""
-    cases = [("dkdv", 128, 128, True, False), ("dkdv", 64, 64, False, False), ("dkdv", 192, 128, True, False),
-             ("dkdv", 64, 64, True, True), ("dkdv", 192, 128, False, True),
-             ("dq", 128, 128, True, False), ("dq", 64, 64, False, False), ("dq", 192, 192, True, False)]
+    cases = [("dkdv", 128, 128, True), ("dkdv", 64, 64, False), ("dkdv", 192, 128, True),
+             ("dq", 128, 128, True), ("dq", 64, 64, False), ("dq", 192, 192, True)]
     report = fresh_process_report("tests.test_attention_backward_wgmma", "_packed_build_report", cases)
-    for (kernel_name, head_dim, head_dim_v, causal, _), built in zip(cases, report.values()):
+    for (kernel_name, head_dim, head_dim_v, causal), built in zip(cases, report.values()):
         q_parts, v_parts = backward_hopper.column_parts(head_dim), backward_hopper.column_parts(head_dim_v)
         assert 1 in built["waits"] or 2 in built["waits"], built
         grads = len(q_parts) + len(v_parts) if kernel_name == "dkdv" else len(q_parts)
         assert built["tma_stores"] == grads, built
         assert built["stores"] > 0 and built["atomics"] == 0, built
-
-
-def test_packed_kernels_through_sequence_descriptors_build():
-    """Under FLASHLITE_PACKED_DESCRIPTORS=1 the packed batch's backward kernels, built for sm_90 in a fresh process,
-    make one TMA descriptor a column part of each tensor on the device (128 bytes of scratch each) and store every
-    tile by TMA: no pointer stores, products still in flight."""
-    cases = [("dkdv", 64, 64, True, False, True), ("dkdv", 192, 128, False, False, True),
-             ("dq", 128, 128, True, False, True), ("dq", 192, 192, False, False, True)]
-    report = fresh_process_report("tests.test_attention_backward_wgmma", "_packed_build_report", cases)
-    for (kernel_name, head_dim, head_dim_v, *_), built in zip(cases, report.values()):
-        q_parts, v_parts = backward_hopper.column_parts(head_dim), backward_hopper.column_parts(head_dim_v)
-        grads = len(q_parts) + len(v_parts) if kernel_name == "dkdv" else len(q_parts)
-        tensors = 2 * len(q_parts) + 2 * len(v_parts) + grads  # q, k, v, dO and the gradients
-        assert built["scratch"] == 128 * tensors, built
-        assert built["tma_stores"] == grads and built["stores"] == 0 and built["atomics"] == 0, built
-        assert 1 in built["waits"] or 2 in built["waits"], built

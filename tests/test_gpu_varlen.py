@@ -2,9 +2,7 @@
 and head dims of its ``test_flash_attn_varlen_output``), MHA/GQA/MQA, causal and not, fp16/bf16 (and fp32 on a
 few), output, LSE and gradients against float64 per sequence, on poisoned memory; each case on both kernel
 families of a packed batch (``packed_kernels``: the Hopper forward and backward, the default on Hopper, and the
-``triton.language`` ones that ``FLASHLITE_HOPPER_VARLEN=0`` switches to), and on the Hopper ones with the dK/dV
-kernel's tiles laid from each sequence's end (``FLASHLITE_DKDV_END_ALIGNED=1``) or read through descriptors of
-each sequence made on the device (``FLASHLITE_PACKED_DESCRIPTORS=1``)."""
+``triton.language`` ones that ``FLASHLITE_HOPPER_VARLEN=0`` switches to)."""
 
 import pytest
 import torch
@@ -29,18 +27,14 @@ def random_lengths(batch: int, longest: int, generator: torch.Generator) -> list
     return lengths
 
 
-@pytest.fixture(params=["tl", "hopper", "hopper_end_aligned", "hopper_seq_descriptors"])
+@pytest.fixture(params=["tl", "hopper"])
 def packed_kernels(request, monkeypatch):
     """The kernels of a packed batch: the ``triton.language`` forward and backward (``FLASHLITE_HOPPER_VARLEN=0``),
     or the Hopper ones (``=1``, the default, where the call is one they take: fp16/bf16, head dims 33-256 forward and
-    16-256 backward (TMA-aligned), on Hopper), their dK/dV kernel's tiles from each sequence's start or
-    (``_end_aligned``, ``FLASHLITE_DKDV_END_ALIGNED=1``) from its end, or through descriptors of each sequence
-    (``_seq_descriptors``, ``FLASHLITE_PACKED_DESCRIPTORS=1``)."""
+    16-256 backward (TMA-aligned), on Hopper)."""
     from flashlite.attention import api
 
-    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "0" if request.param == "tl" else "1")
-    monkeypatch.setenv("FLASHLITE_DKDV_END_ALIGNED", "1" if request.param == "hopper_end_aligned" else "0")
-    monkeypatch.setenv("FLASHLITE_PACKED_DESCRIPTORS", "1" if request.param == "hopper_seq_descriptors" else "0")
+    monkeypatch.setenv("FLASHLITE_HOPPER_VARLEN", "1" if request.param == "hopper" else "0")
     api.clear_routes()
     yield request.param
     api.clear_routes()

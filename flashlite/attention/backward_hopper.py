@@ -66,8 +66,7 @@ import triton
 
 from ..core.masking import apply_masks, key_ranges, modify_scores, query_ranges
 from ..core.online_softmax import BASE2_UNITS, LOG2E, safe_max
-from ..core.packed import end_aligned, end_aligned_query_ranges
-from ..core.runtime import TmaLaunch, device_info, use_scratch
+from ..core.runtime import TmaLaunch, device_info
 from ..core.tiles import tma_usable
 from ..core.triton_compat import descriptor_template, gluon_source, mangle_type
 from . import tuning
@@ -76,8 +75,8 @@ from . import plan
 from .gluon_tiles import (
     WGMMA_CAPABILITY, accumulate_products, batch_coordinate, box_views, boxes_nbytes, copy_boxes, descriptor_parts,
     gluon, gluon_descriptor, issue_kv_load, packed_program, part_descriptors, part_templates, query_program,
-    register_operands, ring_slots, sequence_descriptors, slot_boxes, store_boxes, store_rows, sum_of_products,
-    thread_barrier, tile_boxes, tile_bounds, tma_add, wait_kv, zero_accumulators, zero_rows_outside, zero_rows_past,
+    register_operands, ring_slots, slot_boxes, store_boxes, store_rows, sum_of_products, thread_barrier,
+    tile_boxes, tile_bounds, tma_add, wait_kv, zero_accumulators, zero_rows_past,
 )
 from .plan import NO_VARIANTS, OutputLayout, head_dim_padded, head_dim_parts, packed_schedule
 
@@ -108,20 +107,6 @@ if gluon is not None:
         copy_boxes(do_descs, start, bar, slot_boxes(do_slots, slot), pred=exists)
 
     @gluon.jit
-    def _sequence_inputs(descs, tensors, row0s, lengths, n_heads, kv_group):
-        """``descs = (q_descs, k_descs, v_descs, do_descs)`` remade over one sequence's rows alone
-        (``gluon_tiles.sequence_descriptors``): ``tensors``, the packed inputs' ``(pointer, H stride, L stride, D)``
-        in that order; ``row0s`` and ``lengths``, where the sequence's query and key rows start and how many."""
-        q_descs, k_descs, v_descs, do_descs = descs
-        q_row0, k_row0 = row0s
-        seqlen_q, seqlen_k = lengths
-        n_kv_heads = n_heads // kv_group
-        return (sequence_descriptors(q_descs, tensors[0], q_row0, seqlen_q, n_heads),
-                sequence_descriptors(k_descs, tensors[1], k_row0, seqlen_k, n_kv_heads),
-                sequence_descriptors(v_descs, tensors[2], k_row0, seqlen_k, n_kv_heads),
-                sequence_descriptors(do_descs, tensors[3], q_row0, seqlen_q, n_heads))
-
-    @gluon.jit
     def _key_tile_queries(n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           IS_CAUSAL: gl.constexpr, window_left, window_right, HAS_WINDOW: gl.constexpr):
         """``core.masking.query_ranges`` of the key tile from ``n_start``: ``(query_start, full_start, full_end,
@@ -140,10 +125,10 @@ if gluon is not None:
         """The rows' final states (``(LSE · log2 e)``, ``safe_max`` for empty rows) and δ of the queries
         ``stat_rows`` (a value a thread, loaded while the products run), spread to the columns of Sᵀ
         (``QUERY_COLS``) through shared memory: loaded there directly, each thread would hold a pointer for each of
-        its 16 columns. Rows outside ``[0, seqlen_q)`` (TMA's zero fill, or cleared rows of another sequence) get
-        δ = 0 and a state of +inf, so that their P is exactly 0 whatever the masks leave of their scores: with a
-        state of 0, a negative ALiBi slope could raise an unmasked P past fp32's range, and inf · 0 is NaN."""
-        in_q = (stat_rows >= 0) & (stat_rows < seqlen_q)
+        its 16 columns. Rows past ``seqlen_q`` (TMA's zero fill, or cleared rows of the next sequence) get δ = 0
+        and a state of +inf, so that their P is exactly 0 whatever the masks leave of their scores: with a state
+        of 0, a negative ALiBi slope could raise an unmasked P past fp32's range, and inf · 0 is NaN."""
+        in_q = stat_rows < seqlen_q
         row_m = safe_max(gl.load(lse_ptr + stats_row + stat_rows, mask=in_q, other=0.0) * LOG2E)
         row_m = gl.where(in_q, row_m, float("inf"))
         row_m = gl.convert_layout(row_m, QUERY_COLS)
@@ -196,8 +181,7 @@ if gluon is not None:
         n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
-        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, END_ALIGNED: gl.constexpr,
-        SEQ_DESCRIPTORS: gl.constexpr, num_warps: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         # The column parts of Q/K's head dim (q, k, dk) and of V/dO's (v, do, dv) (``plan.head_dim_parts``): the
@@ -229,39 +213,14 @@ if gluon is not None:
         b_row = batch_coordinate(b, SEQ_BLOCK)
         h_first = h_kv * kv_group
         MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
-        # SEQ_DESCRIPTORS: a packed batch's tiles through descriptors of this sequence's rows alone, made here
-        # (``gluon_tiles.sequence_descriptors``): TMA zero-fills and clips at the sequence's bounds as at a dense
-        # batch's, so its tiles are a dense batch's (CUT_TILES false: no clearing, no pointer stores).
-        CUT_TILES: gl.constexpr = SEQ_BLOCK > 0 and not SEQ_DESCRIPTORS
-        if SEQ_DESCRIPTORS:
-            q_descs, k_descs, v_descs, do_descs = _sequence_inputs(
-                (q_descs, k_descs, v_descs, do_descs), packed[11], row0s, lengths, n_heads, kv_group)
-            dk_descs = sequence_descriptors(dk_descs, (packed[3], packed[4], packed[5], packed[6]), k_row0, seqlen_k,
-                                            n_heads // kv_group)
-            dv_descs = sequence_descriptors(dv_descs, (packed[7], packed[8], packed[9], packed[10]), k_row0,
-                                            seqlen_k, n_heads // kv_group)
-            q_row0 = q_row0 * 0
-            k_row0 = k_row0 * 0
 
         # The query tiles this key tile meets (the same for every head of the group): [full_start, full_end)
         # see all its keys; the rest of [query_start, query_end) are masked. A ragged last key tile is masked
-        # whole: its rows past Lk are zeros, whose unmasked P could overflow. A packed batch's tiles from each
-        # sequence's start: the next sequence's rows follow a ragged last query tile, masked too; under
-        # END_ALIGNED its key and query tiles end at the sequence's end instead (``core.packed.end_aligned``):
-        # the first tiles are the cut ones, and under causal only the diagonal's key tiles meet the first query
-        # tile, where every key tile meets the cut last one of tiles from the start. A cut first key tile is not
-        # masked: its other sequence's key rows give any values, and stay in their own rows of dK and dV (every
-        # product here sums over queries) which are never stored. (So END_ALIGNED does not carry over as it
-        # stands to a kernel that sums over keys, as dQ = dS K does: those rows would need clearing first.)
-        if END_ALIGNED:
-            n_start = end_aligned(n_start, seqlen_k, BLOCK_N)
-            query_start, full_start, full_end, query_end = end_aligned_query_ranges(
-                n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
-        else:
-            query_start, full_start, full_end, query_end = _key_tile_queries(
-                n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
-            if CUT_TILES:
-                full_end = gl.minimum(full_end, seqlen_q // BLOCK_M * BLOCK_M)
+        # whole: its rows past Lk are zeros, whose unmasked P could overflow.
+        query_start, full_start, full_end, query_end = _key_tile_queries(
+            n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, window_left, window_right, HAS_WINDOW)
+        if SEQ_BLOCK > 0:  # a packed batch: the next sequence's rows follow a ragged last query tile: masked too
+            full_end = gl.minimum(full_end, seqlen_q // BLOCK_M * BLOCK_M)
         n_query_tiles = gl.cdiv(query_end - query_start, BLOCK_M) * (n_start < seqlen_k).to(gl.int32)
         n_items = n_query_tiles * kv_group
 
@@ -311,10 +270,7 @@ if gluon is not None:
             mbarrier.wait(q_bars.index(slot), (it // STAGES) & 1)
             q_tiles = box_views(slot_boxes(q_smem, slot))
             do_tiles = box_views(slot_boxes(do_smem, slot))
-            if END_ALIGNED and CUT_TILES:  # a query tile cut by its sequence's start: the previous one's rows cleared
-                if start < 0:
-                    zero_rows_outside(q_tiles + do_tiles, -start, BLOCK_M, num_warps)
-            elif CUT_TILES:  # a query tile cut by its sequence's end: the next sequence's rows cleared
+            if SEQ_BLOCK > 0:  # a query tile cut by its sequence's end: the next sequence's rows cleared
                 if start + BLOCK_M > seqlen_q:
                     zero_rows_past(q_tiles + do_tiles, seqlen_q - start, num_warps)
             # Sᵀ and dPᵀ: one product a column part each, chained on its accumulator.
@@ -364,15 +320,11 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(q_bars.index(i))
         # dK and dV leave through the K and V buffers (no product reads them any more), part by part; in a packed
-        # batch, a key tile cut by its sequence's end (or start, END_ALIGNED) by pointer (``store_rows``: another
-        # sequence's rows lie beside it). (Twin TMA branches as in forward_hopper._write_output: the dense test is
-        # a compile-time one.)
+        # batch, a key tile cut by its sequence's end by pointer (``store_rows``: the next sequence's rows follow).
+        # (Twin TMA branches as in forward_hopper._write_output: the dense test is a compile-time one.)
         if SEQ_BLOCK == 0:
             _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
-        elif SEQ_DESCRIPTORS:
-            if n_start < seqlen_k:  # (a number of the schedule with no tile: its sequence's descriptors may be empty)
-                _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
-        elif (n_start >= 0) & (n_start + BLOCK_N <= seqlen_k):
+        elif n_start + BLOCK_N <= seqlen_k:
             _store_key_tile(dks, dvs, scale, (dk_descs, dv_descs), (k_smem, v_smem), kv_start)
         else:
             dk_out, dv_out = (packed[3], packed[4], packed[5], packed[6]), (packed[7], packed[8], packed[9], packed[10])
@@ -684,15 +636,14 @@ if gluon is not None:
         n_heads, kv_group, seqlen_q, seqlen_k, stride_alibi_b, qk_scale, scale, softcap, window_left, window_right,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FAST_TANH: gl.constexpr,
-        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, SEQ_DESCRIPTORS: gl.constexpr,
-        num_warps: gl.constexpr,
+        HAS_ALIBI: gl.constexpr, HAS_WINDOW: gl.constexpr, SEQ_BLOCK: gl.constexpr, num_warps: gl.constexpr,
     ):
         # One program a (batch, head, query tile), numbered as the forward (a packed batch: as the forward's,
         # ``gluon_tiles.query_program``, ``packed`` ending in dq, its H and L strides and D); Q and dO stay in
         # shared memory, the K/V tiles stream through STAGES buffers. Turn j issues dQ += dS_j K_j, then
-        # S_{j+1} = Q K_{j+1}ᵀ and dP_{j+1} = dO V_{j+1}ᵀ, and works out dS_{j+1} while the last of them runs. Head dims come in column
-        # parts as in the dK/dV kernel (``*_desc_b``: the second part's descriptors, or None): S and dP sum one
-        # product a part, dQ is one accumulator a part of Q's head dim.
+        # S_{j+1} = Q K_{j+1}ᵀ and dP_{j+1} = dO V_{j+1}ᵀ, and works out dS_{j+1} while the last of them runs.
+        # Head dims come in column parts as in the dK/dV kernel (``*_desc_b``: the second part's descriptors, or
+        # None): S and dP sum one product a part, dQ is one accumulator a part of Q's head dim.
         dtype: gl.constexpr = q_desc.dtype
         q_descs = descriptor_parts(q_desc, q_desc_b)
         k_descs = descriptor_parts(k_desc, k_desc_b)
@@ -707,16 +658,6 @@ if gluon is not None:
         seqlen_q, seqlen_k = lengths
         b_row = batch_coordinate(b, SEQ_BLOCK)
         h_kv = h // kv_group
-        # SEQ_DESCRIPTORS: as in the dK/dV kernel, this sequence's own descriptors (``packed`` then ends in the
-        # inputs' (pointer, H and L strides, D)): its tiles are a dense batch's (CUT_TILES false).
-        CUT_TILES: gl.constexpr = SEQ_BLOCK > 0 and not SEQ_DESCRIPTORS
-        if SEQ_DESCRIPTORS:
-            q_descs, k_descs, v_descs, do_descs = _sequence_inputs(
-                (q_descs, k_descs, v_descs, do_descs), packed[7], row0s, lengths, n_heads, kv_group)
-            dq_descs = sequence_descriptors(dq_descs, (packed[3], packed[4], packed[5], packed[6]), q_row0, seqlen_q,
-                                            n_heads)
-            q_row0 = q_row0 * 0
-            k_row0 = k_row0 * 0
         mods = (softcap, alibi_slope(alibi_ptr, stride_alibi_b, b.to(gl.int64), h, BASE2_UNITS, HAS_ALIBI),
                 window_left, window_right)
         MODS: gl.constexpr = (HAS_SOFTCAP, FAST_TANH, HAS_ALIBI, HAS_WINDOW)
@@ -767,7 +708,7 @@ if gluon is not None:
             # Turn 0's scores and dP alone.
             k_tiles = wait_kv(k_ring, 0)
             v_tiles = wait_kv(v_ring, 0)
-            _clear_cut_tile(k_tiles, v_tiles, 0, n_kv_tiles, seqlen_k - key_start, CUT_TILES, num_warps)
+            _clear_cut_tile(k_tiles, v_tiles, 0, n_kv_tiles, seqlen_k - key_start, SEQ_BLOCK, num_warps)
             s_token = sum_of_products(q_tiles, k_tiles, s_zero)
             dp_token = sum_of_products(do_tiles, v_tiles, s_zero)
             s = warpgroup_mma_wait(len(v_tiles), deps=(s_token,))  # dP's products may still run
@@ -782,7 +723,7 @@ if gluon is not None:
                 dq_tokens = accumulate_products(ds_ops, k_tiles, dqs)
                 k_tiles = wait_kv(k_ring, j)
                 v_tiles = wait_kv(v_ring, j)
-                _clear_cut_tile(k_tiles, v_tiles, j, n_kv_tiles, seqlen_k - key_start, CUT_TILES, num_warps)
+                _clear_cut_tile(k_tiles, v_tiles, j, n_kv_tiles, seqlen_k - key_start, SEQ_BLOCK, num_warps)
                 s_token = sum_of_products(q_tiles, k_tiles, s_zero)
                 dp_token = sum_of_products(do_tiles, v_tiles, s_zero)
                 # dQ_{j-1} and S_j done; dP_j's products may still run.
@@ -813,9 +754,6 @@ if gluon is not None:
         # query tile cut by its sequence's end by pointer (``store_rows``: the next sequence's rows follow).
         if SEQ_BLOCK == 0:
             _store_query_tile(dqs, scale, dq_descs, q_smem, q_start)
-        elif SEQ_DESCRIPTORS:
-            if m_start < seqlen_q:  # (a number of the schedule with no tile: its sequence's descriptors may be empty)
-                _store_query_tile(dqs, scale, dq_descs, q_smem, q_start)
         elif m_start + BLOCK_M <= seqlen_q:
             _store_query_tile(dqs, scale, dq_descs, q_smem, q_start)
         else:
@@ -823,13 +761,12 @@ if gluon is not None:
                        (packed[3], packed[4], packed[5], packed[6]), (h, q_row0))
 
     @gluon.jit
-    def _clear_cut_tile(k_tiles, v_tiles, tile, n_tiles, keys_left, CUT_TILES: gl.constexpr,
+    def _clear_cut_tile(k_tiles, v_tiles, tile, n_tiles, keys_left, SEQ_BLOCK: gl.constexpr,
                         NUM_WARPS: gl.constexpr):
-        """In a packed batch whose tiles may hold another sequence's rows (``CUT_TILES``), clear the rows past the
-        sequence's end of K/V tile ``tile`` when it is the last of ``n_tiles`` (the only one the end can cut;
-        ``keys_left``: the sequence's keys from the first tile's on) before its products read them
-        (``zero_rows_past``)."""
-        if CUT_TILES:
+        """In a packed batch (``SEQ_BLOCK`` > 0), clear the rows past the sequence's end of K/V tile ``tile`` when
+        it is the last of ``n_tiles`` (the only one the end can cut; ``keys_left``: the sequence's keys from the
+        first tile's on) before its products read them (``zero_rows_past``)."""
+        if SEQ_BLOCK > 0:
             if tile == n_tiles - 1:
                 zero_rows_past(k_tiles + v_tiles, keys_left - tile * k_tiles[0].shape[0], NUM_WARPS)
 
@@ -871,26 +808,21 @@ def _variant_switches(variant_meta: dict | None) -> dict:
 
 
 def dq_kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
-                   variant_meta: dict | None = None, seq_block: int = 0, seq_descriptors: bool = False) -> dict:
+                   variant_meta: dict | None = None, seq_block: int = 0) -> dict:
     """The launch keywords of the dQ kernel on ``config``'s tiles (as ``kernel_meta``)."""
     return dict(BLOCK_M=config.dq_block_m, BLOCK_N=config.dq_block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-                STAGES=config.dq_stages, IS_CAUSAL=causal, SEQ_BLOCK=seq_block,
-                SEQ_DESCRIPTORS=seq_descriptors and seq_block > 0, num_warps=config.dq_block_m // 16,
+                STAGES=config.dq_stages, IS_CAUSAL=causal, SEQ_BLOCK=seq_block, num_warps=config.dq_block_m // 16,
                 **_variant_switches(variant_meta))
 
 
 def kernel_meta(config: tuning.WgmmaBackwardConfig, head_dim: int, head_dim_v: int, causal: bool,
-                variant_meta: dict | None = None, seq_block: int = 0, end_aligned: bool = False,
-                seq_descriptors: bool = False) -> dict:
+                variant_meta: dict | None = None, seq_block: int = 0) -> dict:
     """The dK/dV kernel's launch keywords (constexprs, ``num_warps`` and, if capped, ``maxnreg``) on ``config``'s
     tiles; ``variant_meta``: ``plan.variant_args``' switches (sinks dropped: their gradient is
     ``backward.sink_gradient``'s); ``seq_block``: a packed batch's ``SEQ_BLOCK`` (``plan.packed_schedule``), 0 for
-    a dense one; ``end_aligned``: a packed batch's tiles laid from each sequence's end
-    (``plan.dkdv_end_aligned_enabled``); ``seq_descriptors``: a packed batch's tiles through descriptors of each
-    sequence made on the device (``plan.packed_descriptors_enabled``)."""
+    a dense one."""
     meta = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
                 STAGES=config.stages, IS_CAUSAL=causal, SEQ_BLOCK=seq_block,
-                END_ALIGNED=end_aligned and seq_block > 0, SEQ_DESCRIPTORS=seq_descriptors and seq_block > 0,
                 num_warps=config.block_n // 16 * config.split, **_variant_switches(variant_meta))
     if config.max_registers:
         meta["maxnreg"] = config.max_registers
@@ -979,16 +911,11 @@ class HopperBackwardLaunch:
             batch = varlen[0]
             key_numbers, dkdv_meta["SEQ_BLOCK"] = packed_schedule(batch, seqlen_k, config.block_n,
                                                                   dkdv_meta["num_warps"])
-            dkdv_meta["END_ALIGNED"] = plan.dkdv_end_aligned_enabled()
-            dkdv_meta["SEQ_DESCRIPTORS"] = dq_meta["SEQ_DESCRIPTORS"] = plan.packed_descriptors_enabled()
             query_numbers, dq_meta["SEQ_BLOCK"] = packed_schedule(batch, seqlen_q, config.dq_block_m,
                                                                   dq_meta["num_warps"])
             grids = ((key_numbers * k.shape[1],), (query_numbers * n_heads,))
             # (sequences, then each gradient's H and L strides and head dim: the kernels' ``packed`` tuples)
             self.packed_layouts = (batch, *(layout.strides[1:3] + (layout.shape[3],) for layout in self.grads))
-            # (the inputs' H and L strides and head dims, for descriptors made on the device: SEQ_DESCRIPTORS)
-            self.input_layouts = tuple(t.stride()[1:3] + (t.shape[3],) for t in (q, k, v, do))
-            self.seq_descriptors = dkdv_meta["SEQ_DESCRIPTORS"]
         else:
             grids = ((triton.cdiv(seqlen_k, config.block_n) * batch * k.shape[1],),
                      (triton.cdiv(seqlen_q, config.dq_block_m) * batch * n_heads,))
@@ -1024,10 +951,6 @@ class HopperBackwardLaunch:
             n_seqs, dq_layout, dk_layout, dv_layout = self.packed_layouts
             dkdv_packed = (*seqs, n_seqs, dk, *dk_layout, dv, *dv_layout)
             dq_packed = (*seqs, n_seqs, dq, *dq_layout)
-            if self.seq_descriptors:  # (then the inputs, each with its H and L strides and head dim)
-                use_scratch()
-                inputs = tuple((t, *layout) for t, layout in zip((q, k, v, do), self.input_layouts))
-                dkdv_packed, dq_packed = (*dkdv_packed, inputs), (*dq_packed, inputs)
         if self.one_pass is not None and not torch.are_deterministic_algorithms_enabled():
             workspace = torch.zeros(self.workspace, dtype=torch.float32, device=q.device)
             self.one_pass((q, k, v, do, dk, dv, workspace), lse, delta, alibi, *self.sizes, stride_alibi,
@@ -1051,14 +974,11 @@ def attention_backward_hopper(
 
 def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_dim: int, causal: bool,
                    variant_meta: dict | None = None, head_dim_v: int | None = None, split: bool = False,
-                   dtype: torch.dtype = torch.bfloat16, packed: bool = False, end_aligned: bool = False,
-                   seq_descriptors: bool = False) -> "triton.compiler.CompiledKernel":
+                   dtype: torch.dtype = torch.bfloat16, packed: bool = False) -> "triton.compiler.CompiledKernel":
     """One of the kernels (``kernel_name`` "dkdv", "dq" or "one_pass") built for sm_90 on any machine, no GPU needed,
     with the argument types a launch on Hopper gives (``dtype``, bf16 by default; head dim ``head_dim`` for q and k,
     ``head_dim_v`` (default: the same) for v and dO; ``split``: in column parts as ``FLASHLITE_HEAD_SPLIT=1``
-    plans them, else padded; ``packed``: a packed batch's kernel, ``SEQ_BLOCK`` 256, its dK/dV tiles laid from
-    each sequence's end with ``end_aligned``, read through descriptors made on the device with
-    ``seq_descriptors``): Triton's compiled kernel,
+    plans them, else padded; ``packed``: a packed batch's kernel, ``SEQ_BLOCK`` 256): Triton's compiled kernel,
     whose ``asm["ptx"]`` the CPU build test and bench/backward_resources.py read."""
     from triton.backends.compiler import GPUTarget
 
@@ -1083,10 +1003,9 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
     if one_pass:
         meta = one_pass_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta)
     elif dq:
-        meta = dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block, seq_descriptors)
+        meta = dq_kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block)
     else:
-        meta = kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block, end_aligned,
-                           seq_descriptors)
+        meta = kernel_meta(config, sum(q_parts), sum(v_parts), causal, variant_meta, seq_block)
     options = {name: meta.pop(name) for name in ("num_warps", "maxnreg") if name in meta}
     constants = dict(meta, num_warps=options["num_warps"])  # (the kernels read num_warps as a constexpr)
     constants.update({name: None for name, desc in descs.items() if desc is None})
@@ -1098,8 +1017,6 @@ def build_for_sm90(kernel_name: str, config: tuning.WgmmaBackwardConfig, head_di
     # HopperBackwardLaunch's ``packed`` tuples
     grad = (mangle_type(q_like), "i32", "i32", "i32")
     packed_types = ("*i32", "*i32", "i32", *grad) + (() if dq else grad)
-    if seq_descriptors:  # (then the inputs q, k, v, dO, each with its H and L strides and head dim)
-        packed_types = packed_types + ((grad,) * 4,)
     signature = {}
     for name in kernel.arg_names:
         if name in constants:

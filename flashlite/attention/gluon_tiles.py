@@ -49,7 +49,7 @@ tma_add = gluon_tma_add()
 WGMMA_CAPABILITY = (9, 0)
 # Descriptors the kernels take of each tensor: one a column part (``plan.head_dim_parts``: at most two).
 MAX_COLUMN_PARTS = 2
-# Rows ``zero_rows_outside`` clears at a time (a swizzle pattern's rows: 8, at most 128-byte rows, divide it).
+# Rows ``zero_rows_past`` clears at a time (a swizzle pattern's rows: 8, at most 128-byte rows, divide it).
 ZERO_ROWS = tl.constexpr(16)
 
 
@@ -195,9 +195,9 @@ if gluon is not None:
         """Store each column part of a tile (``outs``, registers in the output's dtype; the parts' columns as
         ``descs`` split them) by pointer: row ``i`` of the tile to row ``rows[0][i]`` of head ``start[0]``'s
         sequence whose first row is ``start[1]``, in ``out = (pointer, stride_h, stride_l, width)`` (the packed
-        output, its head and row strides, the true head dim), those with ``0 <= rows[0] < rows[1]`` only (``rows =
-        (idx, length)``). A packed batch's tile cut by its sequence's start or end goes out so: a TMA box would
-        write another sequence's rows."""
+        output, its head and row strides, the true head dim), those with ``rows[0] < rows[1]`` only (``rows =
+        (idx, length)``). A packed batch's tile cut by its sequence's end goes out so: a TMA box would write the
+        next sequence's rows."""
         idx, length = rows
         pointer, stride_h, stride_l, width = out
         head, row0 = start
@@ -206,58 +206,30 @@ if gluon is not None:
             row = gl.convert_layout(idx, gl.SliceLayout(1, outs[i].type.layout)).to(gl.int64)
             cols = part_start(descs, i) + gl.arange(0, outs[i].shape[1], layout=gl.SliceLayout(0, outs[i].type.layout))
             gl.store(base + row[:, None] * stride_l + cols[None, :], outs[i],
-                     mask=((row >= 0) & (row < length))[:, None] & (cols < width)[None, :])
-
-    @gluon.jit
-    def sequence_descriptors(descs, tensor, row0, length, n_heads):
-        """Descriptors like ``descs`` (one a column part: their boxes and layouts) over one sequence's rows only,
-        made on the device: ``tensor = (pointer, stride_h, stride_l, width)`` is a packed (1, ``n_heads``, total,
-        D) tensor's pointer, head and row strides and true head dim, the sequence's rows those from ``row0``,
-        ``length`` of them (TMA takes no empty dimension: an empty sequence's descriptors describe the tensor's
-        first row, which a caller may load but must not store to). TMA zero-fills a box's rows outside the sequence
-        (before its first row too) and clips its stores there: no tile reads or writes another sequence's rows,
-        with no clearing and no pointer stores. The launch needs global scratch (``core.runtime.use_scratch``).
-        """
-        pointer, stride_h, stride_l, width = tensor
-        live = (length > 0).to(gl.int64)
-        base = pointer + row0.to(gl.int64) * live * stride_l
-        rows = gl.maximum(length, 1)
-        out = ()
-        for i in gl.static_range(len(descs)):
-            out = out + (tma.make_tensor_descriptor(base, [1, n_heads, rows, width],
-                                                    [stride_h.to(gl.int64) * n_heads, stride_h, stride_l, 1],
-                                                    descs[i].block_type.shape, descs[i].layout),)
-        return out
+                     mask=(row < length)[:, None] & (cols < width)[None, :])
 
     @gluon.jit
     def zero_rows_past(tiles, valid, NUM_WARPS: gl.constexpr):
         """Zero the rows from ``valid`` on of each [rows, width] shared-memory tile of ``tiles`` (a tuple, one a
-        column part): ``zero_rows_outside`` from row 0. A packed batch's tile cut by its sequence's end holds the
-        next sequence's rows (or rows past the last one's, which nothing writes)."""
-        zero_rows_outside(tiles, 0, valid, NUM_WARPS)
-
-    @gluon.jit
-    def zero_rows_outside(tiles, first, end, NUM_WARPS: gl.constexpr):
-        """Zero the rows outside ``[first, end)`` of each [rows, width] shared-memory tile of ``tiles`` (a tuple,
-        one a column part), then make the writes visible to the tensor cores' reads and wait for the
-        ``NUM_WARPS`` warps that write them. A packed batch's tile cut by its sequence's start or end holds another
-        sequence's rows: their weights (P, dS) are exactly 0, set so by the masks or by their states, but 0 · inf
-        and 0 · NaN are NaN, so they are cleared before a product reads them. Warps that share a tile may each
-        clear it: they write the same bytes. The rows go ``ZERO_ROWS`` at a time, only the chunks that reach
-        outside: those wholly outside take zeros, one cut by ``first`` or ``end`` is read, selected and written
-        back (a chunk, not the tile, passes through registers). ``tiles`` may hold several tensors' tiles of the
-        same rows (Q's and dO's)."""
+        column part), then make the writes visible to the tensor cores' reads and wait for the ``NUM_WARPS`` warps
+        that write them. A packed batch's tile cut by its sequence's end holds the next sequence's rows (or rows
+        past the last one's, which nothing writes): their weights (P, dS) are exactly 0, set so by the masks or by
+        their states, but 0 · inf and 0 · NaN are NaN, so they are cleared before a product reads them. Warps that
+        share a tile may each clear it: they write the same bytes. The rows go ``ZERO_ROWS`` at a time, only the
+        chunks that reach ``valid``: those past it take zeros, the one it cuts is read, selected and written back (a
+        chunk, not the tile, passes through registers). ``tiles`` may hold several tensors' tiles of the same rows
+        (Q's and dO's)."""
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NUM_WARPS, 1], [1, 0])
         ROWS: gl.constexpr = tiles[0].type.shape[0]  # (every tile of the tuple has the same rows)
         for i in gl.static_range(len(tiles)):
-            for chunk_first in gl.static_range(0, ROWS, ZERO_ROWS):
-                chunk = tiles[i].slice(chunk_first, ZERO_ROWS)
-                if (chunk_first + ZERO_ROWS <= first) | (chunk_first >= end):
+            for first in gl.static_range(0, ROWS, ZERO_ROWS):
+                chunk = tiles[i].slice(first, ZERO_ROWS)
+                if first >= valid:
                     chunk.store(gl.full([ZERO_ROWS, chunk.type.shape[1]], 0.0, chunk.dtype, layout=layout))
-                elif (chunk_first < first) | (chunk_first + ZERO_ROWS > end):
+                elif first + ZERO_ROWS > valid:
                     t = chunk.load(layout)
-                    rows = chunk_first + gl.arange(0, ZERO_ROWS, layout=gl.SliceLayout(1, layout))
-                    chunk.store(gl.where(((rows >= first) & (rows < end))[:, None], t, gl.zeros_like(t)))
+                    rows = first + gl.arange(0, ZERO_ROWS, layout=gl.SliceLayout(1, layout))
+                    chunk.store(gl.where(rows[:, None] < valid, t, gl.zeros_like(t)))
         fence_async_shared()
         thread_barrier()
 

@@ -237,25 +237,6 @@ def hopper_varlen_enabled() -> bool:
     return os.environ.get("FLASHLITE_HOPPER_VARLEN", "1") != "0"
 
 
-def dkdv_end_aligned_enabled() -> bool:
-    """True when ``FLASHLITE_DKDV_END_ALIGNED=1``: the Hopper dK/dV kernel lays a packed batch's key and query tiles
-    from each sequence's end (``core.packed.end_aligned``), so that under causal only the diagonal's key tiles meet
-    the one query tile a sequence's length cuts (tiles from the start have every key tile meet it, masked and
-    cleared: bench/results/h200/TUNING.md#varlen). Off by default: built for sm_90 and its tile ranges checked on
-    the CPU (tests/test_packed_tiles.py), not yet run on a GPU. Read when a call is planned (``api.clear_routes`` after
-    changing it)."""
-    return os.environ.get("FLASHLITE_DKDV_END_ALIGNED", "0") == "1"
-
-
-def packed_descriptors_enabled() -> bool:
-    """True when ``FLASHLITE_PACKED_DESCRIPTORS=1``: the Hopper dK/dV kernel reads and writes a packed batch's tiles
-    through TMA descriptors of each sequence's rows, made on the device (``gluon_tiles.sequence_descriptors``),
-    instead of descriptors of the whole batch whose cut tiles are cleared and stored by pointer. Off by default
-    (an experiment: bench/results/h200/TUNING.md#varlen). Read when a call is planned (``api.clear_routes`` after
-    changing it)."""
-    return os.environ.get("FLASHLITE_PACKED_DESCRIPTORS", "0") == "1"
-
-
 def column_parts(head_dim: int) -> tuple[int, ...]:
     """The column parts the Hopper kernels load a head dim in: ``head_dim_parts``' while ``head_split_enabled``
     (unless ``FLASHLITE_HEAD_SPLIT=0``), else one part, the padded head dim."""

@@ -7,17 +7,12 @@ flattened schedule of every sequence's tiles (``tile_sequence``: no program spen
 end, beyond one a sequence); ``sequence_bounds`` turns a sequence number into its first rows and lengths, read
 from the device (no host synchronisation), and into where its rows' statistics (LSE, δ) lie. Example:
 ``cu_seqlens_q = [0, 3, 3, 8]`` packs lengths 3, 0 and 5; sequence 2's queries are rows 3..7.
-
-A kernel may also lay a sequence's tiles from its end (``end_aligned``, ``end_aligned_query_ranges``): then the
-first tile, not the last, is the one its length cuts, and it holds the previous sequence's last rows.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from .masking import query_ranges
 
 
 @triton.jit
@@ -70,33 +65,6 @@ def tile_sequence(number, cu_seqlens, n_seqs, seq, ROWS: tl.constexpr):
     b = tl.maximum(count - 1, 0)
     start = (number - (tl.load(cu_seqlens + b) // ROWS + b)) * ROWS
     return b, start
-
-
-@triton.jit
-def end_aligned(start, length, ROWS: tl.constexpr):
-    """The start of a tile of ``ROWS`` rows numbered ``start`` from its sequence's start (a multiple of ROWS) when
-    the sequence's tiles end at its end instead: ``start - (-length mod ROWS)``, in ``(start - ROWS, start]``.
-    Example: 100 rows in tiles of 64 run from -28 and 36 (from 0 and 64 numbered from the start)."""
-    return start + length - tl.cdiv(length, ROWS) * ROWS
-
-
-@triton.jit
-def end_aligned_query_ranges(k_first, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             IS_CAUSAL: tl.constexpr, window_left, window_right, HAS_WINDOW: tl.constexpr):
-    """``core.masking.query_ranges`` of the key tile from ``k_first`` (an ``end_aligned`` start) over query tiles
-    of ``BLOCK_M`` that end at the sequence's end: the same four bounds, the three starts each ``end_aligned(0,
-    seqlen_q, BLOCK_M)`` plus a multiple of BLOCK_M. The first query tile, when the length cuts it, is never in
-    ``[full_start, full_end)``: its rows before 0 belong to the previous sequence and need the masks (and
-    clearing). Under causal only the key tiles on the diagonal meet it, where tiles from the start have every key
-    tile meet a cut last one."""
-    shift = end_aligned(0, seqlen_q, BLOCK_M)
-    query_start, full_start, full_end, query_end = query_ranges(
-        k_first - shift, k_first - shift + BLOCK_N - 1, seqlen_q - shift, seqlen_k - shift, BLOCK_M, IS_CAUSAL,
-        window_left=window_left, window_right=window_right, HAS_WINDOW=HAS_WINDOW)
-    first_whole = tl.where(shift < 0, BLOCK_M, 0)
-    full_start = tl.maximum(full_start, first_whole)
-    full_end = tl.maximum(full_end, full_start)
-    return query_start + shift, full_start + shift, full_end + shift, query_end + shift
 
 
 @triton.jit

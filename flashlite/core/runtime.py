@@ -315,20 +315,6 @@ def compiled_launcher(kernel, grid: tuple, args: tuple, **options):
     return lambda new_args: run_compiled(compiled, device, grid, (*new_args, *trailing))
 
 
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    # (CUDA's allocations are 256-byte aligned, more than any kernel's scratch asks: 128 for a TMA descriptor)
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def use_scratch() -> None:
-    """Give Triton an allocator of global scratch memory (PyTorch's caching allocator, on the current stream's
-    device; CUDA-graph capturable) if none is set: a kernel that makes TMA descriptors on the device writes them
-    there. Triton keeps the allocator per context (a ``ContextVar``), and autograd runs the backward in threads
-    of its own, so a launch calls this in its own thread, before it launches; a user's allocator is kept."""
-    if isinstance(triton.runtime._allocation._allocator.get(), triton.runtime._allocation.NullAllocator):
-        triton.set_allocator(_scratch)
-
-
 def bind_descriptors(templates: tuple, tensors: tuple) -> list:
     """Host TMA descriptor templates (``triton_compat.descriptor_template``'s; None stays None) bound to a call's
     tensors: template ``j`` to ``tensors[j % len(tensors)]`` (a kernel's descriptors of every tensor's first
