@@ -41,7 +41,8 @@ microseconds per call, 200 calls back to back, on both kernel families, against 
 (``paged_host_row``); ``--profile`` adds each packed call's cProfile table (``varlen_host_profile.txt``).
 
     python bench/varlen.py [--out DIR] [--part speed host paged paged-tune] [--totals 16384 65536] [--profile]
-        # -> DIR/varlen.{json,md}, DIR/varlen_host.{json,md}, DIR/paged_decode{,_tune}.{json,md}
+        # -> DIR/varlen.{json,md}, DIR/varlen_host.{json,md}, DIR/paged_decode{,_tune}.{json,md}, DIR/varlen.png
+    python bench/varlen.py --part plot [--out DIR]   # varlen.png again from the JSON files (no GPU)
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from call_path import loop_us  # noqa: E402
-from common import environment, gbs, results_dir, tflops, try_time_ms, write_results  # noqa: E402
+from common import environment, gbs, plot_lines, results_dir, tflops, try_time_ms, write_results  # noqa: E402
 
 import flashlite  # noqa: E402
 
@@ -557,11 +558,49 @@ def sass_summary(path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_results(out: str) -> None:
+    """``varlen.png`` from the ``varlen.json`` and ``paged_decode.json`` in ``out`` (those present): packed TFLOP/s
+    against the batch's tokens, a panel for each head dim and pass (flashlite, its dense call on the same work and
+    FlashAttention-4, each mix), and paged decoding's GB/s against the cache's length, a panel for each batch
+    (each page size, the contiguous cache, FlashAttention-4's paged call on pages of 64)."""
+    import json
+
+    def load(name):
+        path = os.path.join(out, f"{name}.json")
+        return json.load(open(path))["rows"] if os.path.exists(path) else []
+
+    panels = []
+    rows = load("varlen")
+    peers = {"flashlite": "flashlite", "dense": "dense call", "fa4": "FA4"}
+    for head_dim in sorted({r["D"] for r in rows}):
+        for part, label in (("fwd", "forward"), ("fwd_bwd", "forward + backward")):
+            mine = [r for r in rows if r["D"] == head_dim]
+            tokens = sorted({r["tokens"] for r in mine})
+            series = {}
+            for mix in MIXES:
+                at = {r["tokens"]: r for r in mine if r["mix"] == mix}
+                for key, name in peers.items():
+                    series[f"{name}, {mix}"] = [at[t].get(f"{key}_{part}") if t in at else None for t in tokens]
+            panels.append((f"packed, causal, D = {head_dim}: {label}", tokens, series, "TFLOP/s (visible pairs)"))
+    rows = load("paged_decode")
+    for batch in sorted({r["B"] for r in rows}):
+        mine = [r for r in rows if r["B"] == batch]
+        lengths = sorted({r["Lk"] for r in mine})
+        at = {(r["Lk"], r["page"]): r for r in mine}
+        series = {"contiguous": [next(r["contiguous_gbs"] for r in mine if r["Lk"] == n) for n in lengths]}
+        for page in sorted({r["page"] for r in mine}):
+            series[f"pages of {page}"] = [at[n, page]["paged_gbs"] if (n, page) in at else None for n in lengths]
+        series["FA4, pages of 64"] = [at[n, 64].get("fa4_paged_gbs") if (n, 64) in at else None for n in lengths]
+        panels.append((f"paged decoding, B = {batch}, H = 32, H_kv = 8, D = 128", lengths, series, "GB/s of K/V"))
+    if panels:
+        plot_lines(os.path.join(out, "varlen.png"), panels)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output folder (default bench/results/<gpu>)")
     parser.add_argument("--part", nargs="+", default=["speed", "host", "paged"],
-                        choices=["speed", "host", "paged", "paged-tune", "tune", "kernels", "launches", "sass"])
+                        choices=["speed", "host", "paged", "paged-tune", "tune", "kernels", "launches", "sass", "plot"])
     parser.add_argument("--totals", nargs="+", type=int, default=[16384, 65536])
     parser.add_argument("--profile", action="store_true", help="--part host: also cProfile each provider's calls")
     parser.add_argument("--ncu-csv", help="--part sass: the ncu source-page CSV to summarise (no GPU needed)")
@@ -589,6 +628,8 @@ def main(argv=None) -> None:
         run_tune(out, args.totals, command)
     if "kernels" in args.part:
         run_kernels(out, args.totals, command)
+    if {"speed", "paged", "plot"} & set(args.part):
+        plot_results(out)
 
 
 if __name__ == "__main__":
