@@ -42,7 +42,7 @@ microseconds per call, 200 calls back to back, on both kernel families, against 
 
     python bench/varlen.py [--out DIR] [--part speed host paged paged-tune] [--totals 16384 65536] [--profile]
         # -> DIR/varlen.{json,md}, DIR/varlen_host.{json,md}, DIR/paged_decode{,_tune}.{json,md}, DIR/varlen.png
-    python bench/varlen.py --part plot [--out DIR]   # varlen.png again from the JSON files (no GPU)
+    python bench/varlen.py --part plot --out DIR     # varlen.png again from DIR's JSON files (no GPU)
 """
 
 from __future__ import annotations
@@ -581,7 +581,8 @@ def plot_results(out: str) -> None:
                 at = {r["tokens"]: r for r in mine if r["mix"] == mix}
                 for key, name in peers.items():
                     series[f"{name}, {mix}"] = [at[t].get(f"{key}_{part}") if t in at else None for t in tokens]
-            panels.append((f"packed, causal, D = {head_dim}: {label}", tokens, series, "TFLOP/s (visible pairs)"))
+            panels.append((f"packed, causal, D = {head_dim}: {label}, against the batch's tokens", tokens, series,
+                           "TFLOP/s (visible pairs)"))
     rows = load("paged_decode")
     for batch in sorted({r["B"] for r in rows}):
         mine = [r for r in rows if r["B"] == batch]
@@ -591,7 +592,8 @@ def plot_results(out: str) -> None:
         for page in sorted({r["page"] for r in mine}):
             series[f"pages of {page}"] = [at[n, page]["paged_gbs"] if (n, page) in at else None for n in lengths]
         series["FA4, pages of 64"] = [at[n, 64].get("fa4_paged_gbs") if (n, 64) in at else None for n in lengths]
-        panels.append((f"paged decoding, B = {batch}, H = 32, H_kv = 8, D = 128", lengths, series, "GB/s of K/V"))
+        panels.append((f"paged decoding, B = {batch}, H = 32, H_kv = 8, D = 128, against the cache's keys", lengths,
+                       series, "GB/s of K/V"))
     if panels:
         plot_lines(os.path.join(out, "varlen.png"), panels)
 
@@ -611,6 +613,8 @@ def main(argv=None) -> None:
     if "launches" in args.part:
         run_launches()
         return
+    if args.part == ["plot"] and not args.out:
+        parser.error("--part plot needs --out, the folder whose JSON files it draws")
     out = results_dir(args.out)
     given = list(sys.argv[1:] if argv is None else argv)
     if "--out" in given:  # where the files went is not part of how they were made
