@@ -573,12 +573,12 @@ def plot_results(out: str) -> None:
     rows = load("varlen")
     peers = {"flashlite": "flashlite", "dense": "dense call", "fa4": "FA4"}
     for head_dim in sorted({r["D"] for r in rows}):
+        mine = [r for r in rows if r["D"] == head_dim]
+        tokens = sorted({r["tokens"] for r in mine})
+        by_mix = {mix: {r["tokens"]: r for r in mine if r["mix"] == mix} for mix in MIXES}
         for part, label in (("fwd", "forward"), ("fwd_bwd", "forward + backward")):
-            mine = [r for r in rows if r["D"] == head_dim]
-            tokens = sorted({r["tokens"] for r in mine})
             series = {}
-            for mix in MIXES:
-                at = {r["tokens"]: r for r in mine if r["mix"] == mix}
+            for mix, at in by_mix.items():
                 for key, name in peers.items():
                     series[f"{name}, {mix}"] = [at[t].get(f"{key}_{part}") if t in at else None for t in tokens]
             panels.append((f"packed, causal, D = {head_dim}: {label}, against the batch's tokens", tokens, series,
